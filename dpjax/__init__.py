@@ -1,0 +1,1 @@
+"""dpjax: differentially private training of language models in JAX/Flax."""
