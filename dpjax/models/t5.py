@@ -1,0 +1,574 @@
+"""T5 encoder-decoder Transformer (v1.0 and v1.1) in Flax linen.
+
+The math follows the original Mesh-TensorFlow T5 (and so the Hugging Face
+port) exactly:
+
+* no 1/sqrt(d_kv) scaling of attention logits (it is folded into the query
+  initializer instead);
+* RMS layer norm (no mean subtraction, no bias, eps 1e-6) before every
+  sub-block, plus a final norm on each stack;
+* relative position biases, computed once per stack (owned by the stack, used
+  by every self-attention layer), bidirectional buckets in the encoder and
+  causal buckets in the decoder; cross-attention has none;
+* v1.0: ReLU MLP, logits tied to the input embedding and scaled by
+  d_model**-0.5; v1.1: gated-GELU (tanh approximation) MLP, separate
+  `logits_dense`.
+
+Parameter names and logical axis names follow t5x
+(`t5x/examples/t5/network.py`). Kernels are stored 2-D, e.g. attention
+`query/kernel` is `[embed, joined_kv]` (the transpose of a PyTorch
+`nn.Linear.weight`). Parameters are always float32; `T5Config.dtype` only sets
+the compute dtype.
+
+No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.models import losses
+
+Array = jax.Array
+PyTree = Any
+
+# Additive attention bias for masked positions. Finite (not -inf) so that a
+# fully masked row gives a uniform softmax instead of NaN; relative position
+# biases are far below float32 resolution at this magnitude.
+_MASK_VALUE = -1e10
+_FEED_FORWARDS = ("relu", "gated-gelu")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """Hyperparameters of a T5 model. Frozen, so it can be a static jit arg."""
+  vocab_size: int = 32128
+  d_model: int = 512
+  d_kv: int = 64
+  d_ff: int = 2048
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout_rate: float = 0.1
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  feed_forward: str = "relu"  # "relu" (T5 v1.0) | "gated-gelu" (T5.1.1)
+  tie_embeddings: bool = True  # v1.0 True, v1.1 False
+  dtype: str = "float32"  # compute dtype; params are always float32
+
+  def __post_init__(self):
+    if self.feed_forward not in _FEED_FORWARDS:
+      raise ValueError(f"feed_forward must be one of {_FEED_FORWARDS}, got {self.feed_forward!r}")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  def to_json(self) -> dict:
+    """A plain dict of the fields (JSON-serializable)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> "T5Config":
+    """Inverse of `to_json`. Unknown keys are an error; missing keys default."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"Unknown T5Config fields: {sorted(unknown)}")
+    return cls(**d)
+
+
+# ----------------------------------------------------------------------------
+# Building blocks.
+# ----------------------------------------------------------------------------
+
+
+def _param(module: nn.Module, name: str, stddev: float, shape, axes):
+  """A float32 normal(stddev) parameter annotated with logical axis names."""
+  init = nn.with_logical_partitioning(nn.initializers.normal(stddev=stddev), axes)
+  return module.param(name, init, shape, jnp.float32)
+
+
+class Dense(nn.Module):
+  """Bias-free linear map on the last axis, computed in `dtype`."""
+  features: int
+  kernel_axes: tuple[str, str]
+  stddev: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    kernel = _param(self, "kernel", self.stddev, (x.shape[-1], self.features), self.kernel_axes)
+    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class LayerNorm(nn.Module):
+  """T5 RMS norm: statistics in float32, no mean subtraction, no bias."""
+  dtype: Any = jnp.float32
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param(
+        "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        (x.shape[-1],), jnp.float32)
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+    return x.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Embed(nn.Module):
+  """Token embedding; `attend` reuses it as the (tied) output projection."""
+  vocab_size: int
+  features: int
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embedding = _param(self, "embedding", 1.0, (self.vocab_size, self.features),
+                            ("vocab", "embed"))
+
+  def __call__(self, tokens: Array) -> Array:
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+
+  def attend(self, x: Array) -> Array:
+    """`x @ embedding.T` in float32 (logits precision)."""
+    return jnp.dot(x.astype(jnp.float32), self.embedding.T)
+
+
+def relative_position_bucket(relative_position: np.ndarray, *, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> np.ndarray:
+  """T5's bucketing of `relative_position = key_position - query_position`.
+
+  Half the buckets (per direction, if bidirectional) are exact distances; the
+  rest grow logarithmically up to `max_distance`, beyond which everything
+  shares the last bucket. Computed in float32 numpy exactly as Mesh-TF/HF do
+  (truncation of `log(n / max_exact) / log(max_distance / max_exact) * ...`).
+  """
+  rel = np.asarray(relative_position, dtype=np.int64)
+  buckets = np.zeros_like(rel)
+  if bidirectional:
+    num_buckets //= 2
+    buckets += (rel > 0).astype(np.int64) * num_buckets  # keys to the right
+    n = np.abs(rel)
+  else:
+    n = np.maximum(-rel, 0)  # only keys at or before the query are distinct
+  max_exact = num_buckets // 2
+  with np.errstate(divide="ignore"):  # log(0) in the unused branch
+    scaled = (np.log(n.astype(np.float32) / np.float32(max_exact))
+              / np.float32(np.log(max_distance / max_exact))
+              * np.float32(num_buckets - max_exact))
+  large = max_exact + np.where(n < max_exact, 0, scaled).astype(np.int64)
+  large = np.minimum(large, num_buckets - 1)
+  return buckets + np.where(n < max_exact, n, large)
+
+
+class RelativePositionBias(nn.Module):
+  """Learned per-head scalar bias for each relative-position bucket."""
+  num_heads: int
+  num_buckets: int
+  max_distance: int
+  bidirectional: bool
+  stddev: float
+
+  @nn.compact
+  def __call__(self, query_positions: Array, key_positions: Array) -> Array:
+    """Returns the `[1, heads, q, k]` float32 bias (positions may be traced)."""
+    table = _param(self, "rel_embedding", self.stddev, (self.num_heads, self.num_buckets),
+                   ("heads", "relpos_buckets"))
+    # Buckets are constant beyond +-max_distance, so a static table over that
+    # range, indexed by the clipped relative position, is exact. It also lets
+    # the decode step use a traced query position.
+    d = self.max_distance
+    bucket_of = jnp.asarray(relative_position_bucket(
+        np.arange(-d, d + 1), bidirectional=self.bidirectional,
+        num_buckets=self.num_buckets, max_distance=d), jnp.int32)
+    rel = jnp.clip(key_positions[None, :] - query_positions[:, None], -d, d)
+    return jnp.take(table, bucket_of[rel + d], axis=1)[None]
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head dot-product attention without logit scaling.
+
+  With `decode=True` it keeps a key/value cache (`cached_key`,
+  `cached_value`: `[b, max_length, heads, d_kv]`) in the 'cache' collection.
+  The first such call (cache absent) only creates the zero cache and otherwise
+  runs normally; later calls take one query token and write its key/value at
+  `cache_index`.
+  """
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Array, *,
+               deterministic: bool, decode: bool = False,
+               cache_index: Array | None = None) -> Array:
+    cfg = self.config
+    dtype = cfg.compute_dtype
+    h, dk = cfg.num_heads, cfg.d_kv
+    joined = h * dk
+
+    def project(x, name, stddev):
+      y = Dense(joined, ("embed", "joined_kv"), stddev, dtype, name=name)(x)
+      return y.reshape(*y.shape[:-1], h, dk)
+
+    # The query init absorbs the 1/sqrt(d_kv) that T5 never applies to logits.
+    q = project(inputs_q, "query", (cfg.d_model * dk) ** -0.5)
+    k = project(inputs_kv, "key", cfg.d_model ** -0.5)
+    v = project(inputs_kv, "value", cfg.d_model ** -0.5)
+
+    if decode:
+      initialized = self.has_variable("cache", "cached_key")
+      cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+      cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+      if initialized:
+        if q.shape[1] != 1:
+          raise ValueError(f"Cached decoding takes one token at a time, got {q.shape[1]}.")
+        start = (0, cache_index, 0, 0)
+        cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, start)
+        cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, start)
+        k, v = cached_k.value, cached_v.value
+
+    # Logits and softmax in float32 (bf16 inputs, f32 accumulation).
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores + bias, axis=-1).astype(dtype)
+    probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(dtype))
+    out = out.reshape(*out.shape[:-2], joined)
+    return Dense(cfg.d_model, ("joined_kv", "embed"), joined ** -0.5, dtype, name="out")(out)
+
+
+class MlpBlock(nn.Module):
+  """Feed-forward block: ReLU (v1.0) or gated GELU (v1.1)."""
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+    cfg = self.config
+    dtype = cfg.compute_dtype
+    dense_in = functools.partial(Dense, cfg.d_ff, ("embed", "mlp"), cfg.d_model ** -0.5, dtype)
+    if cfg.feed_forward == "relu":
+      hidden = jax.nn.relu(dense_in(name="wi")(x))
+    else:  # gated-gelu; HF's "gelu_new" is the tanh approximation
+      hidden = jax.nn.gelu(dense_in(name="wi_0")(x), approximate=True) * dense_in(name="wi_1")(x)
+    hidden = nn.Dropout(cfg.dropout_rate)(hidden, deterministic=deterministic)
+    return Dense(cfg.d_model, ("mlp", "embed"), cfg.d_ff ** -0.5, dtype, name="wo")(hidden)
+
+
+class EncoderLayer(nn.Module):
+  """Pre-norm self-attention + MLP, each with dropout on the residual branch."""
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x: Array, bias: Array, *, deterministic: bool) -> Array:
+    cfg = self.config
+    dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    y = LayerNorm(cfg.compute_dtype, name="pre_attention_layer_norm")(x)
+    x = x + dropout(MultiHeadAttention(cfg, name="attention")(y, y, bias, deterministic=deterministic))
+    y = LayerNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
+    return x + dropout(MlpBlock(cfg, name="mlp")(y, deterministic=deterministic))
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm causal self-attention, cross-attention and MLP."""
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x: Array, encoded: Array, self_bias: Array, cross_bias: Array, *,
+               deterministic: bool, decode: bool, cache_index: Array | None) -> Array:
+    cfg = self.config
+    dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    y = LayerNorm(cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
+    x = x + dropout(MultiHeadAttention(cfg, name="self_attention")(
+        y, y, self_bias, deterministic=deterministic, decode=decode, cache_index=cache_index))
+    y = LayerNorm(cfg.compute_dtype, name="pre_cross_attention_layer_norm")(x)
+    x = x + dropout(MultiHeadAttention(cfg, name="encoder_decoder_attention")(
+        y, encoded, cross_bias, deterministic=deterministic))
+    y = LayerNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
+    return x + dropout(MlpBlock(cfg, name="mlp")(y, deterministic=deterministic))
+
+
+def _relpos(cfg: T5Config, bidirectional: bool) -> RelativePositionBias:
+  return RelativePositionBias(
+      num_heads=cfg.num_heads, num_buckets=cfg.relative_attention_num_buckets,
+      max_distance=cfg.relative_attention_max_distance, bidirectional=bidirectional,
+      stddev=cfg.d_model ** -0.5, name="relpos_bias")
+
+
+def _padding_bias(tokens: Array) -> Array:
+  """`[b, 1, 1, L]` additive bias hiding key positions holding token 0."""
+  return jnp.where(tokens > 0, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None, :]
+
+
+class Encoder(nn.Module):
+  """Embedding, encoder layers, final norm. Token 0 is padding."""
+  config: T5Config
+  shared_embedding: Embed
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, deterministic: bool) -> Array:
+    cfg = self.config
+    dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    x = dropout(self.shared_embedding(tokens))
+    positions = jnp.arange(tokens.shape[-1])
+    bias = _relpos(cfg, bidirectional=True)(positions, positions) + _padding_bias(tokens)
+    for i in range(cfg.num_encoder_layers):
+      x = EncoderLayer(cfg, name=f"layers_{i}")(x, bias, deterministic=deterministic)
+    return dropout(LayerNorm(cfg.compute_dtype, name="encoder_norm")(x))
+
+
+class Decoder(nn.Module):
+  """Embedding, decoder layers, final norm and float32 output logits.
+
+  In decode mode the stack keeps the current position in the 'cache'
+  collection (`cache_index`) and builds the causal mask and relative position
+  bias for that single query row against all `max_decode_length` cache slots.
+  """
+  config: T5Config
+  shared_embedding: Embed
+
+  @nn.compact
+  def __call__(self, encoded: Array, encoder_tokens: Array, tokens: Array, *,
+               deterministic: bool, decode: bool = False,
+               max_decode_length: int | None = None) -> Array:
+    cfg = self.config
+    dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    relpos = _relpos(cfg, bidirectional=False)
+
+    cache_index = None
+    stepping = decode and self.has_variable("cache", "cache_index")
+    if decode:
+      index_var = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+      cache_index = index_var.value
+    if stepping:
+      if max_decode_length is None:  # the cache length is the number of key slots
+        max_decode_length = self.variables["cache"]["layers_0"]["self_attention"][
+            "cached_key"].shape[1]
+      query_positions = cache_index[None]
+      index_var.value = cache_index + 1
+    else:
+      query_positions = jnp.arange(tokens.shape[-1])
+    key_positions = jnp.arange(max_decode_length if stepping else tokens.shape[-1])
+    causal = key_positions[None, :] <= query_positions[:, None]
+    self_bias = relpos(query_positions, key_positions) + jnp.where(causal, 0.0, _MASK_VALUE)
+    cross_bias = _padding_bias(encoder_tokens)
+
+    x = dropout(self.shared_embedding(tokens))
+    for i in range(cfg.num_decoder_layers):
+      x = DecoderLayer(cfg, name=f"layers_{i}")(
+          x, encoded, self_bias, cross_bias, deterministic=deterministic, decode=decode,
+          cache_index=cache_index)
+    x = dropout(LayerNorm(cfg.compute_dtype, name="decoder_norm")(x))
+
+    if cfg.tie_embeddings:
+      # Rescale because the embedding (stddev 1) doubles as output projection.
+      return self.shared_embedding.attend(x.astype(jnp.float32) * cfg.d_model ** -0.5)
+    return Dense(cfg.vocab_size, ("embed", "vocab"), cfg.d_model ** -0.5, jnp.float32,
+                 name="logits_dense")(x)
+
+
+class T5Transformer(nn.Module):
+  """T5 encoder-decoder. Token 0 is both padding and the decoder start token."""
+  config: T5Config
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = Embed(cfg.vocab_size, cfg.d_model, cfg.compute_dtype)
+    self.encoder = Encoder(cfg, self.token_embedder)
+    self.decoder = Decoder(cfg, self.token_embedder)
+
+  def encode(self, encoder_input_tokens: Array, *, enable_dropout: bool = False) -> Array:
+    """`[b, Li]` tokens -> `[b, Li, d_model]` encodings (compute dtype)."""
+    return self.encoder(encoder_input_tokens, deterministic=not enable_dropout)
+
+  def decode(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
+             *, enable_dropout: bool = False, decode: bool = False,
+             max_decode_length: int | None = None) -> Array:
+    """Decoder logits `[b, Lt, vocab]` (float32).
+
+    `decode=True` uses the 'cache' collection (apply with `mutable=['cache']`):
+    the first call, with full-length `decoder_input_tokens`, creates the cache;
+    subsequent calls feed one token `[b, 1]` per step. `max_decode_length`
+    defaults to the cache length.
+    """
+    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
+                        deterministic=not enable_dropout, decode=decode,
+                        max_decode_length=max_decode_length)
+
+  def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array, *,
+               enable_dropout: bool = False) -> Array:
+    encoded = self.encode(encoder_input_tokens, enable_dropout=enable_dropout)
+    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
+                       enable_dropout=enable_dropout)
+
+
+# ----------------------------------------------------------------------------
+# Parameters.
+# ----------------------------------------------------------------------------
+
+
+def _boxed_init(config: T5Config, rng: Array, input_length: int, target_length: int):
+  model = T5Transformer(config)
+  return model.init({"params": rng}, jnp.ones((1, input_length), jnp.int32),
+                    jnp.ones((1, target_length), jnp.int32))["params"]
+
+
+# Module level, so repeated calls with the same config reuse the compilation.
+_jitted_boxed_init = jax.jit(_boxed_init, static_argnums=(0, 2, 3))
+
+
+def init_params(config: T5Config, rng: Array, *, input_length: int,
+                target_length: int) -> tuple[PyTree, PyTree]:
+  """Randomly initialized float32 params and their logical axes.
+
+  Returns `(params, logical_axes)`: a plain (unboxed) pytree of arrays and a
+  tree of the same structure whose leaves are `PartitionSpec`s of t5x logical
+  axis names.
+  """
+  boxed = _jitted_boxed_init(config, rng, input_length, target_length)
+  return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def abstract_params(config: T5Config, *, input_length: int,
+                    target_length: int) -> tuple[PyTree, PyTree]:
+  """Like `init_params` but `jax.ShapeDtypeStruct` leaves; allocates nothing."""
+  boxed = jax.eval_shape(
+      functools.partial(_boxed_init, config, input_length=input_length,
+                        target_length=target_length),
+      jax.random.key(0))
+  return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def param_count(params: PyTree) -> int:
+  """Total number of scalars (works on arrays and ShapeDtypeStructs)."""
+  return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------
+# Losses for the trainer. Batches use seqio EncDecFeatureConverter names.
+# ----------------------------------------------------------------------------
+
+FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
+            "decoder_loss_weights")
+
+
+def make_batch_loss(config: T5Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
+  """`fn(params, batch) -> [b]` per-example losses, dropout off (eval)."""
+  model = T5Transformer(config)
+
+  def batch_loss(params, batch):
+    logits = model.apply({"params": params}, batch["encoder_input_tokens"],
+                         batch["decoder_input_tokens"])
+    return losses.per_example_loss(logits, batch["decoder_target_tokens"],
+                                   batch["decoder_loss_weights"])
+
+  return batch_loss
+
+
+def make_example_loss(config: T5Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
+  """`fn(params, example) -> scalar` loss of ONE example (no batch dim).
+
+  Meant for `jax.vmap(jax.value_and_grad(fn), in_axes=(None, 0))`. If the
+  example has a 'dropout_rng' key (a PRNG key), dropout is enabled with it;
+  otherwise the forward pass is deterministic.
+  """
+  model = T5Transformer(config)
+
+  def example_loss(params, example):
+    batch = {k: example[k][None] for k in FEATURES}
+    enable_dropout = "dropout_rng" in example
+    rngs = {"dropout": example["dropout_rng"]} if enable_dropout else {}
+    logits = model.apply({"params": params}, batch["encoder_input_tokens"],
+                         batch["decoder_input_tokens"], enable_dropout=enable_dropout,
+                         rngs=rngs)
+    return losses.per_example_loss(logits, batch["decoder_target_tokens"],
+                                   batch["decoder_loss_weights"])[0]
+
+  return example_loss
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face checkpoints.
+# ----------------------------------------------------------------------------
+
+
+def params_from_hf_state_dict(config: T5Config, state_dict: Mapping[str, Any]) -> PyTree:
+  """Converts a Hugging Face PyTorch T5 state dict to dpjax params.
+
+  `state_dict` maps HF names (e.g. 'encoder.block.0.layer.0.SelfAttention.q.weight')
+  to arrays (numpy, or anything `np.asarray` accepts, so no torch import is
+  needed here: convert the tensors with `.numpy()` first). PyTorch linear
+  weights are `[out, in]`, so kernels are their transposes. Raises KeyError
+  on a missing weight and ValueError on unused ones or shape mismatches.
+  """
+  used = set()
+
+  def get(name, transpose=False):
+    used.add(name)
+    x = np.asarray(state_dict[name], np.float32)
+    return x.T if transpose else x
+
+  def attention(prefix):
+    return {ours: {"kernel": get(f"{prefix}.{hf}.weight", transpose=True)}
+            for ours, hf in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))}
+
+  def mlp(prefix):
+    names = ("wi", "wo") if config.feed_forward == "relu" else ("wi_0", "wi_1", "wo")
+    return {n: {"kernel": get(f"{prefix}.DenseReluDense.{n}.weight", transpose=True)}
+            for n in names}
+
+  def norm(name):
+    return {"scale": get(name)}
+
+  def stack(kind, num_layers, sublayers):
+    out = {f"layers_{i}": {ours: build(f"{kind}.block.{i}.layer.{j}")
+                           for j, group in enumerate(sublayers) for ours, build in group}
+           for i in range(num_layers)}
+    bias = f"{kind}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    out["relpos_bias"] = {"rel_embedding": get(bias, transpose=True)}
+    out[f"{kind}_norm"] = norm(f"{kind}.final_layer_norm.weight")
+    return out
+
+  params = {
+      "token_embedder": {"embedding": get("shared.weight")},
+      "encoder": stack("encoder", config.num_encoder_layers, [
+          [("pre_attention_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")),
+           ("attention", lambda p: attention(f"{p}.SelfAttention"))],
+          [("pre_mlp_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")), ("mlp", mlp)],
+      ]),
+      "decoder": stack("decoder", config.num_decoder_layers, [
+          [("pre_self_attention_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")),
+           ("self_attention", lambda p: attention(f"{p}.SelfAttention"))],
+          [("pre_cross_attention_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")),
+           ("encoder_decoder_attention", lambda p: attention(f"{p}.EncDecAttention"))],
+          [("pre_mlp_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")), ("mlp", mlp)],
+      ]),
+  }
+  if not config.tie_embeddings:
+    params["decoder"]["logits_dense"] = {"kernel": get("lm_head.weight", transpose=True)}
+
+  # Copies of the shared embedding (and a tied lm_head) carry no new weights;
+  # some original checkpoints also hold a cross-attention bias HF never uses.
+  aliases = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+             "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}
+  if config.tie_embeddings:
+    aliases.add("lm_head.weight")
+  unused = set(state_dict) - used - aliases
+  if unused:
+    raise ValueError(f"Unused weights in the state dict: {sorted(unused)}")
+  expected, _ = abstract_params(config, input_length=1, target_length=1)
+  mismatched = [
+      (jax.tree_util.keystr(path), x.shape, e.shape)
+      for (path, x), e in zip(jax.tree_util.tree_leaves_with_path(params),
+                              jax.tree.leaves(expected)) if x.shape != e.shape]
+  if jax.tree.structure(params) != jax.tree.structure(expected) or mismatched:
+    raise ValueError(f"State dict does not fit {config}: {mismatched}")
+  return params

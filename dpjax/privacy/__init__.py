@@ -1,0 +1,98 @@
+"""dpjax.privacy: the differential-privacy core of dpjax (no TensorFlow).
+
+The privacy contract of a DP training step, module by module:
+
+1. `sampling`: a data-independent batch selection. `PoissonSampler` includes
+   each example independently with probability q and never drops a sampled
+   example; `ShuffleSampler` puts each example in at most one fixed-size batch
+   per epoch.
+2. `clipping`: `clipped_grad` / `per_group_clipped_grad` return the SUM of
+   per-example gradients each clipped to L2 norm <= C (padding and non-finite
+   examples contribute zero), so one example changes the sum by at most
+   `sensitivity` (add/remove) or `2 * sensitivity` (replace).
+3. `noise` / `optimizers`: `privatize` adds N(0, (sigma * sensitivity)^2) to
+   that sum exactly once per logical batch, keyed by (seed, step), and divides
+   by a data-independent normalizer; the base optax optimizer after it is
+   post-processing.
+4. `accounting` / `ledger`: each release is recorded as an event
+   (`PoissonGaussian` per Poisson step, `Gaussian` per shuffled epoch with
+   sigma / 2, or any other Gaussian query); epsilon at delta is the
+   composition of all recorded events, checked against the budget before
+   training and saved atomically.
+
+The guarantee covers the model parameters (and anything computed from them
+and public data). It does not cover `ClipStats`, realised batch sizes, or
+sampled indices, which must not be released; and it assumes the noise and
+sampling seeds are secret.
+"""
+
+from dpjax.privacy.accounting import (
+    Event,
+    Gaussian,
+    PoissonGaussian,
+    calibrate_noise_multiplier,
+    dpsgd_epsilon,
+    dpsgd_noise_multiplier,
+    effective_noise_multiplier,
+    epsilon,
+    event_from_json,
+    shuffle_epochs_event,
+    training_events,
+)
+from dpjax.privacy.clipping import (
+    ClippedGradFn,
+    ClipStats,
+    clipped_grad,
+    per_group_clipped_grad,
+)
+from dpjax.privacy.ledger import (
+    LEDGER_FILENAME,
+    BudgetExceededError,
+    PrivacyLedger,
+)
+from dpjax.privacy.noise import (
+    PrivatizeState,
+    add_gaussian_noise,
+    noise_key,
+    privatize,
+)
+from dpjax.privacy.optimizers import (
+    dp_adafactor,
+    dp_adam,
+    dp_adamw,
+    dp_optimizer,
+    dp_sgd,
+)
+from dpjax.privacy.sampling import PoissonSampler, ShuffleSampler
+
+__all__ = [
+    "BudgetExceededError",
+    "ClipStats",
+    "ClippedGradFn",
+    "Event",
+    "Gaussian",
+    "LEDGER_FILENAME",
+    "PoissonGaussian",
+    "PoissonSampler",
+    "PrivacyLedger",
+    "PrivatizeState",
+    "ShuffleSampler",
+    "add_gaussian_noise",
+    "calibrate_noise_multiplier",
+    "clipped_grad",
+    "dp_adafactor",
+    "dp_adam",
+    "dp_adamw",
+    "dp_optimizer",
+    "dp_sgd",
+    "dpsgd_epsilon",
+    "dpsgd_noise_multiplier",
+    "effective_noise_multiplier",
+    "epsilon",
+    "event_from_json",
+    "noise_key",
+    "per_group_clipped_grad",
+    "privatize",
+    "shuffle_epochs_event",
+    "training_events",
+]

@@ -1,0 +1,278 @@
+"""Per-example gradient clipping: the sensitivity-bounding half of DP-SGD.
+
+A clipped-gradient function maps `(params, batch, mask)` to the SUM over real
+examples of per-example gradients, each clipped to a bounded L2 norm, and
+carries that bound as its `sensitivity`. Noise is added elsewhere
+(`dpjax.privacy.noise.privatize`), once per logical batch, scaled by this
+`sensitivity`; keeping the bound on the callable means the two cannot drift.
+
+Formal guarantees
+-----------------
+Let `f = clipped_grad(loss_fn, clip_norm=C)` and `S = f(params, batch, mask)[0]`.
+For ANY `params`, `batch` and `mask` (including NaN/inf losses or gradients and
+arbitrary content in padding rows):
+
+* every example `i` with `mask[i] == 0` contributes exactly zero to `S`;
+* every example with `mask[i] == 1` contributes a vector of L2 norm `<= C`
+  (up to float32 rounding), or zero if its loss or gradient is non-finite;
+* `loss_fn` sees one example at a time (it is `vmap`ped), so an example's
+  gradient does not depend on the other examples in the batch.
+
+Hence adding or removing one real example (or flipping its mask) changes `S`
+by at most `f.sensitivity == C` in L2 norm; replacing one example changes it by
+at most `2 * C`. For `per_group_clipped_grad` the same holds with
+`C = sqrt(sum_g C_g**2)`, since each group's block is clipped to `C_g`.
+
+`ClipStats` are computed from individual examples WITHOUT noise: they are for
+monitoring and debugging only, and releasing them is not covered by any DP
+guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+KeyPath = tuple[Any, ...]
+
+
+class ClipStats(NamedTuple):
+  """Per-example diagnostics of one clipped-gradient call (NOT private)."""
+
+  norms: jax.Array  # [n] global L2 grad norm before clipping; 0 if dropped.
+  losses: jax.Array  # [n] per-example loss; 0 if dropped.
+  num_clipped: jax.Array  # Real examples with some norm above its bound.
+  num_nonfinite: jax.Array  # Real examples zeroed for NaN/inf loss or grad.
+  num_examples: jax.Array  # sum(mask).
+
+
+class ClippedGradFn(Protocol):
+  """`(params, batch, mask) -> (clipped grad sum, ClipStats)`.
+
+  `sensitivity` bounds the L2 change of the returned sum when one example is
+  added or removed.
+  """
+
+  sensitivity: float
+
+  def __call__(
+      self, params: PyTree, batch: PyTree, mask: jax.Array
+  ) -> tuple[PyTree, ClipStats]:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClippedGrad:
+  """A clipped-gradient callable bundled with its L2 sensitivity."""
+
+  fn: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, ClipStats]]
+  sensitivity: float
+
+  def __call__(self, params, batch, mask):
+    return self.fn(params, batch, mask)
+
+
+def clipped_grad(
+    loss_fn: LossFn, *, clip_norm: float, microbatch_size: int | None = None
+) -> ClippedGradFn:
+  """Returns a function computing the sum of per-example clipped gradients.
+
+  Each example's gradient (flattened over the whole parameter pytree) is
+  scaled by `min(1, clip_norm / ||g||)`; the scaled gradients of real examples
+  are summed in float32.
+
+  Formal guarantees:
+    The returned callable `f` has `f.sensitivity == clip_norm`: for any inputs,
+    adding or removing one real example changes the returned sum by at most
+    `clip_norm` in L2 norm (`2 * clip_norm` for replacing one). Padding rows
+    (`mask == 0`) and examples with non-finite loss or gradient contribute
+    exactly zero, whatever their content (selected with `jnp.where`, so NaNs
+    cannot leak through `0 * NaN`). Zeroing is itself a valid clip (norm 0), so
+    it does not affect the sensitivity.
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example (the batch
+      pytree indexed at a leading position). Must not couple examples.
+    clip_norm: The L2 bound `C > 0` on each example's gradient.
+    microbatch_size: If set, the batch (leading dim `n`, which it must divide)
+      is processed in `n // microbatch_size` chunks under `lax.scan`, bounding
+      peak memory to one chunk of per-example gradients. The result is the same
+      single sum, so K microbatches build one logical batch.
+
+  Returns:
+    A `ClippedGradFn` returning `(grad_sum, ClipStats)`, `grad_sum` being a
+    float32 pytree shaped like `params`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> loss = lambda w, x: jnp.sum(w * x)  # gradient w.r.t. w is x
+    >>> f = clipped_grad(loss, clip_norm=1.0)
+    >>> xs = jnp.array([[3.0, 4.0], [0.4, 0.2], [jnp.nan, 0.0]])
+    >>> g, stats = f(jnp.zeros(2), xs, jnp.array([1.0, 1.0, 0.0]))
+    >>> print(g, stats.norms, stats.num_clipped)
+    [1. 1.] [5.        0.4472136 0.       ] 1
+    >>> f.sensitivity
+    1.0
+  """
+  _check_bound("clip_norm", clip_norm)
+  return _ClippedGrad(
+      fn=_make_clipped_sum(loss_fn, {"all": clip_norm}, lambda _: "all",
+                           microbatch_size),
+      sensitivity=float(clip_norm),
+  )
+
+
+def per_group_clipped_grad(
+    loss_fn: LossFn,
+    *,
+    clip_norms: Mapping[str, float],
+    group_of: Callable[[KeyPath], str],
+    microbatch_size: int | None = None,
+) -> ClippedGradFn:
+  """Like `clipped_grad`, but clips each parameter group to its own bound.
+
+  Formal guarantees:
+    Each example's gradient restricted to the leaves of group `g` is clipped to
+    L2 norm `<= clip_norms[g]`, so its whole contribution has norm
+    `<= sqrt(sum_g clip_norms[g]**2) == f.sensitivity` (for add/remove one;
+    twice that for replace one). Groups listed in `clip_norms` but owning no
+    leaves still count towards `sensitivity`, which is then conservative.
+    Padding and non-finite examples contribute zero, as in `clipped_grad`.
+
+  Args:
+    loss_fn: As in `clipped_grad`.
+    clip_norms: Group name -> clip bound `C_g > 0`.
+    group_of: Maps a leaf's key path (as yielded by
+      `jax.tree_util.tree_flatten_with_path(params)`) to a key of `clip_norms`.
+      An unknown group raises `ValueError` naming the leaf, when called.
+    microbatch_size: As in `clipped_grad`.
+
+  Returns:
+    A `ClippedGradFn` with `sensitivity = sqrt(sum_g C_g**2)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> loss = lambda p, x: jnp.sum(p["a"] * x[:2]) + jnp.sum(p["b"] * x[2:])
+    >>> f = per_group_clipped_grad(
+    ...     loss, clip_norms={"a": 1.0, "b": 2.0},
+    ...     group_of=lambda path: path[0].key)
+    >>> g, _ = f({"a": jnp.zeros(2), "b": jnp.zeros(1)},
+    ...          jnp.array([[3.0, 4.0, 10.0]]), jnp.ones(1))
+    >>> print(g["a"], g["b"])
+    [0.6 0.8] [2.]
+    >>> round(f.sensitivity, 4)
+    2.2361
+  """
+  if not clip_norms:
+    raise ValueError("clip_norms must name at least one group.")
+  for name, bound in clip_norms.items():
+    _check_bound(f"clip_norms[{name!r}]", bound)
+  clip_norms = dict(clip_norms)
+
+  def group_of_checked(path: KeyPath) -> str:
+    group = group_of(path)
+    if group not in clip_norms:
+      raise ValueError(
+          f"Parameter {jax.tree_util.keystr(path)} maps to group {group!r}, "
+          f"which is not in clip_norms {sorted(clip_norms)}.")
+    return group
+
+  return _ClippedGrad(
+      fn=_make_clipped_sum(loss_fn, clip_norms, group_of_checked,
+                           microbatch_size),
+      sensitivity=math.sqrt(sum(c * c for c in clip_norms.values())),
+  )
+
+
+def _check_bound(name: str, value: float) -> None:
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"{name} must be positive and finite, got {value}.")
+
+
+def _make_clipped_sum(
+    loss_fn: LossFn,
+    clip_norms: Mapping[str, float],
+    group_of: Callable[[KeyPath], str],
+    microbatch_size: int | None,
+):
+  """Builds the (grad_sum, ClipStats) function for a leaf -> group mapping."""
+  group_names = list(clip_norms)
+  bounds = np.asarray([clip_norms[g] for g in group_names], np.float32)
+  per_example = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0))
+
+  def clip_chunk(params, batch, mask):
+    """Clipped grad sum and per-example stats for one [m, ...] chunk."""
+    losses, grads = per_example(params, batch)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    leaf_groups = [group_names.index(group_of(p)) for p, _ in paths_and_leaves]
+    # float32 for the norm and the sum, whatever the parameter dtype.
+    leaves = [g.astype(jnp.float32) for _, g in paths_and_leaves]
+
+    sq_norms = jnp.zeros((losses.shape[0], len(group_names)), jnp.float32)
+    for leaf, group in zip(leaves, leaf_groups):
+      sq_norms = sq_norms.at[:, group].add(
+          jnp.sum(jnp.square(leaf), axis=tuple(range(1, leaf.ndim))))
+    group_norms = jnp.sqrt(sq_norms)  # [m, G]
+    norms = jnp.sqrt(jnp.sum(sq_norms, axis=1))  # [m]
+
+    real = mask > 0
+    # A NaN/inf entry makes its squared norm non-finite; so does a norm that
+    # overflows float32, which is dropped rather than trusted.
+    finite = jnp.isfinite(losses) & jnp.isfinite(norms)
+    keep = real & finite
+    # C / max(norm, C) == min(1, C / norm) with no division by zero (C > 0),
+    # and exactly 1 for unclipped examples.
+    scales = bounds / jnp.maximum(group_norms, bounds)  # [m, G]
+
+    summed = []
+    for leaf, group in zip(leaves, leaf_groups):
+      shape = (-1,) + (1,) * (leaf.ndim - 1)
+      clipped = leaf * scales[:, group].reshape(shape)
+      # where (not a 0/1 multiply) so NaN/inf in a dropped row cannot leak.
+      summed.append(jnp.sum(
+          jnp.where(keep.reshape(shape), clipped, 0.0), axis=0))
+    grad_sum = jax.tree_util.tree_unflatten(treedef, summed)
+
+    stats = (
+        jnp.where(keep, norms, 0.0),
+        jnp.where(keep, losses.astype(jnp.float32), 0.0),
+        jnp.sum(keep & jnp.any(group_norms > bounds, axis=1)),
+        jnp.sum(real & ~finite),
+    )
+    return grad_sum, stats
+
+  def clipped_sum(params, batch, mask):
+    mask = jnp.asarray(mask)
+    n = mask.shape[0]
+    m = n if microbatch_size is None else microbatch_size
+    if m <= 0 or n % m:
+      raise ValueError(
+          f"microbatch_size={microbatch_size} must be positive and divide the "
+          f"batch size {n}.")
+    chunked = jax.tree_util.tree_map(
+        lambda x: x.reshape((n // m, m) + x.shape[1:]), (batch, mask))
+
+    def step(acc, chunk):
+      grad_sum, stats = clip_chunk(params, *chunk)
+      return jax.tree_util.tree_map(jnp.add, acc, grad_sum), stats
+
+    zeros = jax.tree_util.tree_map(
+        lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    grad_sum, (norms, losses, clipped, nonfinite) = jax.lax.scan(
+        step, zeros, chunked)
+    return grad_sum, ClipStats(
+        norms=norms.reshape(n),
+        losses=losses.reshape(n),
+        num_clipped=jnp.sum(clipped),
+        num_nonfinite=jnp.sum(nonfinite),
+        num_examples=jnp.sum(mask > 0),
+    )
+
+  return clipped_sum

@@ -1,0 +1,223 @@
+"""Batch selection for DP training: Poisson sampling and shuffling.
+
+Samplers are host-side and stateless in the step: `indices(step)` depends only
+on `(seed, step)`, so every host computes the same batch and a run resumes from
+any step without replaying earlier ones. Their `describe()` dict is what the
+privacy ledger records as the sampling scheme.
+
+Formal guarantees
+-----------------
+* `PoissonSampler`: at every step each of the `N` examples is included
+  independently with probability `q`, independently across steps; no sampled
+  example is ever dropped (see the overflow policy). Together with a clipped
+  sum of sensitivity `C` and noise `sigma C`, each step is the Poisson
+  subsampled Gaussian mechanism under add-or-remove-one adjacency, accounted
+  by `accounting.PoissonGaussian`.
+* `ShuffleSampler`: each epoch is a fresh data-independent permutation cut
+  into fixed-size batches, so each example is in at most one batch per epoch.
+  Under replace-one adjacency one batch sum changes by at most `2C` and the
+  others not at all, so an epoch is (adaptively composed) ONE Gaussian
+  mechanism with effective noise multiplier `sigma / 2`; no amplification by
+  shuffling is claimed. Epochs compose; a partial epoch counts as a full one.
+  Accounted by `accounting.shuffle_epochs_event`.
+
+Poisson amplification assumes the adversary never learns which examples were
+sampled: keep the seed secret and do not release the indices or the realised
+batch size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+# Separate random streams for the samplers, so the same seed may be reused.
+SAMPLER_STREAM = 0x73616D70  # "samp"
+SHUFFLE_STREAM = 0x73687566  # "shuf"
+
+
+def _pack(sample: np.ndarray, num_microbatches: int,
+          microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Pads `sample` to [num_microbatches, microbatch_size] with a 0/1 mask."""
+  idx = np.zeros(num_microbatches * microbatch_size, np.int64)
+  mask = np.zeros(num_microbatches * microbatch_size, np.float32)
+  idx[:sample.size] = sample
+  mask[:sample.size] = 1.0
+  shape = (num_microbatches, microbatch_size)
+  return idx.reshape(shape), mask.reshape(shape)
+
+
+def _check_microbatch_size(microbatch_size: int) -> None:
+  if microbatch_size < 1:
+    raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
+
+
+class PoissonSampler:
+  """Poisson sampling: each example joins each batch independently w.p. `q`.
+
+  Formal guarantees:
+    `indices(step)` is an exact Poisson sample with rate `sampling_rate`,
+    drawn from `np.random.default_rng([seed, step, SAMPLER_STREAM])` and so
+    independent across steps and of the data.
+
+    Overflow policy: `microbatches(step, m)` normally returns
+    `K = ceil(max_batch_size / m)` microbatches, a fixed shape for compiled
+    code. If a sample exceeds `K * m` examples (probability
+    `<= overflow_probability` per step with the default `max_batch_size`), it
+    returns MORE microbatches `K' = ceil(size / m)` of the same shape rather
+    than truncating, and the trainer processes them all before the single
+    noisy release. No sampled example is ever dropped, so the Poisson
+    guarantee is exact; overflow only costs time.
+  """
+
+  def __init__(
+      self,
+      dataset_size: int,
+      expected_batch_size: float | None = None,
+      *,
+      sampling_rate: float | None = None,
+      seed: int,
+      max_batch_size: int | None = None,
+      overflow_probability: float = 1e-6,
+  ):
+    """Initializes the sampler.
+
+    Args:
+      dataset_size: Number of examples `N`.
+      expected_batch_size: `q * N`; give this or `sampling_rate`.
+      sampling_rate: `q` in (0, 1]; give this or `expected_batch_size`.
+      seed: Sampling seed.
+      max_batch_size: Size the compiled batch shape is planned for. Defaults
+        to the smallest `m` with `P(Binomial(N, q) > m) <= overflow_probability`.
+      overflow_probability: Target per-step overflow probability for the
+        default `max_batch_size`.
+    """
+    if dataset_size < 1:
+      raise ValueError(f"dataset_size must be >= 1, got {dataset_size}.")
+    if (expected_batch_size is None) == (sampling_rate is None):
+      raise ValueError(
+          "Give exactly one of expected_batch_size and sampling_rate.")
+    if sampling_rate is None:
+      sampling_rate = expected_batch_size / dataset_size
+    if not 0 < sampling_rate <= 1:
+      raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}.")
+    if not 0 < overflow_probability < 1:
+      raise ValueError("overflow_probability must be in (0, 1), got "
+                       f"{overflow_probability}.")
+    self.dataset_size = int(dataset_size)
+    self.sampling_rate = float(sampling_rate)
+    self.seed = int(seed)
+    if max_batch_size is None:
+      max_batch_size = self._quantile(overflow_probability)
+    if max_batch_size < 1:
+      raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+    self.max_batch_size = int(max_batch_size)
+
+  def _quantile(self, overflow_probability: float) -> int:
+    """Smallest m with P(Binomial(N, q) > m) <= overflow_probability."""
+    n, q = self.dataset_size, self.sampling_rate
+    m = int(stats.binom.isf(overflow_probability, n, q))
+    # isf works in floating point; step to the exact smallest such m.
+    while m < n and stats.binom.sf(m, n, q) > overflow_probability:
+      m += 1
+    while m > 0 and stats.binom.sf(m - 1, n, q) <= overflow_probability:
+      m -= 1
+    return max(m, 1)
+
+  @property
+  def expected_batch_size(self) -> float:
+    return self.sampling_rate * self.dataset_size
+
+  def steps_per_epoch(self) -> float:
+    """Expected steps for one pass over the data: `1 / q`."""
+    return 1.0 / self.sampling_rate
+
+  def indices(self, step: int) -> np.ndarray:
+    """Sorted int64 indices of the Poisson sample at `step`."""
+    rng = np.random.default_rng([self.seed, step, SAMPLER_STREAM])
+    # Size ~ Binomial(N, q) then a uniform subset of that size is exactly a
+    # Poisson sample, in O(size) rather than O(N) random draws.
+    size = rng.binomial(self.dataset_size, self.sampling_rate)
+    sample = rng.choice(self.dataset_size, size=size, replace=False)
+    return np.sort(sample).astype(np.int64)
+
+  def microbatches(self, step: int,
+                   microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(idx [K, m] int64, mask [K, m] float32)` covering the whole sample.
+
+    Padding slots hold index 0 with mask 0. `K = ceil(max_batch_size / m)`
+    unless the sample is larger, in which case more microbatches are returned
+    (see the class overflow policy).
+    """
+    _check_microbatch_size(microbatch_size)
+    sample = self.indices(step)
+    planned = math.ceil(self.max_batch_size / microbatch_size)
+    needed = math.ceil(sample.size / microbatch_size)
+    return _pack(sample, max(planned, needed), microbatch_size)
+
+  def describe(self) -> dict:
+    return {
+        "method": "poisson",
+        "sampling_rate": self.sampling_rate,
+        "dataset_size": self.dataset_size,
+        "expected_batch_size": self.expected_batch_size,
+        "max_batch_size": self.max_batch_size,
+        "adjacency": "add_or_remove_one",
+        "overflow_policy": (
+            "extra microbatches of the same shape; no example is dropped, so "
+            "Poisson accounting is exact"),
+    }
+
+
+class ShuffleSampler:
+  """Fixed-size batches from a fresh random permutation each epoch.
+
+  Formal guarantees:
+    Epoch `e` uses the permutation from
+    `np.random.default_rng([seed, e, SHUFFLE_STREAM])`, independent of the
+    data; its first `steps_per_epoch * batch_size` entries are cut into
+    batches and the remainder is dropped for that epoch. Each example is in at
+    most one batch per epoch, so under replace-one adjacency an epoch is one
+    Gaussian mechanism with sensitivity `2C`, i.e. effective noise multiplier
+    `sigma / 2` (no amplification claimed); epochs compose and a partial epoch
+    counts as a full one (`accounting.shuffle_epochs_event`).
+  """
+
+  def __init__(self, dataset_size: int, batch_size: int, *, seed: int):
+    if not 1 <= batch_size <= dataset_size:
+      raise ValueError(f"batch_size must be in [1, dataset_size={dataset_size}]"
+                       f", got {batch_size}.")
+    self.dataset_size = int(dataset_size)
+    self.batch_size = int(batch_size)
+    self.seed = int(seed)
+    self.steps_per_epoch = self.dataset_size // self.batch_size
+
+  def indices(self, step: int) -> np.ndarray:
+    """Exactly `batch_size` int64 indices for `step`."""
+    epoch, position = divmod(step, self.steps_per_epoch)
+    perm = np.random.default_rng(
+        [self.seed, epoch, SHUFFLE_STREAM]).permutation(self.dataset_size)
+    start = position * self.batch_size
+    return perm[start:start + self.batch_size].astype(np.int64)
+
+  def microbatches(self, step: int,
+                   microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(idx [K, m], mask [K, m])`, `K = ceil(batch_size / m)`, padded by 0s."""
+    _check_microbatch_size(microbatch_size)
+    return _pack(self.indices(step),
+                 math.ceil(self.batch_size / microbatch_size), microbatch_size)
+
+  def describe(self) -> dict:
+    return {
+        "method": "shuffle",
+        "dataset_size": self.dataset_size,
+        "batch_size": self.batch_size,
+        "steps_per_epoch": self.steps_per_epoch,
+        "adjacency": "replace_one",
+        "accounting": (
+            "each example is in one batch per epoch; replace-one sensitivity "
+            "2C, so each (partial) epoch is one Gaussian mechanism with noise "
+            "multiplier sigma/2; no amplification by shuffling is claimed"),
+    }

@@ -1,0 +1,60 @@
+"""What a run tells its user: a console progress line and TensorBoard summaries."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+from tensorboardX import SummaryWriter
+
+
+def _duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(seconds)
+  return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+  """One console line per report: step, loss, ε spent / target, tokens/s, ETA."""
+
+  def __init__(self, total_steps: int, start_step: int, stream=sys.stdout):
+    self.total = total_steps
+    self.start_step = start_step
+    self.start_time = time.perf_counter()
+    self.stream = stream
+
+  def report(self, step: int, *, loss: float, eps_spent: float,
+             eps_target: float, tokens_per_s: float, clipped: float) -> str:
+    elapsed = time.perf_counter() - self.start_time
+    done = max(step - self.start_step, 1)
+    eta = elapsed / done * (self.total - step)
+    width = 20
+    filled = int(width * step / max(self.total, 1))
+    bar = "#" * filled + "." * (width - filled)
+    target = "∞" if math.isinf(eps_target) else f"{eps_target:.2f}"
+    line = (f"[{bar}] step {step}/{self.total} | loss {loss:.4f} | "
+            f"ε {eps_spent:.3f}/{target} | {tokens_per_s:,.0f} tok/s | "
+            f"clipped {100 * clipped:.1f}% | ETA {_duration(eta)}")
+    print(line, file=self.stream, flush=True)
+    return line
+
+
+class Summaries:
+  """TensorBoard event files under MODEL_DIR/{train,eval} (no TensorFlow)."""
+
+  def __init__(self, model_dir: str):
+    self._writers = {
+        split: SummaryWriter(os.path.join(model_dir, split))
+        for split in ("train", "eval")}
+
+  def scalars(self, split: str, step: int, values: dict[str, float]) -> None:
+    writer = self._writers[split]
+    for name, value in values.items():
+      writer.add_scalar(name, value, step)
+    writer.flush()
+
+  def close(self) -> None:
+    for writer in self._writers.values():
+      writer.close()

@@ -1,0 +1,38 @@
+"""`python -m dpjax.train`: DP training from gin files, t5x-style flags.
+
+  python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin \\
+      [--gin_file=G ...] [--gin.NAME=VALUE ...] [--gin_bindings='NAME = VALUE']
+
+The work is done by `dpjax.trainer.train`, configured by gin; this module only
+parses the command line (it is kept apart so gin sees one `train`).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from absl import logging as absl_logging
+
+from dpjax import checkpoints, gin_cli, trainer
+from dpjax.privacy import ledger as ledger_lib
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  absl_logging.set_verbosity(absl_logging.ERROR)  # dp-accounting's RDP chatter
+  args, files, bindings = gin_cli.parse_args(
+      argv, "DP fine-tuning with gin configuration (t5x-style flags).")
+  import tasks  # noqa: F401  (the data layer's gin configurables)
+  gin_cli.configure(files, bindings, args.gin_search_paths)
+  return trainer.train()
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+  """Errors caused by the user's input: reported in one message, exit 2."""
+  from tasks import msmarco
+  return (gin_cli.UsageError, FileNotFoundError, msmarco.MalformedLineError,
+          checkpoints.CheckpointMismatchError, ledger_lib.BudgetExceededError)
+
+
+if __name__ == "__main__":
+  gin_cli.exit_on_user_error(main, user_errors())

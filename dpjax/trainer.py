@@ -1,0 +1,341 @@
+"""DP fine-tuning of a T5 model on a seqio task (run by `python -m dpjax.train`).
+
+  python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin \\
+      --gin.MODEL_DIR=/runs/xl_eps3 [--gin.NAME=VALUE ...]
+
+The run is planned before anything is written: the data is loaded and counted,
+the sampler fixed, the noise multiplier calibrated with dp-accounting for the
+target (ε, δ) over all planned steps, and a run that would exceed its budget
+refuses to start. Then one jit-compiled DP step per logical batch (see
+dpjax.train_step), periodic eval loss, TensorBoard summaries, a console
+progress line and orbax checkpoints that carry the privacy ledger and resume
+exactly: batches and noise are pure functions of (seed, step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Mapping, Sequence
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpjax import checkpoints, gin_cli, partitioning, reporting, train_step
+from dpjax.models import t5
+from dpjax.privacy import accounting, clipping, ledger as ledger_lib
+from dpjax.privacy import optimizers as dp_optimizers
+from dpjax.privacy import sampling
+
+OPTIMIZERS = {"sgd": dp_optimizers.dp_sgd, "adam": dp_optimizers.dp_adam,
+              "adamw": dp_optimizers.dp_adamw,
+              "adafactor": dp_optimizers.dp_adafactor}
+
+
+@gin.configurable
+def learning_rate_schedule(learning_rate: float = 1e-3, *,
+                           name: str = "constant", warmup_steps: int = 0,
+                           total_steps: int | None = None) -> optax.Schedule:
+  """'constant' | 'linear_decay' | 'cosine' | 'rsqrt', after linear warmup."""
+  decay_steps = max((total_steps or 1) - warmup_steps, 1)
+  if name == "constant":
+    after = optax.constant_schedule(learning_rate)
+  elif name == "linear_decay":
+    after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
+  elif name == "cosine":
+    after = optax.cosine_decay_schedule(learning_rate, decay_steps)
+  elif name == "rsqrt":
+    after = lambda s: learning_rate * jax.lax.rsqrt(
+        jnp.maximum(s, 1.0) / max(warmup_steps, 1))
+  else:
+    raise gin_cli.UsageError(f"unknown learning-rate schedule {name!r}")
+  if warmup_steps <= 0:
+    return after
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, learning_rate, warmup_steps), after],
+      [warmup_steps])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything about a run that the privacy guarantee depends on."""
+  dataset_size: int
+  batch_size: int
+  steps: int
+  sampling: str
+  clip_norm: float
+  delta: float
+  target_epsilon: float
+  noise_multiplier: float
+  accountant: str
+  seed: int
+
+  def guarantee(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _steps(train_steps, epochs, n, batch_size) -> int:
+  if train_steps:
+    return int(train_steps)
+  if epochs:
+    return math.ceil(epochs * n / batch_size)
+  raise gin_cli.UsageError("set TRAIN_STEPS or train.epochs")
+
+
+def make_sampler(kind: str, n: int, batch_size: int, seed: int):
+  if kind == "poisson":
+    return sampling.PoissonSampler(n, batch_size, seed=seed)
+  if kind == "shuffle":
+    return sampling.ShuffleSampler(n, batch_size, seed=seed)
+  raise gin_cli.UsageError(f"train.sampling must be 'poisson' or 'shuffle', "
+                           f"got {kind!r}")
+
+
+def _gather(arrays: Mapping[str, np.ndarray], idx: np.ndarray) -> dict:
+  return {k: v[idx] for k, v in arrays.items()}
+
+
+def _microbatch_groups(idx, mask, k):
+  """Splits [K', m] index/mask arrays into groups of exactly k microbatches."""
+  groups = []
+  for start in range(0, len(idx), k):
+    i, m = idx[start:start + k], mask[start:start + k]
+    if len(i) < k:  # overflow remainder: pad with masked rows
+      pad = k - len(i)
+      i = np.concatenate([i, np.zeros((pad, i.shape[1]), i.dtype)])
+      m = np.concatenate([m, np.zeros((pad, m.shape[1]), m.dtype)])
+    groups.append((i, m))
+  return groups
+
+
+def build_dp_step(model_config: t5.T5Config, *, clip_norm: float,
+                  optimizer: str, learning_rate: optax.ScalarOrSchedule,
+                  noise_multiplier: float, normalizer: float, seed: int):
+  """(DP optimizer, accumulate, apply) for a model: the un-jitted DP step."""
+  if optimizer not in OPTIMIZERS:
+    raise gin_cli.UsageError(f"unknown optimizer {optimizer!r}; choose from "
+                             f"{sorted(OPTIMIZERS)}")
+  clipped = clipping.clipped_grad(t5.make_example_loss(model_config),
+                                  clip_norm=clip_norm)
+  tx = OPTIMIZERS[optimizer](learning_rate, noise_multiplier=noise_multiplier,
+                             sensitivity=clipped.sensitivity,
+                             normalizer=normalizer, seed=seed)
+  accumulate = train_step.make_accumulate(
+      clipped, seed=seed, dropout=model_config.dropout_rate > 0)
+  return tx, accumulate, train_step.make_apply(tx)
+
+
+@gin.configurable
+def train(*, model_dir: str = gin.REQUIRED,
+          model_config: t5.T5Config = gin.REQUIRED,
+          mixture_or_task_name: str = gin.REQUIRED,
+          task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+          batch_size: int = gin.REQUIRED,
+          train_steps: int | None = None,
+          epochs: float | None = None,
+          microbatch_size: int | None = None,
+          target_epsilon: float | str = 3.0,
+          delta: float | None = None,
+          clip_norm: float = 0.1,
+          noise_multiplier: float | None = None,
+          accountant: str = "rdp",
+          sampling_method: str = "poisson",
+          optimizer: str = "adam",
+          learning_rate: optax.ScalarOrSchedule | None = None,
+          seed: int = 0,
+          checkpoint_period: int = 1000,
+          keep_checkpoints: int = 3,
+          log_period: int = 10,
+          eval_period: int = 0,
+          eval_examples: int = 2048,
+          generate_after_training: bool = False) -> dict:
+  """Runs (or resumes) one DP training job; returns a summary dict."""
+  import tasks  # the data layer (TensorFlow) is only imported by the driver
+  from dpjax.data import arrays as data_arrays
+  wall_start = time.perf_counter()
+  model_dir = os.path.abspath(os.path.expanduser(model_dir))
+  target_epsilon = float(target_epsilon)
+  if not (target_epsilon > 0):
+    raise gin_cli.UsageError(f"target epsilon must be > 0 (or 'inf'), got "
+                             f"{target_epsilon}")
+
+  # --- Data: validated before anything is written. -------------------------
+  tasks.register_tasks()
+  lengths = dict(task_feature_lengths)
+  data = data_arrays.load_task_arrays(mixture_or_task_name, "train", lengths)
+  n = len(data["encoder_input_tokens"])
+  print(f"dpjax: {mixture_or_task_name} train split: {n} examples, "
+        f"feature lengths {lengths}", flush=True)
+  steps = _steps(train_steps, epochs, n, batch_size)
+  sampler = make_sampler(sampling_method, n, batch_size, seed)
+  delta = float(delta) if delta is not None else 1.0 / (2 * n)
+
+  # --- Privacy plan: resume the ledger or calibrate σ; refuse to overspend. -
+  mngr = None
+  resume = None
+  if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+    mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
+    resume = checkpoints.latest_meta(mngr)
+  if resume:
+    ledger = ledger_lib.PrivacyLedger.from_json(resume[1]["ledger"])
+    sigma = ledger.noise_multiplier
+  elif math.isinf(target_epsilon):
+    sigma = 0.0
+  elif noise_multiplier is not None:
+    sigma = float(noise_multiplier)
+  else:
+    sigma = accounting.calibrate_noise_multiplier(
+        target_epsilon, delta,
+        lambda s: accounting.training_events(sampler.describe(), (s,), steps),
+        accountant=accountant)
+  plan = Plan(n, batch_size, steps, sampling_method, float(clip_norm), delta,
+              target_epsilon, float(sigma), accountant, seed)
+  if resume:
+    checkpoints.check_compatible(resume[1]["plan"], plan.guarantee(),
+                                 "privacy plan")
+    checkpoints.check_compatible(resume[1]["model_config"],
+                                 model_config.to_json(), "model")
+  else:
+    ledger = ledger_lib.PrivacyLedger(
+        accountant=accountant, sampling=sampler.describe(),
+        noise_multiplier=float(sigma), clip_norm=float(clip_norm),
+        dataset_size=n, delta=delta, target_epsilon=target_epsilon)
+  start_step = resume[0] if resume else 0
+  planned = ledger.planned_events(steps)
+  try:
+    ledger.check_budget(planned)
+  except ledger_lib.BudgetExceededError as e:
+    raise ledger_lib.BudgetExceededError(f"refusing to start: {e}") from None
+  planned_eps = accounting.epsilon(ledger.events + planned, delta, accountant)
+  print(f"dpjax: {steps} DP steps, {sampler.describe()['method']} sampling "
+        f"(q={batch_size / n:.4g}), σ={sigma:.4f}, C={clip_norm}, δ={delta:.3g}"
+        f", planned ε={planned_eps:.4f} (target {target_epsilon})", flush=True)
+
+  # --- Model, mesh, optimizer, state. ---------------------------------------
+  mesh = partitioning.make_mesh()
+  data_devices = mesh.shape.get("data", 1)
+  m = microbatch_size or sampler.max_batch_size
+  m = -(-m // data_devices) * data_devices
+  k = -(-sampler.max_batch_size // m)
+  params, axes = t5.init_params(model_config, jax.random.PRNGKey(seed),
+                                input_length=lengths["inputs"],
+                                target_length=lengths["targets"])
+  params = jax.device_put(params, partitioning.param_shardings(mesh, axes))
+  schedule = learning_rate if learning_rate is not None else \
+      learning_rate_schedule(total_steps=steps)
+  normalizer = (sampler.sampling_rate * n
+                if isinstance(sampler, sampling.PoissonSampler) else batch_size)
+  tx, accumulate_fn, apply_fn = build_dp_step(
+      model_config, clip_norm=float(clip_norm), optimizer=optimizer,
+      learning_rate=schedule, noise_multiplier=float(sigma),
+      normalizer=normalizer, seed=seed)
+  state = train_step.init_state(params, tx)
+  if mngr is None:
+    mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
+  if resume:
+    state = checkpoints.restore_state(mngr, start_step, state)
+    print(f"dpjax: resumed {model_dir} at step {start_step}, "
+          f"ε spent {ledger.epsilon_spent():.4f}", flush=True)
+  os.makedirs(model_dir, exist_ok=True)
+  with open(os.path.join(model_dir, "config.gin"), "w") as f:
+    f.write(gin.config_str())
+
+  accumulate = jax.jit(accumulate_fn, donate_argnums=(1,))
+  apply = jax.jit(apply_fn, donate_argnums=(0,))
+  eval_step = jax.jit(train_step.make_eval_step(
+      t5.make_batch_loss(model_config)))
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1)
+  eval_data = (data_arrays.load_task_arrays(mixture_or_task_name, "validation",
+                                            lengths) if eval_period else None)
+
+  def meta(step):
+    return {"ledger": ledger.to_json(), "plan": plan.guarantee(),
+            "model_config": model_config.to_json(),
+            "data_position": {"step": step, "seed": seed},
+            "sampler": sampler.describe(),
+            "mixture_or_task_name": mixture_or_task_name,
+            "task_feature_lengths": lengths}
+
+  def run_eval(params) -> float:
+    total, count = 0.0, 0.0
+    num = min(eval_examples, len(eval_data["encoder_input_tokens"]))
+    for s in range(0, num, m):
+      idx = np.arange(s, s + m) % num
+      mask = (np.arange(s, s + m) < num).astype(np.float32)
+      loss_sum, c = eval_step(params, _gather(eval_data, idx), mask)
+      total, count = total + float(loss_sum), count + float(c)
+    return total / max(count, 1)
+
+  summaries = reporting.Summaries(model_dir)
+  progress = reporting.Progress(steps, start_step)
+  window: list[dict] = []
+  window_steps, window_start = 0, time.perf_counter()
+  last = {}
+  for step in range(start_step, steps):
+    idx, mask = sampler.microbatches(step, m)
+    grads = train_step.zeros_like_f32(state.params)
+    step_metrics = []
+    for call, (i, mk) in enumerate(_microbatch_groups(idx, mask, k)):
+      batch = jax.device_put(_gather(data, i), batch_sh)
+      grads, metrics = accumulate(state.params, grads, batch,
+                                  jax.device_put(mk, mask_sh), step, call)
+      step_metrics.append(metrics)
+    state = apply(state, grads)
+    ledger.record_dp_steps()
+    window.extend(step_metrics)
+    window_steps += 1
+    done = step + 1
+    if done % log_period == 0 or done == steps:
+      host = jax.device_get(window)
+      elapsed = time.perf_counter() - window_start
+      real = sum(h["num_examples"] for h in host)
+      tokens = sum(h["num_tokens"] for h in host)
+      last = {
+          "loss": sum(h["loss_sum"] for h in host) / max(real, 1),
+          "epsilon": ledger.epsilon_spent(),
+          "clipped_fraction": sum(h["num_clipped"] for h in host) / max(real, 1),
+          "nonfinite_examples": float(sum(h["num_nonfinite"] for h in host)),
+          "tokens_per_second": tokens / max(elapsed, 1e-9),
+          "examples_per_step": real / window_steps,
+          "learning_rate": float(schedule(done) if callable(schedule)
+                                 else schedule),
+          **{q: float(np.mean([h[q] for h in host]))
+             for q in host[0] if q.startswith("grad_norm_p")},
+      }
+      summaries.scalars("train", done, last)
+      progress.report(done, loss=last["loss"], eps_spent=last["epsilon"],
+                      eps_target=target_epsilon,
+                      tokens_per_s=last["tokens_per_second"],
+                      clipped=last["clipped_fraction"])
+      window, window_steps, window_start = [], 0, time.perf_counter()
+    if eval_period and (done % eval_period == 0 or done == steps):
+      eval_loss = run_eval(state.params)
+      summaries.scalars("eval", done, {"loss": eval_loss})
+      last["eval_loss"] = eval_loss
+      print(f"dpjax: step {done} eval loss {eval_loss:.4f}", flush=True)
+    if done % checkpoint_period == 0 or done == steps:
+      checkpoints.save(mngr, done, state, meta(done), model_dir)
+  summaries.close()
+  if start_step == steps:
+    print(f"dpjax: {model_dir} already holds all {steps} steps", flush=True)
+  eps = ledger.epsilon_spent()
+  result = {"model_dir": model_dir, "steps": steps, "epsilon_spent": eps,
+            "target_epsilon": target_epsilon, "delta": delta,
+            "noise_multiplier": sigma, "wall_seconds":
+                time.perf_counter() - wall_start, **last}
+  print(f"dpjax: trained {model_dir}: ε spent {eps:.4f} of "
+        f"{target_epsilon} (δ={delta:.3g}); checkpoints in "
+        f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
+        f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}", flush=True)
+  if generate_after_training:
+    from dpjax import inference
+    result["generation"] = inference.generate_synthetic(model_dir=model_dir)
+  with open(os.path.join(model_dir, "train_summary.json"), "w") as f:
+    json.dump(result, f, indent=2, default=str)
+  return result

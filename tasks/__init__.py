@@ -1,0 +1,40 @@
+"""seqio tasks of dpjax (data layer: TensorFlow/seqio live here and in
+`dpjax.data`, never in `dpjax.privacy`, `dpjax.models` or the train step).
+
+Importing this package registers nothing: it only makes the gin configurables
+available (`register_tasks`, `register_msmarco_query_generation`) and does not
+import TensorFlow. The trainer calls `register_tasks()` after parsing its gin
+files, e.g.::
+
+    register_msmarco_query_generation.data_dir = "/data/msmarco"
+    register_msmarco_query_generation.vocabulary_path = "/data/t5/spm.model"
+"""
+
+from __future__ import annotations
+
+import gin
+
+from tasks import msmarco
+from tasks.msmarco import (  # noqa: F401  (re-exported)
+    DEFAULT_SAMPLE_DIR,
+    DEFAULT_TASK_NAME,
+    DEFAULT_VOCABULARY_PATH,
+    TASK_FEATURE_LENGTHS,
+    MalformedLineError,
+    load_collection_ids,
+    load_query_passage_pairs,
+    register_msmarco_query_generation,
+)
+
+
+@gin.configurable
+def register_tasks(msmarco_query_generation: bool = True) -> list[str]:
+  """Registers the project's seqio tasks; returns their names.
+
+  Idempotent: re-registering replaces the previous registration, so it picks
+  up the current gin bindings of each registration function.
+  """
+  names = []
+  if msmarco_query_generation:
+    names.append(msmarco.register_msmarco_query_generation().name)
+  return names

@@ -1,0 +1,385 @@
+"""MSMARCO passage-ranking readers and the seqio query-generation task.
+
+Data layer only: this module (like everything under `tasks/` and
+`dpjax/data/`) may import TensorFlow and seqio. The DP core -- `dpjax.privacy`,
+`dpjax.models` and the train step -- never does; it receives numpy arrays
+(see `dpjax.data.arrays`).
+
+Files follow the published MSMARCO passage-ranking layout, all UTF-8, tab
+separated, one record per line:
+
+* `collection.tsv`          `pid \\t passage`
+* `queries.{split}.tsv`     `qid \\t query`
+* `qrels.{split}.tsv`       `qid \\t 0 \\t pid \\t relevance`  (TREC qrels)
+
+with `split` in {"train", "dev"}. The readers are pure Python (no TF) and
+memory-conscious: the qrels are read first and `collection.tsv` (8.8M passages
+in the full dataset) is streamed keeping only the passages that are needed.
+
+The task (see `register_msmarco_query_generation`) is the paper's document ->
+query generation task: inputs `"generate_query: " + passage`, targets the
+query, one example per relevant (query, passage) pair.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable, Iterator
+
+import gin
+
+_MODULE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+DEFAULT_SAMPLE_DIR = os.path.join(_MODULE_DIR, "data", "msmarco_sample")
+DEFAULT_VOCABULARY_PATH = os.path.join(
+    DEFAULT_SAMPLE_DIR, "spm", "msmarco_sample.model"
+)
+DEFAULT_TASK_NAME = "msmarco_query_generation"
+INPUT_PREFIX = "generate_query: "
+# Maximum token lengths used in the paper: 384 for documents, 128 for queries.
+TASK_FEATURE_LENGTHS = {"inputs": 384, "targets": 128}
+
+COLLECTION_FILE = "collection.tsv"
+# seqio split name -> MSMARCO file split name.
+SPLITS = {"train": "train", "dev": "dev", "validation": "dev"}
+
+_ON_MALFORMED = ("fail", "skip")
+
+logger = logging.getLogger(__name__)
+
+
+class MalformedLineError(ValueError):
+  """A line of an MSMARCO file cannot be used; message is `path:lineno: why`."""
+
+  def __init__(self, path: str, lineno: int, reason: str):
+    self.path, self.lineno, self.reason = path, lineno, reason
+    super().__init__(f"{path}:{lineno}: {reason}")
+
+
+class _MalformedPolicy:
+  """Raises on a malformed line ("fail") or counts and skips it ("skip")."""
+
+  def __init__(self, on_malformed: str, what: str):
+    if on_malformed not in _ON_MALFORMED:
+      raise ValueError(
+          f"on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}"
+      )
+    self.on_malformed = on_malformed
+    self.what = what
+    self.count = 0
+    self.first: str | None = None
+
+  def __call__(self, path: str, lineno: int, reason: str) -> None:
+    error = MalformedLineError(path, lineno, reason)
+    if self.on_malformed == "fail":
+      raise error
+    self.count += 1
+    if self.first is None:
+      self.first = str(error)
+
+  def report(self) -> None:
+    if self.count:
+      logger.warning(
+          "Skipped %d malformed %s (first: %s)", self.count, self.what,
+          self.first,
+      )
+
+
+def _iter_fields(path: str, policy: _MalformedPolicy, num_fields: int
+                 ) -> Iterator[tuple[int, list[str]]]:
+  """Yields (lineno, fields) of each non-blank line with `num_fields` fields."""
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        policy(path, lineno, f"invalid UTF-8 ({e.reason})")
+        continue
+      line = line.rstrip("\r\n")
+      if not line.strip():
+        continue  # Blank lines (e.g. a trailing one) carry no record.
+      fields = line.split("\t")
+      if len(fields) != num_fields:
+        policy(path, lineno,
+               f"expected {num_fields} tab-separated columns, got {len(fields)}")
+        continue
+      yield lineno, fields
+
+
+def _parse_id(text: str) -> int:
+  """Parses a (possibly negative) ASCII integer; ValueError(text) otherwise."""
+  digits = text.strip()
+  digits = digits[1:] if digits.startswith("-") else digits
+  if not (digits.isascii() and digits.isdigit()):
+    raise ValueError(text)
+  return int(text)
+
+
+def read_tsv_pairs(path: str, *, on_malformed: str = "fail",
+                   keep_ids: Iterable[int] | None = None
+                   ) -> Iterator[tuple[int, str]]:
+  """Streams `(id, text)` from an `id \\t text` file (collection or queries).
+
+  Args:
+    path: a `collection.tsv` or `queries.*.tsv` file.
+    on_malformed: "fail" raises `MalformedLineError("path:line: reason")` on a
+      line with other than 2 columns, a non-integer id, empty text, a
+      duplicate (kept) id or invalid UTF-8; "skip" skips such lines, and logs
+      one warning with their count and the first location when the iteration
+      ends.
+    keep_ids: if given, only records whose id is in it are yielded (every line
+      is still validated). Used to stream the 8.8M-passage collection.
+
+  Yields:
+    `(id, text)` in file order; text is stripped of surrounding whitespace.
+  """
+  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
+  keep = None if keep_ids is None else set(keep_ids)
+  seen: set[int] = set()
+  try:
+    for lineno, (id_text, text) in _iter_fields(path, policy, 2):
+      try:
+        rid = _parse_id(id_text)
+      except ValueError:
+        policy(path, lineno, f"id is not an integer: {id_text!r}")
+        continue
+      text = text.strip()
+      if not text:
+        policy(path, lineno, f"empty text for id {rid}")
+        continue
+      if keep is not None and rid not in keep:
+        continue
+      # Duplicates are only tracked among the kept ids: a set of all 8.8M
+      # collection ids would cost more memory than the kept passages.
+      if rid in seen:
+        policy(path, lineno, f"duplicate id {rid}")
+        continue
+      seen.add(rid)
+      yield rid, text
+  finally:
+    policy.report()
+
+
+def read_qrels(path: str, *, on_malformed: str = "fail"
+               ) -> Iterator[tuple[int, int, int, int]]:
+  """Streams `(qid, pid, relevance, lineno)` from a 4-column TREC qrels file.
+
+  MSMARCO's qrels are `qid \\t 0 \\t pid \\t relevance`; any other column count
+  or a non-integer field is malformed (see `read_tsv_pairs` for
+  `on_malformed`). Rows are yielded in file order, including non-relevant ones
+  (relevance <= 0); a repeated (qid, pid) row is yielded once.
+  """
+  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
+  seen: set[tuple[int, int]] = set()
+  try:
+    for lineno, fields in _iter_fields(path, policy, 4):
+      try:
+        qid, _, pid, rel = (_parse_id(x) for x in fields)
+      except ValueError as e:
+        policy(path, lineno, f"qrels fields must be integers, got {e.args[0]!r}")
+        continue
+      if (qid, pid) in seen:
+        continue
+      seen.add((qid, pid))
+      yield qid, pid, rel, lineno
+  finally:
+    policy.report()
+
+
+def _split_files(data_dir: str, split: str) -> dict[str, str]:
+  """Checks the MSMARCO files for `split` exist; returns their paths."""
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+  name = SPLITS[split]
+  files = {
+      "collection": COLLECTION_FILE,
+      "queries": f"queries.{name}.tsv",
+      "qrels": f"qrels.{name}.tsv",
+  }
+  expected = ", ".join(files.values())
+  if not os.path.isdir(data_dir):
+    raise FileNotFoundError(
+        f"MSMARCO data directory not found: {data_dir!r} (expected a directory "
+        f"holding {expected})"
+    )
+  paths = {k: os.path.join(data_dir, v) for k, v in files.items()}
+  missing = [files[k] for k, p in paths.items() if not os.path.isfile(p)]
+  if missing:
+    raise FileNotFoundError(
+        f"MSMARCO files missing in {data_dir!r}: {', '.join(missing)} (split "
+        f"{split!r} expects {expected})"
+    )
+  return paths
+
+
+def _relevant_qrels(path: str, on_malformed: str
+                    ) -> list[tuple[int, int, int]]:
+  """`(qid, pid, lineno)` of the relevant (relevance > 0) qrels rows."""
+  return [(qid, pid, lineno)
+          for qid, pid, rel, lineno in read_qrels(path, on_malformed=on_malformed)
+          if rel > 0]
+
+
+def load_query_passage_pairs(data_dir: str, split: str, *,
+                             on_malformed: str = "fail"
+                             ) -> list[tuple[int, int, str, str]]:
+  """Joins qrels with queries and passages.
+
+  Reads `qrels.{split}.tsv` first, then the queries, then streams
+  `collection.tsv` keeping only the passages that relevant qrels refer to.
+
+  Args:
+    data_dir: directory with MSMARCO's `collection.tsv`, `queries.{split}.tsv`
+      and `qrels.{split}.tsv`.
+    split: "train" or "dev" ("validation" is an alias of "dev").
+    on_malformed: "fail" or "skip" (see `read_tsv_pairs`). A relevant qrels
+      row whose query or passage is missing is treated as a malformed qrels
+      line.
+
+  Returns:
+    `(qid, pid, query, passage)` for each relevant (relevance > 0) qrels row,
+    in qrels file order.
+
+  Raises:
+    FileNotFoundError: `data_dir` or one of the three files does not exist.
+    MalformedLineError: a malformed line, with `on_malformed="fail"`.
+  """
+  paths = _split_files(data_dir, split)
+  qrels = _relevant_qrels(paths["qrels"], on_malformed)
+  qids = {qid for qid, _, _ in qrels}
+  queries = dict(read_tsv_pairs(paths["queries"], on_malformed=on_malformed,
+                                keep_ids=qids))
+  passages = dict(read_tsv_pairs(paths["collection"], on_malformed=on_malformed,
+                                 keep_ids={pid for _, pid, _ in qrels}))
+  policy = _MalformedPolicy(on_malformed, f"qrels rows in {paths['qrels']}")
+  pairs = []
+  for qid, pid, lineno in qrels:
+    if qid not in queries:
+      policy(paths["qrels"], lineno,
+             f"query {qid} not found in {os.path.basename(paths['queries'])}")
+    elif pid not in passages:
+      policy(paths["qrels"], lineno,
+             f"passage {pid} not found in {COLLECTION_FILE}")
+    else:
+      pairs.append((qid, pid, queries[qid], passages[pid]))
+  policy.report()
+  return pairs
+
+
+def load_collection_ids(data_dir: str, split: str = "train", *,
+                        on_malformed: str = "fail") -> list[int]:
+  """The distinct pids of the relevant qrels rows of `split`, first-seen order.
+
+  For "train" these are the training documents: the query-generation pipeline
+  generates one synthetic query per pid. Only the qrels file is read (the
+  pids are not checked against `collection.tsv`; `load_query_passage_pairs`
+  does that).
+  """
+  paths = _split_files(data_dir, split)
+  return list(dict.fromkeys(
+      pid for _, pid, _ in _relevant_qrels(paths["qrels"], on_malformed)))
+
+
+# ---------------------------------------------------------------------------
+# seqio task.
+# ---------------------------------------------------------------------------
+
+
+def _examples_dataset(pairs: list[tuple[int, int, str, str]]):
+  """A tf.data.Dataset of {'inputs', 'targets', 'qid', 'pid'} from pairs."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  return tf.data.Dataset.from_tensor_slices({
+      "inputs": tf.constant([INPUT_PREFIX + p for _, _, _, p in pairs],
+                            dtype=tf.string, shape=[len(pairs)]),
+      "targets": tf.constant([q for _, _, q, _ in pairs], dtype=tf.string,
+                             shape=[len(pairs)]),
+      "qid": np.array([qid for qid, _, _, _ in pairs], dtype=np.int64),
+      "pid": np.array([pid for _, pid, _, _ in pairs], dtype=np.int64),
+  })
+
+
+@gin.configurable
+def register_msmarco_query_generation(
+    data_dir: str | None = DEFAULT_SAMPLE_DIR,
+    vocabulary_path: str | None = DEFAULT_VOCABULARY_PATH,
+    on_malformed: str = "fail",
+    task_name: str = DEFAULT_TASK_NAME,
+):
+  """Registers (or re-registers) the MSMARCO query-generation seqio Task.
+
+  Examples: `inputs = "generate_query: " + passage`, `targets = query`, plus
+  the integer passthrough features `qid` and `pid`; one per relevant qrels
+  row. Splits: "train" and "validation" (MSMARCO's dev). Preprocessing:
+  tokenize, then append EOS after trimming to the requested length.
+
+  Args:
+    data_dir: MSMARCO directory; None means the embedded fictional sample.
+    vocabulary_path: SentencePiece model (T5 ids: pad 0, eos 1); None means
+      the embedded sample's vocabulary.
+    on_malformed: "fail" or "skip" (see `load_query_passage_pairs`).
+    task_name: registry name; a task already registered under it is replaced.
+
+  Returns:
+    The registered `seqio.Task`.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  data_dir = DEFAULT_SAMPLE_DIR if data_dir is None else data_dir
+  vocabulary_path = (DEFAULT_VOCABULARY_PATH if vocabulary_path is None
+                     else vocabulary_path)
+  if on_malformed not in _ON_MALFORMED:
+    raise ValueError(
+        f"on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}")
+  splits = ("train", "validation")
+  # Fail fast on a wrong directory, and count the examples from the (small)
+  # qrels files: exact unless rows get skipped as malformed.
+  num_input_examples = {
+      split: len(_relevant_qrels(_split_files(data_dir, split)["qrels"],
+                                 on_malformed))
+      for split in splits
+  }
+  if not tf.io.gfile.exists(vocabulary_path):
+    raise FileNotFoundError(
+        f"SentencePiece model not found: {vocabulary_path!r}")
+
+  def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None):
+    pairs = load_query_passage_pairs(data_dir, split, on_malformed=on_malformed)
+    if shuffle_files:
+      order = np.random.default_rng(seed).permutation(len(pairs))
+      pairs = [pairs[i] for i in order]
+    return _examples_dataset(pairs)
+
+  vocabulary = seqio.SentencePieceVocabulary(vocabulary_path)
+  output_features = {
+      "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True,
+                              required=True),
+      "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True,
+                               required=True),
+  }
+  if task_name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(task_name)
+  return seqio.TaskRegistry.add(
+      task_name,
+      source=seqio.FunctionDataSource(
+          dataset_fn=dataset_fn, splits=splits,
+          num_input_examples=num_input_examples),
+      preprocessors=[
+          seqio.preprocessors.tokenize,
+          seqio.preprocessors.append_eos_after_trim,
+      ],
+      output_features=output_features,
+      metric_fns=[],
+  )
+
+
+__all__ = [
+    "DEFAULT_SAMPLE_DIR", "DEFAULT_VOCABULARY_PATH", "DEFAULT_TASK_NAME",
+    "INPUT_PREFIX", "TASK_FEATURE_LENGTHS", "MalformedLineError",
+    "read_tsv_pairs", "read_qrels", "load_query_passage_pairs",
+    "load_collection_ids", "register_msmarco_query_generation",
+]

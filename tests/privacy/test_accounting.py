@@ -1,0 +1,153 @@
+"""Accounting against direct dp_accounting computations."""
+
+import math
+
+import dp_accounting as dpa
+from dp_accounting import pld
+from dp_accounting import rdp
+import pytest
+
+from dpjax.privacy import accounting
+
+DELTA = 1e-5
+
+
+def direct_epsilon(event, acc):
+  if acc == "rdp":
+    accountant = rdp.RdpAccountant(orders=accounting.RDP_ORDERS)
+  else:
+    accountant = pld.PLDAccountant(value_discretization_interval=1e-3)
+  return accountant.compose(event).get_epsilon(DELTA)
+
+
+def poisson_event(q, sigma, steps):
+  return dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps)
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_dpsgd_epsilon_matches_dp_accounting(acc):
+  got = accounting.dpsgd_epsilon(1.1, 0.01, 500, DELTA, acc)
+  assert got == pytest.approx(direct_epsilon(poisson_event(0.01, 1.1, 500),
+                                             acc), rel=1e-9)
+  assert 0 < got < 10
+
+
+def test_multiple_noise_multipliers_rdp_is_composed_event():
+  event = accounting.PoissonGaussian(0.02, (1.0, 2.0), 300)
+  direct = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(
+      0.02, dpa.ComposedDpEvent([dpa.GaussianDpEvent(1.0),
+                                 dpa.GaussianDpEvent(2.0)])), 300)
+  assert event.to_dp_event() == direct
+  assert accounting.epsilon([event], DELTA) == pytest.approx(
+      direct_epsilon(direct, "rdp"), rel=1e-9)
+
+
+def test_multiple_noise_multipliers_pld_equals_composed_gaussians():
+  # Without subsampling PLD accepts the composed Gaussians directly, which
+  # checks the effective-noise reduction used under Poisson sampling.
+  sigmas = (1.5, 3.0, 4.0)
+  got = accounting.epsilon([accounting.PoissonGaussian(1.0, sigmas, 4)],
+                           DELTA, "pld")
+  direct = dpa.SelfComposedDpEvent(
+      dpa.ComposedDpEvent([dpa.GaussianDpEvent(s) for s in sigmas]), 4)
+  assert got == pytest.approx(direct_epsilon(direct, "pld"), rel=1e-2)
+  assert accounting.effective_noise_multiplier(sigmas) == pytest.approx(
+      sum(s ** -2 for s in sigmas) ** -0.5)
+
+
+def test_gaussian_event_matches_analytic_gaussian():
+  event = accounting.Gaussian(3.0, 4)  # == one Gaussian with sigma 1.5.
+  exact = dpa.get_epsilon_gaussian(1.5, DELTA)
+  assert accounting.epsilon([event], DELTA, "pld") == pytest.approx(
+      exact, rel=1e-2)
+  assert accounting.epsilon([event], DELTA, "rdp") >= exact
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_composition_of_unlike_events(acc):
+  events = [accounting.PoissonGaussian(0.01, (1.0,), 200),
+            accounting.Gaussian(20.0, 5),
+            accounting.PoissonGaussian(0.05, (2.0,), 50)]
+  direct = dpa.ComposedDpEvent([
+      poisson_event(0.01, 1.0, 200),
+      dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(20.0), 5),
+      poisson_event(0.05, 2.0, 50)])
+  got = accounting.epsilon(events, DELTA, acc)
+  assert got == pytest.approx(direct_epsilon(direct, acc), rel=1e-9)
+  assert got > accounting.epsilon(events[:1], DELTA, acc)
+
+
+@pytest.mark.parametrize("acc,target", [("rdp", 2.0), ("pld", 1.0)])
+def test_calibration_is_tight_and_matches_dp_accounting(acc, target):
+  q, steps = 0.02, 200
+  sigma = accounting.dpsgd_noise_multiplier(target, DELTA, q, steps, acc)
+  eps = direct_epsilon(poisson_event(q, sigma, steps), acc)
+  assert 0.99 * target <= eps <= target
+  direct_sigma = dpa.calibrate_dp_mechanism(
+      lambda: (rdp.RdpAccountant(accounting.RDP_ORDERS) if acc == "rdp"
+               else pld.PLDAccountant(value_discretization_interval=1e-3)),
+      lambda s: poisson_event(q, s, steps), target, DELTA)
+  assert sigma == pytest.approx(direct_sigma, rel=1e-3)
+
+
+def test_calibrate_general_events():
+  def make_events(s):
+    return [accounting.PoissonGaussian(0.01, (s, 2 * s), 100),
+            accounting.Gaussian(10 * s, 2)]
+  sigma = accounting.calibrate_noise_multiplier(1.5, DELTA, make_events)
+  eps = accounting.epsilon(make_events(sigma), DELTA)
+  assert 0.99 * 1.5 <= eps <= 1.5
+
+
+def test_infinite_target_means_no_noise_and_empty_is_free():
+  assert accounting.dpsgd_noise_multiplier(math.inf, DELTA, 0.1, 10) == 0.0
+  assert accounting.epsilon([], DELTA) == 0.0
+  assert accounting.dpsgd_epsilon(0.0, 0.1, 10, DELTA) == math.inf
+  assert accounting.dpsgd_epsilon(0.0, 0.1, 10, DELTA, "pld") == math.inf
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.dpsgd_noise_multiplier(0.0, DELTA, 0.1, 10),
+    lambda: accounting.dpsgd_noise_multiplier(-1.0, DELTA, 0.1, 10),
+    lambda: accounting.dpsgd_noise_multiplier(1.0, 0.0, 0.1, 10),
+    lambda: accounting.dpsgd_noise_multiplier(1.0, 1.0, 0.1, 10),
+    lambda: accounting.dpsgd_noise_multiplier(1.0, DELTA, 0.0, 10),
+    lambda: accounting.dpsgd_noise_multiplier(1.0, DELTA, 1.5, 10),
+    lambda: accounting.dpsgd_noise_multiplier(1.0, DELTA, 0.1, 0),
+    lambda: accounting.dpsgd_epsilon(-0.5, 0.1, 10, DELTA),
+    lambda: accounting.dpsgd_epsilon(1.0, 0.1, 10, DELTA, "moments"),
+    lambda: accounting.PoissonGaussian(0.1, (), 1),
+    lambda: accounting.Gaussian(1.0, 0),
+])
+def test_invalid_inputs_raise_one_line_value_errors(call):
+  with pytest.raises(ValueError) as info:
+    call()
+  assert "\n" not in str(info.value)
+
+
+def test_events_round_trip_through_json_and_merge():
+  events = [accounting.PoissonGaussian(0.01, [1.0, 2.0], 3),
+            accounting.Gaussian(2.0, 4)]
+  for e in events:
+    assert accounting.event_from_json(e.to_json()) == e
+  assert events[0].noise_multipliers == (1.0, 2.0)
+  merged = accounting.merge(events[0],
+                            accounting.PoissonGaussian(0.01, (1.0, 2.0), 5))
+  assert merged == accounting.PoissonGaussian(0.01, (1.0, 2.0), 8)
+  assert accounting.merge(events[0], events[1]) is None
+  with pytest.raises(ValueError):
+    accounting.event_from_json({"type": "laplace"})
+
+
+def test_shuffle_accounting():
+  assert accounting.shuffle_epochs_event(2.0, 3) == accounting.Gaussian(1.0, 3)
+  sampling = {"method": "shuffle", "steps_per_epoch": 10}
+  assert accounting.training_events(sampling, (2.0,), 25) == [
+      accounting.Gaussian(1.0, 3)]  # 2.5 epochs count as 3.
+  assert accounting.training_events(sampling, (2.0,), 25, start=20) == [
+      accounting.Gaussian(1.0, 1)]  # epoch 3 starts at step 20
+  assert accounting.training_events(sampling, (2.0,), 25, start=21) == []
+  poisson = {"method": "poisson", "sampling_rate": 0.1}
+  assert accounting.training_events(poisson, (1.0, 2.0), 7) == [
+      accounting.PoissonGaussian(0.1, (1.0, 2.0), 7)]

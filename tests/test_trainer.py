@@ -1,0 +1,228 @@
+"""End-to-end behaviour of `dpjax.train` on the embedded sample (tiny T5)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+import tasks
+from dpjax import checkpoints, gin_cli, trainer
+from dpjax.data import arrays as data_arrays
+from dpjax.models import t5
+from dpjax.privacy import accounting, ledger as ledger_lib, sampling
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = [
+    "TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 16}",
+    "BATCH_SIZE = 16",
+    "MICROBATCH_SIZE = 8",
+    "train.log_period = 2",
+    "train.eval_period = 0",
+    "train.checkpoint_period = 4",
+    "train.generate_after_training = False",
+]
+
+
+def configure(model_dir, *extra):
+  gin.clear_config()
+  gin_cli.configure(["quickstart.gin"],
+                    [f"MODEL_DIR = '{model_dir}'", *TINY, *extra])
+
+
+def run(model_dir, *extra) -> dict:
+  configure(model_dir, *extra)
+  return trainer.train()
+
+
+def restored_params(model_dir):
+  mngr = checkpoints.manager(str(model_dir))
+  return checkpoints.restore_params(mngr, mngr.latest_step())
+
+
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory):
+  """An uninterrupted 8-step DP run (the reference for several tests)."""
+  model_dir = tmp_path_factory.mktemp("uninterrupted")
+  result = run(model_dir, "TRAIN_STEPS = 8")
+  return model_dir, result
+
+
+def test_run_writes_ledger_matching_dp_accounting(eight_steps):
+  model_dir, result = eight_steps
+  ledger = ledger_lib.PrivacyLedger.load(
+      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
+  n = 2998
+  q = 16 / n
+  assert ledger.steps == 8
+  assert ledger.delta == pytest.approx(1 / (2 * n))
+  assert ledger.sampling["method"] == "poisson"
+  assert ledger.sampling["sampling_rate"] == pytest.approx(q)
+  # σ was calibrated for 8 steps at ε = 3: ε spent equals a direct
+  # dp-accounting call and reaches the target within 1%.
+  direct = accounting.dpsgd_epsilon(ledger.noise_multiplier, q, 8,
+                                    ledger.delta)
+  assert result["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
+  assert 0.99 * 3.0 <= result["epsilon_spent"] <= 3.0
+  for name in ("config.gin", "train_summary.json"):
+    assert os.path.isfile(os.path.join(model_dir, name))
+  assert os.listdir(os.path.join(model_dir, "train"))  # TensorBoard events
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(eight_steps, tmp_path,
+                                                        monkeypatch):
+  reference_dir, reference = eight_steps
+  model_dir = tmp_path / "killed"
+  original = sampling.PoissonSampler.microbatches
+
+  def dies_at_step_6(self, step, m):
+    if step == 6:
+      raise KeyboardInterrupt("killed")
+    return original(self, step, m)
+
+  monkeypatch.setattr(sampling.PoissonSampler, "microbatches", dies_at_step_6)
+  with pytest.raises(KeyboardInterrupt):
+    run(model_dir, "TRAIN_STEPS = 8")
+  monkeypatch.setattr(sampling.PoissonSampler, "microbatches", original)
+  assert checkpoints.manager(str(model_dir)).latest_step() == 4
+  assert ledger_lib.PrivacyLedger.load(
+      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)).steps == 4
+
+  resumed = run(model_dir, "TRAIN_STEPS = 8")
+  assert resumed["epsilon_spent"] == reference["epsilon_spent"]
+  with open(os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)) as f:
+    got = json.load(f)
+  with open(os.path.join(reference_dir, ledger_lib.LEDGER_FILENAME)) as f:
+    want = json.load(f)
+  assert got == want
+  jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
+               restored_params(reference_dir))
+  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  assert meta["data_position"]["step"] == 8
+
+
+def test_dp_steps_lower_the_loss(tmp_path):
+  result = run(tmp_path, "TRAIN_STEPS = 30", "LEARNING_RATE = 1e-2",
+               "train.eval_period = 30", "train.eval_examples = 128")
+  configure(tmp_path)
+  tasks.register_tasks()
+  config = t5.T5Config()
+  lengths = {"inputs": 64, "targets": 16}
+  params, _ = t5.init_params(config, jax.random.PRNGKey(0),
+                             input_length=lengths["inputs"],
+                             target_length=lengths["targets"])
+  dev = data_arrays.load_task_arrays("msmarco_query_generation", "validation",
+                                     lengths)
+  first = {k: v[:128] for k, v in dev.items()}
+  initial = float(np.mean(t5.make_batch_loss(config)(params, first)))
+  assert result["eval_loss"] < initial - 0.5, (result["eval_loss"], initial)
+
+
+def test_checkpoint_of_a_different_model_is_refused(eight_steps):
+  model_dir, _ = eight_steps
+  before = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
+  with pytest.raises(checkpoints.CheckpointMismatchError, match="d_model"):
+    run(model_dir, "TRAIN_STEPS = 8", "T5Config.d_model = 32")
+  assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == before
+
+
+def test_overspending_run_refuses_to_start(tmp_path):
+  model_dir = tmp_path / "never_written"
+  with pytest.raises(ledger_lib.BudgetExceededError, match="exceeds"):
+    run(model_dir, "TRAIN_STEPS = 50", "train.noise_multiplier = 0.3",
+        "TARGET_EPSILON = 1.0")
+  assert not model_dir.exists()
+
+
+def test_malformed_tsv_line_is_reported_and_nothing_written(tmp_path):
+  data_dir = tmp_path / "msmarco"
+  shutil.copytree(tasks.DEFAULT_SAMPLE_DIR, data_dir)
+  path = data_dir / "queries.train.tsv"
+  lines = path.read_text().splitlines(keepends=True)
+  lines[9] = "not-a-number\tbroken\n"
+  path.write_text("".join(lines))
+  model_dir = tmp_path / "never_written"
+  with pytest.raises(tasks.MalformedLineError, match="queries.train.tsv:10"):
+    run(model_dir, "TRAIN_STEPS = 2", f"MSMARCO_DIR = '{data_dir}'")
+  assert not model_dir.exists()
+
+
+def _cli(*args, cwd=REPO):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([sys.executable, "-m", "dpjax.train", *args],
+                        capture_output=True, text=True, cwd=cwd, env=env,
+                        timeout=600)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gin_file=no_such.gin"], "gin file not found: no_such.gin"),
+    (["--gin_file=quickstart.gin", "--gin.train.no_such_flag=1"],
+     "no_such_flag"),
+    (["--gin_file=quickstart.gin", "--gin.MSMARCO_DIR=/no/such/dir"],
+     "/no/such/dir"),
+])
+def test_cli_bad_input_exits_2_with_a_message(tmp_path, args, message):
+  model_dir = tmp_path / "never_written"
+  proc = _cli(*args, f"--gin.MODEL_DIR={model_dir}")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert message in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not model_dir.exists()
+
+
+def test_quickstart_end_to_end(tmp_path):
+  model_dir = tmp_path / "quickstart"
+  proc = _cli("--gin_file=gin/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
+              "--gin.TRAIN_STEPS=4", "--gin.train.log_period=2",
+              "--gin.train.eval_period=2", "--gin.generate_synthetic.limit=40")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ε spent" in proc.stdout and "step 4/4" in proc.stdout
+  out = model_dir / "synthetic"
+  queries = (out / "queries.synthetic.tsv").read_text().splitlines()
+  qrels = (out / "qrels.synthetic.tsv").read_text().splitlines()
+  assert len(queries) == len(qrels) == 40
+  train_pids = set(tasks.load_collection_ids(tasks.DEFAULT_SAMPLE_DIR, "train"))
+  for q, r in zip(queries, qrels):
+    qid, text = q.split("\t")
+    rqid, zero, pid, rel = r.split("\t")
+    assert qid == rqid and zero == "0" and rel == "1"
+    assert int(pid) in train_pids
+  record = json.loads((out / "synthetic.jsonl").read_text().splitlines()[0])
+  assert record["decoding"]["top_p"] == 0.8
+  assert record["epsilon"] <= 3.0 and record["model_dir"] == str(model_dir)
+
+
+def test_xl_eps3_train_step_builds_with_abstract_shapes():
+  """The 3B config's DP step traces end to end (CPU cannot train it)."""
+  gin.clear_config()
+  gin_cli.configure(["msmarco_t5_xl_eps3.gin"], [])
+  config = t5.T5Config()
+  lengths = {"inputs": 384, "targets": 128}
+  params, _ = t5.abstract_params(config, input_length=lengths["inputs"],
+                                 target_length=lengths["targets"])
+  assert 2.8e9 < t5.param_count(params) < 3.0e9
+  tx, accumulate, apply = trainer.build_dp_step(
+      config, clip_norm=0.1, optimizer="adam", learning_rate=1e-3,
+      noise_multiplier=1.0, normalizer=1024.0, seed=0)
+  k, m = 2, 1
+  batch = {
+      "encoder_input_tokens": jax.ShapeDtypeStruct((k, m, 384), np.int32),
+      "decoder_input_tokens": jax.ShapeDtypeStruct((k, m, 128), np.int32),
+      "decoder_target_tokens": jax.ShapeDtypeStruct((k, m, 128), np.int32),
+      "decoder_loss_weights": jax.ShapeDtypeStruct((k, m, 128), np.int32)}
+  mask = jax.ShapeDtypeStruct((k, m), np.float32)
+  grads = jax.eval_shape(trainer.train_step.zeros_like_f32, params)
+  new_grads, metrics = jax.eval_shape(accumulate, params, grads, batch, mask,
+                                      0, 0)
+  assert jax.tree.structure(new_grads) == jax.tree.structure(params)
+  state = jax.eval_shape(lambda p: trainer.train_step.init_state(p, tx), params)
+  new_state = jax.eval_shape(apply, state, new_grads)
+  assert jax.tree.map(lambda a: a.shape, new_state.params) == \
+      jax.tree.map(lambda a: a.shape, params)
