@@ -94,7 +94,7 @@ def make_sampler(kind: str, n: int, batch_size: int, seed: int,
                                    overflow_probability=overflow_probability)
   if kind == "shuffle":
     return sampling.ShuffleSampler(n, batch_size, seed=seed)
-  raise gin_cli.UsageError(f"train.sampling must be 'poisson' or 'shuffle', "
+  raise gin_cli.UsageError(f"train.sampling_method must be 'poisson' or 'shuffle', "
                            f"got {kind!r}")
 
 

@@ -12,11 +12,13 @@ returned here.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
-import numpy as np
-import seqio
-import tensorflow as tf
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's info chatter, not ours
+import numpy as np  # noqa: E402
+import seqio  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 ENC_DEC_FEATURES = (
     "encoder_input_tokens",
