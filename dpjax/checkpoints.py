@@ -31,7 +31,8 @@ def manager(model_dir: str, *, max_to_keep: int | None = 3
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                            create=True,
                                            enable_async_checkpointing=False),
-      item_names=("state", "meta"))
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict,
@@ -61,10 +62,17 @@ def restore_state(mngr: ocp.CheckpointManager, step: int, target_state) -> Any:
   return type(target_state)(**restored)
 
 
-def restore_params(mngr: ocp.CheckpointManager, step: int) -> Any:
-  """Only the params of a checkpoint (for generation), as saved."""
+def restore_params(mngr: ocp.CheckpointManager, step: int,
+                   sharding: jax.sharding.Sharding | None = None) -> Any:
+  """Only the params of a checkpoint, placed by `sharding` (default: the
+  first local device), whatever the mesh it was saved from."""
+  sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  saved = mngr.item_metadata(step)["state"]
+  target = jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+      saved)
   restored = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore()))["state"]
+      state=ocp.args.StandardRestore(target)))["state"]
   return restored["params"]
 
 

@@ -13,10 +13,13 @@ exactly: batches and noise are pure functions of (seed, step).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Mapping, Sequence
 
@@ -113,6 +116,21 @@ def _microbatch_groups(idx, mask, k):
       m = np.concatenate([m, np.zeros((pad, m.shape[1]), m.dtype)])
     groups.append((i, m))
   return groups
+
+
+@contextlib.contextmanager
+def _stop_requested_by_sigterm():
+  """Yields a flag that SIGTERM sets (preemption): the loop then checkpoints
+  at the next step boundary and returns, so a rerun resumes exactly."""
+  flag = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield flag  # signal handlers can only be installed from the main thread
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
+  try:
+    yield flag
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def build_dp_step(model_config: t5.T5Config, *, clip_norm: float,
@@ -287,65 +305,72 @@ def train(*, model_dir: str = gin.REQUIRED,
   window: list[dict] = []
   window_steps, window_start = 0, time.perf_counter()
   last = {}
-  for step in range(start_step, steps):
-    idx, mask = sampler.microbatches(step, m)
-    grads = train_step.zeros_like_f32(state.params)
-    step_metrics = []
-    for call, (i, mk) in enumerate(_microbatch_groups(idx, mask, k)):
-      batch = jax.device_put(_gather(data, i), batch_sh)
-      grads, metrics = accumulate(state.params, grads, batch,
-                                  jax.device_put(mk, mask_sh), step, call)
-      step_metrics.append(metrics)
-    state = apply(state, grads)
-    ledger.record_dp_steps()
-    window.extend(step_metrics)
-    window_steps += 1
-    done = step + 1
-    if done % log_period == 0 or done == steps:
-      host = jax.device_get(window)
-      elapsed = time.perf_counter() - window_start
-      real = sum(h["num_examples"] for h in host)
-      tokens = sum(h["num_tokens"] for h in host)
-      last = {
-          "loss": sum(h["loss_sum"] for h in host) / max(real, 1),
-          "epsilon": ledger.epsilon_spent(),
-          "clipped_fraction": sum(h["num_clipped"] for h in host) / max(real, 1),
-          "nonfinite_examples": float(sum(h["num_nonfinite"] for h in host)),
-          "tokens_per_second": tokens / max(elapsed, 1e-9),
-          "examples_per_step": real / window_steps,
-          "learning_rate": float(schedule(done) if callable(schedule)
-                                 else schedule),
-          **{q: float(np.mean([h[q] for h in host]))
-             for q in host[0] if q.startswith("grad_norm_p")},
-      }
-      summaries.scalars("train", done, last)
-      progress.report(done, loss=last["loss"], eps_spent=last["epsilon"],
-                      eps_target=target_epsilon,
-                      tokens_per_s=last["tokens_per_second"],
-                      clipped=last["clipped_fraction"])
-      window, window_steps, window_start = [], 0, time.perf_counter()
-    if eval_period and (done % eval_period == 0 or done == steps):
-      eval_loss = run_eval(state.params)
-      summaries.scalars("eval", done, {"loss": eval_loss})
-      last["eval_loss"] = eval_loss
-      print(f"dpjax: step {done} eval loss {eval_loss:.4f}", flush=True)
-    if done % checkpoint_period == 0 or done == steps:
-      checkpoints.save(mngr, done, state, meta(done), model_dir)
+  done = start_step
+  with _stop_requested_by_sigterm() as stop:
+    for step in range(start_step, steps):
+      idx, mask = sampler.microbatches(step, m)
+      grads = train_step.zeros_like_f32(state.params)
+      for call, (i, mk) in enumerate(_microbatch_groups(idx, mask, k)):
+        batch = jax.device_put(_gather(data, i), batch_sh)
+        grads, metrics = accumulate(state.params, grads, batch,
+                                    jax.device_put(mk, mask_sh), step, call)
+        window.append(metrics)
+      state = apply(state, grads)
+      ledger.record_dp_steps()
+      window_steps += 1
+      done = step + 1
+      if done % log_period == 0 or done == steps:
+        last = _window_metrics(jax.device_get(window), window_steps,
+                               time.perf_counter() - window_start)
+        last["epsilon"] = ledger.epsilon_spent()
+        last["learning_rate"] = float(
+            schedule(done) if callable(schedule) else schedule)
+        summaries.scalars("train", done, last)
+        progress.report(done, loss=last["loss"], eps_spent=last["epsilon"],
+                        eps_target=target_epsilon,
+                        tokens_per_s=last["tokens_per_second"],
+                        clipped=last["clipped_fraction"])
+        window, window_steps, window_start = [], 0, time.perf_counter()
+      if eval_period and (done % eval_period == 0 or done == steps):
+        last["eval_loss"] = run_eval(state.params)
+        summaries.scalars("eval", done, {"loss": last["eval_loss"]})
+        print(f"dpjax: step {done} eval loss {last['eval_loss']:.4f}",
+              flush=True)
+      if done % checkpoint_period == 0 or done == steps or stop.is_set():
+        checkpoints.save(mngr, done, state, meta(done), model_dir)
+      if stop.is_set():
+        print(f"dpjax: SIGTERM: checkpointed step {done}; rerun the same "
+              "command to resume", flush=True)
+        break
   summaries.close()
-  if start_step == steps:
-    print(f"dpjax: {model_dir} already holds all {steps} steps", flush=True)
   eps = ledger.epsilon_spent()
-  result = {"model_dir": model_dir, "steps": steps, "epsilon_spent": eps,
-            "target_epsilon": target_epsilon, "delta": delta,
-            "noise_multiplier": sigma, "wall_seconds":
-                time.perf_counter() - wall_start, **last}
-  print(f"dpjax: trained {model_dir}: ε spent {eps:.4f} of "
-        f"{target_epsilon} (δ={delta:.3g}); checkpoints in "
+  result = {"model_dir": model_dir, "steps": steps, "steps_done": done,
+            "epsilon_spent": eps, "target_epsilon": target_epsilon,
+            "delta": delta, "noise_multiplier": sigma,
+            "wall_seconds": time.perf_counter() - wall_start, **last}
+  print(f"dpjax: {'trained' if done == steps else 'stopped'} {model_dir} at "
+        f"step {done}/{steps}: ε spent {eps:.4f} of {target_epsilon} "
+        f"(δ={delta:.3g}); checkpoints in "
         f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
         f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}", flush=True)
-  if generate_after_training:
+  if generate_after_training and done == steps:
     from dpjax import inference
     result["generation"] = inference.generate_synthetic(model_dir=model_dir)
   with open(os.path.join(model_dir, "train_summary.json"), "w") as f:
     json.dump(result, f, indent=2, default=str)
   return result
+
+
+def _window_metrics(host: list[dict], num_steps: int, seconds: float) -> dict:
+  """Aggregates the accumulate metrics of the steps since the last report."""
+  real = sum(h["num_examples"] for h in host)
+  return {
+      "loss": sum(h["loss_sum"] for h in host) / max(real, 1),
+      "clipped_fraction": sum(h["num_clipped"] for h in host) / max(real, 1),
+      "nonfinite_examples": float(sum(h["num_nonfinite"] for h in host)),
+      "tokens_per_second": sum(h["num_tokens"] for h in host) / max(seconds,
+                                                                    1e-9),
+      "examples_per_step": real / max(num_steps, 1),
+      **{q: float(np.mean([h[q] for h in host]))
+         for q in host[0] if q.startswith("grad_norm_p")},
+  }

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -226,3 +227,55 @@ def test_xl_eps3_train_step_builds_with_abstract_shapes():
   new_state = jax.eval_shape(apply, state, new_grads)
   assert jax.tree.map(lambda a: a.shape, new_state.params) == \
       jax.tree.map(lambda a: a.shape, params)
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_resumes(
+    eight_steps, tmp_path, monkeypatch):
+  reference_dir, reference = eight_steps
+  model_dir = tmp_path / "preempted"
+  original = sampling.PoissonSampler.microbatches
+
+  def preempted_during_step_2(self, step, m):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return original(self, step, m)
+
+  monkeypatch.setattr(sampling.PoissonSampler, "microbatches",
+                      preempted_during_step_2)
+  stopped = run(model_dir, "TRAIN_STEPS = 8")
+  monkeypatch.setattr(sampling.PoissonSampler, "microbatches", original)
+  assert stopped["steps_done"] == 3  # finished step 2, then checkpointed
+  assert checkpoints.manager(str(model_dir)).latest_step() == 3
+  resumed = run(model_dir, "TRAIN_STEPS = 8")
+  assert resumed["steps_done"] == 8
+  assert resumed["epsilon_spent"] == reference["epsilon_spent"]
+  jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
+               restored_params(reference_dir))
+
+
+def test_infinite_epsilon_runs_the_same_code_without_noise(tmp_path):
+  result = run(tmp_path, "TRAIN_STEPS = 2", "TARGET_EPSILON = 'inf'")
+  assert result["noise_multiplier"] == 0.0
+  assert result["epsilon_spent"] == float("inf")
+  ledger = ledger_lib.PrivacyLedger.load(
+      os.path.join(tmp_path, ledger_lib.LEDGER_FILENAME))
+  assert ledger.steps == 2 and ledger.noise_multiplier == 0.0
+
+
+def test_data_parallel_over_two_devices_matches_one_device(eight_steps,
+                                                           tmp_path):
+  """The same run on a 2-device mesh ('data' axis) gives the same params."""
+  reference_dir, _ = eight_steps
+  model_dir = tmp_path / "two_devices"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  bindings = [f"--gin_bindings={b}" for b in TINY]
+  proc = subprocess.run(
+      [sys.executable, "-m", "dpjax.train", "--gin_file=quickstart.gin",
+       f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=8", *bindings,
+       "--gin.make_mesh.mesh_shape={'data': 2}"],
+      capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
+                                                       atol=2e-6),
+               restored_params(model_dir), restored_params(reference_dir))

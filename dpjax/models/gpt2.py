@@ -1,0 +1,376 @@
+"""GPT-2 decoder-only Transformer in Flax linen.
+
+The math follows OpenAI's GPT-2 (and so Hugging Face's `GPT2LMHeadModel`):
+
+* learned absolute position embeddings added to the token embeddings;
+* pre-LayerNorm blocks (mean/variance norm with scale and bias, eps 1e-5)
+  and a final norm (`decoder_norm`, HF's `ln_f`);
+* causal multi-head self-attention with logits scaled by 1/sqrt(d_head);
+  every projection has a bias;
+* MLP `gelu_new` (GELU, tanh approximation), width `d_ff` (4 * d_model);
+* output logits tied to the token embedding (`x @ wte.T`, no rescaling);
+* dropout (one rate) on the embeddings, the attention probabilities and both
+  residual branches, where HF has embd_pdrop, attn_pdrop and resid_pdrop.
+
+Parameter and logical axis names follow t5x (`token_embedder`, `layers_i`,
+`attention/{query,key,value,out}`, `mlp/{wi,wo}`), so the partitioning rules
+of T5 apply; the position table's first axis is 'abspos'. Kernels are 2-D
+`[in, out]` (HF's Conv1D layout; the fused `c_attn` is stored as three
+kernels). Parameters are always float32; `GPT2Config.dtype` only sets the
+compute dtype, with norms, softmax and logits in float32.
+`dpjax.models.hf_gpt2` maps Hugging Face checkpoints onto these params.
+
+No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.models import losses
+
+Array = jax.Array
+PyTree = Any
+
+# Additive attention bias for masked keys. Finite (not -inf) so that a fully
+# masked row gives a uniform softmax instead of NaN.
+_MASK_VALUE = -1e10
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_INIT_STDDEV = 0.02  # GPT-2's initializer_range
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+  """Hyperparameters of a GPT-2 model. Frozen, so it can be a static jit arg."""
+  vocab_size: int = 50257
+  n_positions: int = 1024
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  d_ff: int | None = None  # None: 4 * d_model
+  dropout_rate: float = 0.1
+  layer_norm_epsilon: float = 1e-5
+  dtype: str = "float32"  # compute dtype; params are always float32
+
+  def __post_init__(self):
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model {self.d_model} is not a multiple of num_heads "
+                       f"{self.num_heads}")
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def mlp_dim(self) -> int:
+    return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+  def to_json(self) -> dict:
+    """A plain dict of the fields (JSON-serializable)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> "GPT2Config":
+    """Inverse of `to_json`. Unknown keys are an error; missing keys default."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"Unknown GPT2Config fields: {sorted(unknown)}")
+    return cls(**d)
+
+
+# ----------------------------------------------------------------------------
+# Building blocks.
+# ----------------------------------------------------------------------------
+
+
+def _param(module: nn.Module, name: str, init, shape, axes):
+  """A float32 parameter annotated with logical axis names."""
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+class Dense(nn.Module):
+  """Affine map `x @ kernel + bias` on the last axis, computed in `dtype`."""
+  features: int
+  kernel_axes: tuple[str, str]
+  stddev: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    kernel = _param(self, "kernel", nn.initializers.normal(self.stddev),
+                    (x.shape[-1], self.features), self.kernel_axes)
+    bias = _param(self, "bias", nn.initializers.zeros, (self.features,), self.kernel_axes[1:])
+    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """Standard layer norm (mean and variance, scale and bias) in float32."""
+  epsilon: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",))
+    bias = _param(self, "bias", nn.initializers.zeros, (x.shape[-1],), ("embed",))
+    x = x.astype(jnp.float32)
+    centered = x - jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    return (centered * jax.lax.rsqrt(var + self.epsilon) * scale + bias).astype(self.dtype)
+
+
+class Embed(nn.Module):
+  """Embedding table; `attend` reuses it as the (tied) output projection."""
+  num_embeddings: int
+  features: int
+  axes: tuple[str, str]
+
+  def setup(self):
+    self.embedding = _param(self, "embedding", nn.initializers.normal(_INIT_STDDEV),
+                            (self.num_embeddings, self.features), self.axes)
+
+  def __call__(self, ids: Array) -> Array:
+    return jnp.take(self.embedding, ids, axis=0)  # float32; the caller casts
+
+  def attend(self, x: Array) -> Array:
+    """`x @ embedding.T` in float32 (logits precision)."""
+    return jnp.dot(x.astype(jnp.float32), self.embedding.T)
+
+
+class CausalSelfAttention(nn.Module):
+  """Multi-head self-attention, logits scaled by 1/sqrt(d_head).
+
+  With `decode=True` it keeps a key/value cache (`cached_key`,
+  `cached_value`: `[b, max_length, heads, d_head]`, compute dtype) in the
+  'cache' collection. The first such call (cache absent) only creates the
+  zero cache and otherwise runs normally; later calls take one query token
+  and write its key/value at `cache_index`.
+  """
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x: Array, bias: Array, *, deterministic: bool, decode: bool,
+               cache_index: Array | None) -> Array:
+    cfg = self.config
+    dtype = cfg.compute_dtype
+    h, dh = cfg.num_heads, cfg.head_dim
+
+    def project(name):
+      y = Dense(cfg.d_model, ("embed", "joined_kv"), _INIT_STDDEV, dtype, name=name)(x)
+      return y.reshape(*y.shape[:-1], h, dh)
+
+    q, k, v = project("query"), project("key"), project("value")
+    if decode:
+      initialized = self.has_variable("cache", "cached_key")
+      cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+      cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+      if initialized:
+        start = (0, cache_index, 0, 0)
+        cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, start)
+        cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, start)
+        k, v = cached_k.value, cached_v.value
+
+    # Logits and softmax in float32 (bf16 inputs, f32 accumulation); scaling
+    # the f32 logits rather than the bf16 query keeps full precision.
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores * dh ** -0.5 + bias, axis=-1).astype(dtype)
+    probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(dtype))
+    out = out.reshape(*out.shape[:-2], h * dh)
+    # GPT-2 scales the init of residual-branch outputs by 1/sqrt(2 * layers).
+    out_stddev = _INIT_STDDEV / np.sqrt(2 * cfg.num_layers)
+    return Dense(cfg.d_model, ("joined_kv", "embed"), out_stddev, dtype, name="out")(out)
+
+
+class MlpBlock(nn.Module):
+  """`wo(gelu_new(wi(x)))`; gelu_new is the tanh approximation."""
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    dtype = cfg.compute_dtype
+    hidden = jax.nn.gelu(Dense(cfg.mlp_dim, ("embed", "mlp"), _INIT_STDDEV, dtype,
+                               name="wi")(x), approximate=True)
+    out_stddev = _INIT_STDDEV / np.sqrt(2 * cfg.num_layers)
+    return Dense(cfg.d_model, ("mlp", "embed"), out_stddev, dtype, name="wo")(hidden)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm causal self-attention + MLP, dropout on each residual branch."""
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x: Array, bias: Array, *, deterministic: bool, decode: bool,
+               cache_index: Array | None) -> Array:
+    cfg = self.config
+    norm = functools.partial(LayerNorm, cfg.layer_norm_epsilon, cfg.compute_dtype)
+    dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    y = norm(name="pre_attention_layer_norm")(x)
+    x = x + dropout(CausalSelfAttention(cfg, name="attention")(
+        y, bias, deterministic=deterministic, decode=decode, cache_index=cache_index))
+    y = norm(name="pre_mlp_layer_norm")(x)
+    return x + dropout(MlpBlock(cfg, name="mlp")(y))
+
+
+class GPT2(nn.Module):
+  """GPT-2 language model: `tokens [b, L] -> logits [b, L, vocab]` (float32).
+
+  GPT-2 has no padding id. Right padding needs no mask (attention is causal,
+  so later positions never affect earlier ones); other layouts pass
+  `attention_mask` (`[b, L]`, 1 = real token), which hides the masked keys,
+  and, for left padding, `positions`.
+  """
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, attention_mask: Array | None = None,
+               positions: Array | None = None, enable_dropout: bool = False,
+               decode: bool = False) -> Array:
+    """Logits `[b, L, vocab]` (float32).
+
+    Args:
+      tokens: `[b, L]` int token ids.
+      attention_mask: optional `[b, L]`; keys where it is 0 are not attended
+        to. Not supported in cached decoding steps.
+      positions: optional `[b, L]` position ids (default `0..L-1`, or the
+        cache index when decoding).
+      enable_dropout: dropout on (needs a 'dropout' rng).
+      decode: use the 'cache' collection (apply with `mutable=['cache']`):
+        the first call, with `[b, max_length]` tokens, creates the zero cache
+        (keys/values and `cache_index`) and returns ordinary logits; later
+        calls feed one token `[b, 1]` each at position `cache_index`.
+    """
+    cfg = self.config
+    deterministic = not enable_dropout
+    length = tokens.shape[-1]
+
+    cache_index = None
+    stepping = decode and self.has_variable("cache", "cache_index")
+    if decode:
+      index_var = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+      cache_index = index_var.value
+    if stepping:
+      if length != 1:
+        raise ValueError(f"Cached decoding takes one token at a time, got {length}.")
+      if attention_mask is not None:
+        raise ValueError("attention_mask is not supported in cached decoding steps.")
+      num_keys = self.variables["cache"]["layers_0"]["attention"]["cached_key"].shape[1]
+      query_positions = cache_index[None]
+      index_var.value = cache_index + 1
+    else:
+      num_keys = length
+      query_positions = jnp.arange(length)
+    if num_keys > cfg.n_positions:
+      raise ValueError(f"Sequence length {num_keys} exceeds n_positions {cfg.n_positions}.")
+
+    # [b or 1, 1, q, k] additive bias: causal, and hides masked keys.
+    visible = (jnp.arange(num_keys)[None, :] <= query_positions[:, None])[None, None]
+    if attention_mask is not None:
+      visible = visible & (attention_mask > 0)[:, None, None, :]
+    bias = jnp.where(visible, 0.0, _MASK_VALUE).astype(jnp.float32)
+
+    if positions is None:
+      positions = query_positions[None]
+    wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), name="token_embedder")
+    wpe = Embed(cfg.n_positions, cfg.d_model, ("abspos", "embed"), name="position_embedder")
+    x = (wte(tokens) + wpe(positions)).astype(cfg.compute_dtype)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    for i in range(cfg.num_layers):
+      x = DecoderLayer(cfg, name=f"layers_{i}")(
+          x, bias, deterministic=deterministic, decode=decode, cache_index=cache_index)
+    x = LayerNorm(cfg.layer_norm_epsilon, jnp.float32, name="decoder_norm")(x)
+    return wte.attend(x)
+
+
+# ----------------------------------------------------------------------------
+# Parameters.
+# ----------------------------------------------------------------------------
+
+
+def _boxed_init(config: GPT2Config, rng: Array, max_length: int):
+  if max_length > config.n_positions:
+    raise ValueError(f"max_length {max_length} exceeds n_positions {config.n_positions}.")
+  return GPT2(config).init({"params": rng}, jnp.ones((1, max_length), jnp.int32))["params"]
+
+
+# Module level, so repeated calls with the same config reuse the compilation.
+_jitted_boxed_init = jax.jit(_boxed_init, static_argnums=(0, 2))
+
+
+def init_params(config: GPT2Config, rng: Array, *, max_length: int) -> tuple[PyTree, PyTree]:
+  """Randomly initialized float32 params and their logical axes.
+
+  Returns `(params, logical_axes)`: a plain (unboxed) pytree of arrays and a
+  tree of the same structure whose leaves are `PartitionSpec`s of t5x logical
+  axis names. The shapes do not depend on `max_length` (the position table
+  always has `n_positions` rows); it only sets the length initialized with.
+  """
+  boxed = _jitted_boxed_init(config, rng, max_length)
+  return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def abstract_params(config: GPT2Config, *, max_length: int) -> tuple[PyTree, PyTree]:
+  """Like `init_params` but `jax.ShapeDtypeStruct` leaves; allocates nothing."""
+  boxed = jax.eval_shape(functools.partial(_boxed_init, config, max_length=max_length),
+                         jax.random.key(0))
+  return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def param_count(params: PyTree) -> int:
+  """Total number of scalars (works on arrays and ShapeDtypeStructs)."""
+  return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------
+# Losses for the trainer: causal LM loss with prompt and padding masked out.
+# ----------------------------------------------------------------------------
+
+# 'tokens' [L] int, 'loss_weights' [L] (1 on target tokens, 0 on prompt and
+# padding); optional 'attention_mask' [L] (1 = real token).
+FEATURES = ("tokens", "loss_weights")
+
+
+def _lm_loss(model: GPT2, params, batch, rngs=None) -> Array:
+  """`[b]` mean cross entropy of predicting tokens[t+1] from tokens[:t+1],
+  over the positions t+1 with nonzero `loss_weights`."""
+  tokens = batch["tokens"]
+  logits = model.apply({"params": params}, tokens, attention_mask=batch.get("attention_mask"),
+                       enable_dropout=bool(rngs), rngs=rngs or {})
+  return losses.per_example_loss(logits[:, :-1], tokens[:, 1:], batch["loss_weights"][:, 1:])
+
+
+def make_batch_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
+  """`fn(params, batch) -> [b]` per-example losses, dropout off (eval)."""
+  model = GPT2(config)
+  return lambda params, batch: _lm_loss(model, params, batch)
+
+
+def make_example_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
+  """`fn(params, example) -> scalar` loss of ONE example (no batch dim).
+
+  Meant for `jax.vmap(jax.value_and_grad(fn), in_axes=(None, 0))`. If the
+  example has a 'dropout_rng' key (a PRNG key), dropout is enabled with it;
+  otherwise the forward pass is deterministic.
+  """
+  model = GPT2(config)
+
+  def example_loss(params, example):
+    batch = {k: v[None] for k, v in example.items() if k != "dropout_rng"}
+    rngs = {"dropout": example["dropout_rng"]} if "dropout_rng" in example else None
+    return _lm_loss(model, params, batch, rngs)[0]
+
+  return example_loss
