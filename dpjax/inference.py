@@ -24,7 +24,7 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import checkpoints, decoding, partitioning
+from dpjax import checkpoints, decoding, fileio, partitioning
 from dpjax.models import t5
 from dpjax.privacy import ledger as ledger_lib
 
@@ -41,13 +41,6 @@ def load_trained(model_dir: str):
   config = t5.T5Config.from_json(meta["model_config"])
   params = checkpoints.restore_params(mngr, step)
   return config, params, dict(meta, step=step)
-
-
-def _write_atomic(path: str, lines) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(lines)
-  os.replace(tmp, path)
 
 
 @gin.configurable(denylist=["model_dir"])
@@ -109,9 +102,9 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
                                **provenance}) + "\n")
   paths = {name: os.path.join(out, name) for name in
            ("queries.synthetic.tsv", "qrels.synthetic.tsv", "synthetic.jsonl")}
-  _write_atomic(paths["queries.synthetic.tsv"], queries)
-  _write_atomic(paths["qrels.synthetic.tsv"], qrels)
-  _write_atomic(paths["synthetic.jsonl"], records)
+  fileio.write_atomic(paths["queries.synthetic.tsv"], "".join(queries))
+  fileio.write_atomic(paths["qrels.synthetic.tsv"], "".join(qrels))
+  fileio.write_atomic(paths["synthetic.jsonl"], "".join(records))
   seconds = time.perf_counter() - start
   print(f"dpjax: wrote {len(queries)} synthetic queries to {out} "
         f"({seconds:.1f}s; model ε spent {provenance['epsilon']:.4f}, "

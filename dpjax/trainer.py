@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import checkpoints, gin_cli, partitioning, reporting, train_step
+from dpjax import (checkpoints, fileio, gin_cli, partitioning, reporting,
+                   train_step)
 from dpjax.models import t5
 from dpjax.privacy import accounting, clipping, ledger as ledger_lib
 from dpjax.privacy import optimizers as dp_optimizers
@@ -270,8 +271,7 @@ def train(*, model_dir: str = gin.REQUIRED,
     print(f"dpjax: resumed {model_dir} at step {start_step}, "
           f"ε spent {ledger.epsilon_spent():.4f}", flush=True)
   os.makedirs(model_dir, exist_ok=True)
-  with open(os.path.join(model_dir, "config.gin"), "w") as f:
-    f.write(gin.config_str())
+  fileio.write_atomic(os.path.join(model_dir, "config.gin"), gin.config_str())
 
   accumulate = jax.jit(accumulate_fn, donate_argnums=(1,))
   apply = jax.jit(apply_fn, donate_argnums=(0,))
@@ -356,8 +356,8 @@ def train(*, model_dir: str = gin.REQUIRED,
   if generate_after_training and done == steps:
     from dpjax import inference
     result["generation"] = inference.generate_synthetic(model_dir=model_dir)
-  with open(os.path.join(model_dir, "train_summary.json"), "w") as f:
-    json.dump(result, f, indent=2, default=str)
+  fileio.write_atomic(os.path.join(model_dir, "train_summary.json"),
+                      json.dumps(result, indent=2, default=str))
   return result
 
 

@@ -16,9 +16,9 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from typing import Sequence
 
+from dpjax import fileio
 from dpjax.privacy import accounting
 
 LEDGER_FILENAME = "privacy_ledger.json"
@@ -132,26 +132,8 @@ class PrivacyLedger:
 
   def save(self, path: str | os.PathLike) -> None:
     """Atomically writes the ledger as JSON to `path` (a local file)."""
-    path = os.fspath(path)
-    text = json.dumps(self.to_json(), indent=2, allow_nan=False)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(
-        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-      with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, path)
-    except BaseException:
-      os.unlink(tmp)
-      raise
-    # Persist the rename itself.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-      os.fsync(dir_fd)
-    finally:
-      os.close(dir_fd)
+    fileio.write_atomic(path, json.dumps(self.to_json(), indent=2,
+                                         allow_nan=False))
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> PrivacyLedger:
