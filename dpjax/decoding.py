@@ -194,7 +194,7 @@ def _generate_causal(config, params, prompt_tokens, prompt_lengths, rng, tempera
     # Teacher forcing inside the prompt, then feed back the sample.
     from_prompt = jax.lax.dynamic_index_in_dim(
         prompt_tokens, jnp.minimum(t + 1, prompt_width - 1), axis=1, keepdims=False)
-    token = jnp.where(t + 1 < prompt_width, from_prompt, sampled)
+    token = jnp.where(t + 1 < lengths, from_prompt, sampled)
     return t + 1, token, cache, rng, out, done
 
   init = (jnp.array(0, jnp.int32), prompt_tokens[:, 0], cache, rng,

@@ -28,6 +28,7 @@ DATA_PARALLEL_RULES: tuple[tuple[str, str | None], ...] = (
     ("kv", None),
     ("joined_kv", None),
     ("relpos_buckets", None),
+    ("abspos", None),
 )
 
 

@@ -1,23 +1,7 @@
-"""Models for dpjax: T5 (v1.0 / v1.1) and the losses the DP trainer uses."""
-from dpjax.models.losses import per_example_loss, token_cross_entropy
-from dpjax.models.t5 import (
-    T5Config,
-    T5Transformer,
-    abstract_params,
-    init_params,
-    make_batch_loss,
-    make_example_loss,
-    param_count,
-)
+"""Flax models of dpjax, one module each: `t5` (v1.0 / v1.1) and `gpt2`.
 
-__all__ = [
-    "T5Config",
-    "T5Transformer",
-    "abstract_params",
-    "init_params",
-    "make_batch_loss",
-    "make_example_loss",
-    "param_count",
-    "per_example_loss",
-    "token_cross_entropy",
-]
+Params are plain float32 pytrees with logical axis names; each model module
+offers `init_params`, `abstract_params`, `make_example_loss` (one example, for
+per-example clipping) and `make_batch_loss`. `hf_t5` / `hf_gpt2` map Hugging
+Face state dicts onto them. No TensorFlow here.
+"""
