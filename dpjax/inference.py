@@ -55,7 +55,7 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
   start = time.perf_counter()
   model_dir = os.path.abspath(model_dir)
   config, params, meta = load_trained(model_dir)
-  tasks.register_tasks()
+  tasks.register_tasks(tokenizer_files=meta.get("tokenizer_files"))
   task_name = meta["mixture_or_task_name"]
   lengths = meta["task_feature_lengths"]
   max_len = max_decode_length or lengths["targets"]

@@ -29,9 +29,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def user_errors() -> tuple[type[Exception], ...]:
   """Errors caused by the user's input: reported in one message, exit 2."""
+  from dpjax.pretrained import hf
   from tasks import msmarco
   return (gin_cli.UsageError, FileNotFoundError, msmarco.MalformedLineError,
-          checkpoints.CheckpointMismatchError, ledger_lib.BudgetExceededError)
+          checkpoints.CheckpointMismatchError, ledger_lib.BudgetExceededError,
+          hf.CheckpointError)
 
 
 if __name__ == "__main__":

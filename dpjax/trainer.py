@@ -170,6 +170,7 @@ def train(*, model_dir: str = gin.REQUIRED,
           optimizer: str = "adam",
           learning_rate: optax.ScalarOrSchedule | None = None,
           seed: int = 0,
+          initial_checkpoint_path: str | None = None,
           checkpoint_period: int = 1000,
           keep_checkpoints: int = 3,
           log_period: int = 10,
@@ -193,7 +194,11 @@ def train(*, model_dir: str = gin.REQUIRED,
                              f"{target_epsilon}")
 
   # --- Data: validated before anything is written. -------------------------
-  tasks.register_tasks()
+  tokenizer = None
+  if initial_checkpoint_path:
+    from dpjax import pretrained
+    tokenizer = pretrained.tokenizer_files(initial_checkpoint_path)
+  tasks.register_tasks(tokenizer_files=tokenizer)
   lengths = dict(task_feature_lengths)
   data = data_arrays.load_task_arrays(mixture_or_task_name, "train", lengths)
   n = len(data["encoder_input_tokens"])
@@ -251,10 +256,17 @@ def train(*, model_dir: str = gin.REQUIRED,
   m = microbatch_size or sampler.max_batch_size
   m = -(-m // data_devices) * data_devices
   k = -(-sampler.max_batch_size // m)
-  params, axes = t5.init_params(model_config, jax.random.PRNGKey(seed),
-                                input_length=lengths["inputs"],
-                                target_length=lengths["targets"])
-  params = jax.device_put(params, partitioning.param_shardings(mesh, axes))
+  if initial_checkpoint_path and not resume:
+    _, axes = t5.abstract_params(model_config, input_length=1, target_length=1)
+    params = pretrained.load_pretrained(
+        initial_checkpoint_path, model_config,
+        shardings=partitioning.param_shardings(mesh, axes))
+    print(f"dpjax: initialised from {initial_checkpoint_path}", flush=True)
+  else:
+    params, axes = t5.init_params(model_config, jax.random.PRNGKey(seed),
+                                  input_length=lengths["inputs"],
+                                  target_length=lengths["targets"])
+    params = jax.device_put(params, partitioning.param_shardings(mesh, axes))
   schedule = learning_rate if learning_rate is not None else \
       learning_rate_schedule(total_steps=steps)
   normalizer = (sampler.sampling_rate * n
@@ -288,7 +300,9 @@ def train(*, model_dir: str = gin.REQUIRED,
             "data_position": {"step": step, "seed": seed},
             "sampler": sampler.describe(),
             "mixture_or_task_name": mixture_or_task_name,
-            "task_feature_lengths": lengths}
+            "task_feature_lengths": lengths,
+            "initial_checkpoint_path": initial_checkpoint_path,
+            "tokenizer_files": tokenizer or {}}
 
   def run_eval(params) -> float:
     total, count = 0.0, 0.0

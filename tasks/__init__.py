@@ -27,14 +27,20 @@ from tasks.msmarco import (  # noqa: F401  (re-exported)
 )
 
 
-@gin.configurable
-def register_tasks(msmarco_query_generation: bool = True) -> list[str]:
+@gin.configurable(denylist=["tokenizer_files"])
+def register_tasks(msmarco_query_generation: bool = True,
+                   tokenizer_files: dict | None = None) -> list[str]:
   """Registers the project's seqio tasks; returns their names.
 
   Idempotent: re-registering replaces the previous registration, so it picks
   up the current gin bindings of each registration function.
+  `tokenizer_files` are those of a pretrained checkpoint
+  (`dpjax.pretrained.tokenizer_files`): its vocabulary is the default where a
+  task's vocabulary is not set explicitly.
   """
+  files = tokenizer_files or {}
   names = []
   if msmarco_query_generation:
-    names.append(msmarco.register_msmarco_query_generation().name)
+    names.append(msmarco.register_msmarco_query_generation(
+        checkpoint_vocabulary_path=files.get("sentencepiece")).name)
   return names

@@ -301,12 +301,13 @@ def _examples_dataset(pairs: list[tuple[int, int, str, str]]):
   })
 
 
-@gin.configurable
+@gin.configurable(denylist=["checkpoint_vocabulary_path"])
 def register_msmarco_query_generation(
     data_dir: str | None = DEFAULT_SAMPLE_DIR,
     vocabulary_path: str | None = DEFAULT_VOCABULARY_PATH,
     on_malformed: str = "fail",
     task_name: str = DEFAULT_TASK_NAME,
+    checkpoint_vocabulary_path: str | None = None,
 ):
   """Registers (or re-registers) the MSMARCO query-generation seqio Task.
 
@@ -318,9 +319,13 @@ def register_msmarco_query_generation(
   Args:
     data_dir: MSMARCO directory; None means the embedded fictional sample.
     vocabulary_path: SentencePiece model (T5 ids: pad 0, eos 1); None means
-      the embedded sample's vocabulary.
+      the pretrained checkpoint's `spiece.model` if there is one
+      (`checkpoint_vocabulary_path`, passed by the trainer), else the
+      embedded sample's vocabulary.
     on_malformed: "fail" or "skip" (see `load_query_passage_pairs`).
     task_name: registry name; a task already registered under it is replaced.
+    checkpoint_vocabulary_path: the SentencePiece model shipped with
+      INITIAL_CHECKPOINT_PATH, if any.
 
   Returns:
     The registered `seqio.Task`.
@@ -330,8 +335,8 @@ def register_msmarco_query_generation(
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   data_dir = DEFAULT_SAMPLE_DIR if data_dir is None else data_dir
-  vocabulary_path = (DEFAULT_VOCABULARY_PATH if vocabulary_path is None
-                     else vocabulary_path)
+  vocabulary_path = (vocabulary_path or checkpoint_vocabulary_path or
+                     DEFAULT_VOCABULARY_PATH)
   if on_malformed not in _ON_MALFORMED:
     raise ValueError(
         f"on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}")

@@ -279,3 +279,28 @@ def test_data_parallel_over_two_devices_matches_one_device(eight_steps,
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
                                                        atol=2e-6),
                restored_params(model_dir), restored_params(reference_dir))
+
+
+def test_initial_checkpoint_initialises_params_and_vocabulary(tmp_path):
+  """INITIAL_CHECKPOINT_PATH: a Hugging Face export of a tiny T5 with its
+  spiece.model; with learning rate 0 the trained params stay the imported
+  ones exactly, and the checkpoint's vocabulary becomes the task's."""
+  from dpjax import pretrained
+  configure(tmp_path / "unused")
+  config = t5.T5Config()
+  params, _ = t5.init_params(config, jax.random.PRNGKey(7), input_length=8,
+                             target_length=8)
+  ckpt = tmp_path / "hf_t5"
+  pretrained.export_hf(params, config, str(ckpt))
+  shutil.copy(tasks.DEFAULT_VOCABULARY_PATH, ckpt / "spiece.model")
+  model_dir = tmp_path / "from_pretrained"
+  run(model_dir, "TRAIN_STEPS = 2", "LEARNING_RATE = 0.0",
+      f"INITIAL_CHECKPOINT_PATH = '{ckpt}'")
+  jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
+               params)
+  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  assert meta["tokenizer_files"]["sentencepiece"] == str(ckpt / "spiece.model")
+  import seqio
+  vocab = seqio.get_mixture_or_task("msmarco_query_generation").output_features[
+      "inputs"].vocabulary
+  assert vocab.sentencepiece_model_file == str(ckpt / "spiece.model")

@@ -1,8 +1,13 @@
-"""Hugging Face GPT-2 state dicts -> dpjax GPT-2 params (names and layouts).
+"""Hugging Face GPT-2 checkpoints <-> dpjax GPT-2 params: names, layouts, config.
 
-The mapping reproduces Hugging Face's GPT-2 logits (tests/models/test_gpt2.py,
-run where `transformers<5` is installed). No torch import: callers pass
-numpy arrays.
+Follows the mapping contract of `dpjax.models.hf_t5`. GPT-2 uses Conv1D,
+whose weights are already `[in, out]` like our kernels; the fused `c_attn`
+(`[d, 3d]`, HF's order query, key, value) is split into three kernels, each
+read from the one tensor. Names may carry the `transformer.` prefix
+(`GPT2LMHeadModel`) or not (`GPT2Model`); export writes the prefixed form.
+`lm_head.weight` is always tied to `wte` (config.json must not untie it) and
+the causal-mask buffers `attn.bias` / `attn.masked_bias` of old checkpoints
+carry no weights: all are aliases. No torch here.
 """
 from __future__ import annotations
 
@@ -10,67 +15,116 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dpjax.models import hf_common
 from dpjax.models.gpt2 import GPT2Config
 
 PyTree = Any
+HF_MODEL_TYPES = ("gpt2",)
+HF_FIELD_NAMES = {"d_model": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
+                  "d_ff": "n_inner", "dropout_rate": "resid_pdrop"}
+# "gelu_pytorch_tanh" is the same tanh-approximated GELU as "gelu_new".
+_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
 
-def params_from_hf_state_dict(config: GPT2Config, state_dict: Mapping[str, Any]) -> PyTree:
-  """Converts a Hugging Face PyTorch GPT-2 state dict to dpjax params.
+def config_from_hf(hf: Mapping[str, Any]) -> GPT2Config:
+  """A GPT2Config from a config.json dict (HF defaults for absent keys)."""
+  unsupported = {"activation_function": (hf.get("activation_function", "gelu_new"), _ACTIVATIONS),
+                 "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+                 "scale_attn_by_inverse_layer_idx": (
+                     hf.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+                 "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
+                 "tie_word_embeddings": (hf.get("tie_word_embeddings", True), (True,))}
+  for key, (value, allowed) in unsupported.items():
+    if value not in allowed:
+      raise ValueError(f"{key}: config.json {value!r}, dpjax GPT-2 supports {allowed}")
+  return GPT2Config(
+      vocab_size=hf.get("vocab_size", 50257), n_positions=hf.get("n_positions", 1024),
+      d_model=hf.get("n_embd", 768), num_layers=hf.get("n_layer", 12),
+      num_heads=hf.get("n_head", 12), d_ff=hf.get("n_inner"),
+      dropout_rate=hf.get("resid_pdrop", 0.1),
+      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
 
-  `state_dict` maps HF names (e.g. 'transformer.h.0.attn.c_attn.weight', or
-  without the 'transformer.' prefix as saved by `GPT2Model`) to arrays
-  (numpy, or anything `np.asarray` accepts: convert torch tensors with
-  `.numpy()` first). GPT-2 uses Conv1D, whose weights are already `[in, out]`
-  like our kernels; the fused `c_attn` is split into query, key and value.
-  Raises KeyError on a missing weight and ValueError, naming the tensor and
-  both shapes, on a shape mismatch, or on unused weights or an untied lm_head.
-  """
-  prefix = "transformer." if any(k.startswith("transformer.") for k in state_dict) else ""
-  d, ff = config.d_model, config.mlp_dim
-  used = set()
 
-  def get(name, shape):
-    full = prefix + name
-    used.add(full)
-    x = np.asarray(state_dict[full], np.float32)
-    if x.shape != shape:
-      raise ValueError(f"{full} has shape {x.shape}, expected {shape} for {config}")
-    return x
-
-  def dense(name, n_in, n_out):
-    return {"kernel": get(f"{name}.weight", (n_in, n_out)), "bias": get(f"{name}.bias", (n_out,))}
-
-  def norm(name):
-    return {"scale": get(f"{name}.weight", (d,)), "bias": get(f"{name}.bias", (d,))}
-
-  def layer(i):
-    p = f"h.{i}"
-    qkv = dense(f"{p}.attn.c_attn", d, 3 * d)
-    kernels = np.split(qkv["kernel"], 3, axis=1)  # HF's order: query, key, value
-    biases = np.split(qkv["bias"], 3)
-    attention = {n: {"kernel": k, "bias": b}
-                 for n, k, b in zip(("query", "key", "value"), kernels, biases)}
-    attention["out"] = dense(f"{p}.attn.c_proj", d, d)
-    return {"pre_attention_layer_norm": norm(f"{p}.ln_1"), "attention": attention,
-            "pre_mlp_layer_norm": norm(f"{p}.ln_2"),
-            "mlp": {"wi": dense(f"{p}.mlp.c_fc", d, ff), "wo": dense(f"{p}.mlp.c_proj", ff, d)}}
-
-  params = {
-      "token_embedder": {"embedding": get("wte.weight", (config.vocab_size, d))},
-      "position_embedder": {"embedding": get("wpe.weight", (config.n_positions, d))},
-      **{f"layers_{i}": layer(i) for i in range(config.num_layers)},
-      "decoder_norm": norm("ln_f"),
+def config_to_hf(config: GPT2Config) -> dict:
+  """A config.json that transformers loads as this model (GPT2LMHeadModel)."""
+  return {
+      "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+      "vocab_size": config.vocab_size, "n_positions": config.n_positions,
+      "n_embd": config.d_model, "n_layer": config.num_layers, "n_head": config.num_heads,
+      "n_inner": config.d_ff, "activation_function": "gelu_new",
+      "resid_pdrop": config.dropout_rate, "embd_pdrop": config.dropout_rate,
+      "attn_pdrop": config.dropout_rate, "layer_norm_epsilon": config.layer_norm_epsilon,
+      "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+      # GPT-2's <|endoftext|> (50256) is its last token.
+      "bos_token_id": config.vocab_size - 1, "eos_token_id": config.vocab_size - 1,
   }
-  # lm_head is tied to wte; older checkpoints also store the causal-mask
-  # buffers `attn.bias` / `attn.masked_bias`, which carry no weights.
-  ignored = {"lm_head.weight"} | {
-      f"{prefix}h.{i}.attn.{b}" for i in range(config.num_layers)
-      for b in ("bias", "masked_bias")}
-  if "lm_head.weight" in state_dict and not np.array_equal(
-      np.asarray(state_dict["lm_head.weight"], np.float32), params["token_embedder"]["embedding"]):
-    raise ValueError("lm_head.weight differs from wte.weight; GPT-2 ties them.")
-  unused = set(state_dict) - used - ignored
-  if unused:
-    raise ValueError(f"Unused weights in the state dict: {sorted(unused)}")
-  return params
+
+
+def _plain(config: GPT2Config):
+  """(param path, HF name without prefix) of every tensor read as is."""
+  yield ("token_embedder", "embedding"), "wte.weight"
+  yield ("position_embedder", "embedding"), "wpe.weight"
+  for i in range(config.num_layers):
+    p, layer = f"h.{i}", f"layers_{i}"
+    for ours, theirs in (("pre_attention_layer_norm", "ln_1"), ("pre_mlp_layer_norm", "ln_2")):
+      yield (layer, ours, "scale"), f"{p}.{theirs}.weight"
+      yield (layer, ours, "bias"), f"{p}.{theirs}.bias"
+    for path, theirs in ((("attention", "out"), "attn.c_proj"), (("mlp", "wi"), "mlp.c_fc"),
+                         (("mlp", "wo"), "mlp.c_proj")):
+      yield (layer, *path, "kernel"), f"{p}.{theirs}.weight"
+      yield (layer, *path, "bias"), f"{p}.{theirs}.bias"
+  yield ("decoder_norm", "scale"), "ln_f.weight"
+  yield ("decoder_norm", "bias"), "ln_f.bias"
+
+
+_QKV = ("query", "key", "value")  # HF's order within c_attn
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def param_sources(config: GPT2Config, reader: hf_common.TensorReader
+                  ) -> tuple[PyTree, set[str]]:
+  """Params-shaped tree of `Source`s, and the checkpoint names that are aliases."""
+  keys = set(reader.keys())
+  prefix = "transformer." if any(k.startswith("transformer.") for k in keys) else ""
+  d = config.d_model
+  tree: dict = {}
+  for path, name in _plain(config):
+    _set(tree, path, hf_common.tensor(reader, prefix + name))
+
+  def third(j):
+    def take(x):  # a view of the one c_attn tensor loaded
+      if x.shape[-1] != 3 * d:
+        raise ValueError(f"its fused query/key/value axis is {x.shape[-1]}, not 3 * {d}")
+      return x[..., j * d:(j + 1) * d]
+    return take
+
+  for i in range(config.num_layers):
+    for j, ours in enumerate(_QKV):
+      for part, suffix in (("kernel", "weight"), ("bias", "bias")):
+        _set(tree, (f"layers_{i}", "attention", ours, part),
+             hf_common.tensor(reader, f"{prefix}h.{i}.attn.c_attn.{suffix}", third(j)))
+  aliases = {"lm_head.weight"} | {f"{prefix}h.{i}.attn.{b}" for i in range(config.num_layers)
+                                  for b in ("bias", "masked_bias")}
+  return tree, aliases
+
+
+def to_hf_state_dict(config: GPT2Config, params: PyTree) -> dict[str, np.ndarray]:
+  """dpjax params -> the GPT2LMHeadModel tensors (prefixed, no lm_head)."""
+  def get(path):
+    x = params
+    for key in path:
+      x = x[key]
+    return np.asarray(x)
+
+  out = {f"transformer.{name}": get(path) for path, name in _plain(config)}
+  for i in range(config.num_layers):
+    attention = (f"layers_{i}", "attention")
+    for part, suffix in (("kernel", "weight"), ("bias", "bias")):
+      out[f"transformer.h.{i}.attn.c_attn.{suffix}"] = np.concatenate(
+          [get((*attention, n, part)) for n in _QKV], axis=-1)
+  return out

@@ -1,90 +1,134 @@
-"""Hugging Face T5 state dicts -> dpjax T5 params (names and layouts).
+"""Hugging Face T5 checkpoints <-> dpjax T5 params: names, layouts, config.
 
-A start on importing pretrained checkpoints: the mapping reproduces Hugging
-Face's T5 logits (tests/models/test_hf.py, run where `transformers<5` is
-installed). No torch import: callers pass numpy arrays.
+The mapping contract shared by all `hf_*` modules (see `dpjax.pretrained.hf`,
+which does the file reading, checking and device placement):
+`HF_MODEL_TYPES`, `config_from_hf`, `config_to_hf`, `param_sources` (lazy:
+nothing is read here) and `to_hf_state_dict` (its exact inverse).
+
+PyTorch `nn.Linear` weights are `[out, in]`, our kernels `[in, out]`, so
+kernels are transposes; the relative position tables are `[buckets, heads]`
+in HF and `[heads, buckets]` here. The encoder/decoder `embed_tokens` (and,
+for tied models, `lm_head`) are aliases of `shared.weight`. Since
+transformers 5 a T5.1.1 config says `"scale_decoder_outputs": false` (and
+`tie_word_embeddings: true`); older ones say `"tie_word_embeddings": false`.
+Either means our `tie_embeddings=False`: no d_model**-0.5 logit scaling and a
+separate `logits_dense`, read from `lm_head.weight` (or from `shared.weight`
+when the checkpoint has no separate head, as transformers 5 writes a model
+whose head is tied). No torch here: tensors come from a `TensorReader`.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-import jax
 import numpy as np
 
-from dpjax.models.t5 import T5Config, abstract_params
+from dpjax.models import hf_common
+from dpjax.models.t5 import T5Config
 
 PyTree = Any
+HF_MODEL_TYPES = ("t5",)
+# dpjax field -> config.json key, for error messages.
+HF_FIELD_NAMES = {"num_encoder_layers": "num_layers", "feed_forward": "feed_forward_proj",
+                  "tie_embeddings": "scale_decoder_outputs/tie_word_embeddings"}
+_EPS = 1e-6  # dpjax's T5 LayerNorm epsilon
 
 
-def params_from_hf_state_dict(config: T5Config, state_dict: Mapping[str, Any]) -> PyTree:
-  """Converts a Hugging Face PyTorch T5 state dict to dpjax params.
+def config_from_hf(hf: Mapping[str, Any]) -> T5Config:
+  """A T5Config from a config.json dict (HF defaults for absent keys)."""
+  ff = hf.get("feed_forward_proj", "relu")
+  if ff not in ("relu", "gated-gelu"):
+    raise ValueError(f"feed_forward_proj {ff!r} is not supported (only 'relu', 'gated-gelu')")
+  if hf.get("layer_norm_epsilon", _EPS) != _EPS:
+    raise ValueError(f"layer_norm_epsilon: config.json {hf['layer_norm_epsilon']}, "
+                     f"dpjax T5 uses {_EPS}")
+  layers = hf.get("num_layers", 6)
+  decoder_layers = hf.get("num_decoder_layers")
+  return T5Config(
+      vocab_size=hf.get("vocab_size", 32128), d_model=hf.get("d_model", 512),
+      d_kv=hf.get("d_kv", 64), d_ff=hf.get("d_ff", 2048), num_heads=hf.get("num_heads", 8),
+      num_encoder_layers=layers,
+      num_decoder_layers=layers if decoder_layers is None else decoder_layers,
+      dropout_rate=hf.get("dropout_rate", 0.1),
+      relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
+      relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
+      feed_forward=ff,
+      tie_embeddings=bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True))))
 
-  `state_dict` maps HF names (e.g. 'encoder.block.0.layer.0.SelfAttention.q.weight')
-  to arrays (numpy, or anything `np.asarray` accepts, so no torch import is
-  needed here: convert the tensors with `.numpy()` first). PyTorch linear
-  weights are `[out, in]`, so kernels are their transposes. Raises KeyError
-  on a missing weight and ValueError on unused ones or shape mismatches.
-  """
-  used = set()
 
-  def get(name, transpose=False):
-    used.add(name)
-    x = np.asarray(state_dict[name], np.float32)
-    return x.T if transpose else x
-
-  def attention(prefix):
-    return {ours: {"kernel": get(f"{prefix}.{hf}.weight", transpose=True)}
-            for ours, hf in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))}
-
-  def mlp(prefix):
-    names = ("wi", "wo") if config.feed_forward == "relu" else ("wi_0", "wi_1", "wo")
-    return {n: {"kernel": get(f"{prefix}.DenseReluDense.{n}.weight", transpose=True)}
-            for n in names}
-
-  def norm(name):
-    return {"scale": get(name)}
-
-  def stack(kind, num_layers, sublayers):
-    out = {f"layers_{i}": {ours: build(f"{kind}.block.{i}.layer.{j}")
-                           for j, group in enumerate(sublayers) for ours, build in group}
-           for i in range(num_layers)}
-    bias = f"{kind}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    out["relpos_bias"] = {"rel_embedding": get(bias, transpose=True)}
-    out[f"{kind}_norm"] = norm(f"{kind}.final_layer_norm.weight")
-    return out
-
-  params = {
-      "token_embedder": {"embedding": get("shared.weight")},
-      "encoder": stack("encoder", config.num_encoder_layers, [
-          [("pre_attention_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")),
-           ("attention", lambda p: attention(f"{p}.SelfAttention"))],
-          [("pre_mlp_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")), ("mlp", mlp)],
-      ]),
-      "decoder": stack("decoder", config.num_decoder_layers, [
-          [("pre_self_attention_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")),
-           ("self_attention", lambda p: attention(f"{p}.SelfAttention"))],
-          [("pre_cross_attention_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")),
-           ("encoder_decoder_attention", lambda p: attention(f"{p}.EncDecAttention"))],
-          [("pre_mlp_layer_norm", lambda p: norm(f"{p}.layer_norm.weight")), ("mlp", mlp)],
-      ]),
+def config_to_hf(config: T5Config) -> dict:
+  """A config.json that transformers 4 and 5 load as this model."""
+  return {
+      "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
+      "vocab_size": config.vocab_size, "d_model": config.d_model, "d_kv": config.d_kv,
+      "d_ff": config.d_ff, "num_heads": config.num_heads,
+      "num_layers": config.num_encoder_layers, "num_decoder_layers": config.num_decoder_layers,
+      "relative_attention_num_buckets": config.relative_attention_num_buckets,
+      "relative_attention_max_distance": config.relative_attention_max_distance,
+      "dropout_rate": config.dropout_rate, "layer_norm_epsilon": _EPS,
+      "feed_forward_proj": config.feed_forward, "initializer_factor": 1.0,
+      "tie_word_embeddings": config.tie_embeddings,
+      "scale_decoder_outputs": config.tie_embeddings,
+      "is_encoder_decoder": True, "pad_token_id": 0, "eos_token_id": 1,
+      "decoder_start_token_id": 0,
   }
-  if not config.tie_embeddings:
-    params["decoder"]["logits_dense"] = {"kernel": get("lm_head.weight", transpose=True)}
 
+
+def _table(config: T5Config, has_lm_head: bool = True) -> Iterator[tuple[tuple, str, bool]]:
+  """(param path, HF tensor name, transposed?) for every parameter."""
+  mlp = (("wi", "wi"), ("wo", "wo")) if config.feed_forward == "relu" else (
+      ("wi_0", "wi_0"), ("wi_1", "wi_1"), ("wo", "wo"))
+  attn = (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))
+  sublayers = {
+      "encoder": [("pre_attention_layer_norm", "attention", "SelfAttention", attn),
+                  ("pre_mlp_layer_norm", "mlp", "DenseReluDense", mlp)],
+      "decoder": [("pre_self_attention_layer_norm", "self_attention", "SelfAttention", attn),
+                  ("pre_cross_attention_layer_norm", "encoder_decoder_attention",
+                   "EncDecAttention", attn),
+                  ("pre_mlp_layer_norm", "mlp", "DenseReluDense", mlp)],
+  }
+  yield ("token_embedder", "embedding"), "shared.weight", False
+  for kind, subs in sublayers.items():
+    n = config.num_encoder_layers if kind == "encoder" else config.num_decoder_layers
+    for i in range(n):
+      for j, (norm, block, hf_block, denses) in enumerate(subs):
+        p = f"{kind}.block.{i}.layer.{j}"
+        yield (kind, f"layers_{i}", norm, "scale"), f"{p}.layer_norm.weight", False
+        for ours, theirs in denses:
+          yield (kind, f"layers_{i}", block, ours, "kernel"), f"{p}.{hf_block}.{theirs}.weight", True
+    yield ((kind, "relpos_bias", "rel_embedding"),
+           f"{kind}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", True)
+    yield (kind, f"{kind}_norm", "scale"), f"{kind}.final_layer_norm.weight", False
+  if not config.tie_embeddings:
+    yield (("decoder", "logits_dense", "kernel"),
+           "lm_head.weight" if has_lm_head else "shared.weight", True)
+
+
+def param_sources(config: T5Config, reader: hf_common.TensorReader
+                  ) -> tuple[PyTree, set[str]]:
+  """Params-shaped tree of `Source`s, and the checkpoint names that are aliases."""
+  has_lm_head = "lm_head.weight" in set(reader.keys())
+  tree: dict = {}
+  for path, name, transposed in _table(config, has_lm_head):
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = hf_common.tensor(reader, name, np.transpose if transposed else None)
   # Copies of the shared embedding (and a tied lm_head) carry no new weights;
   # some original checkpoints also hold a cross-attention bias HF never uses.
   aliases = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
              "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}
   if config.tie_embeddings:
     aliases.add("lm_head.weight")
-  unused = set(state_dict) - used - aliases
-  if unused:
-    raise ValueError(f"Unused weights in the state dict: {sorted(unused)}")
-  expected, _ = abstract_params(config, input_length=1, target_length=1)
-  mismatched = [
-      (jax.tree_util.keystr(path), x.shape, e.shape)
-      for (path, x), e in zip(jax.tree_util.tree_leaves_with_path(params),
-                              jax.tree.leaves(expected)) if x.shape != e.shape]
-  if jax.tree.structure(params) != jax.tree.structure(expected) or mismatched:
-    raise ValueError(f"State dict does not fit {config}: {mismatched}")
-  return params
+  return tree, aliases
+
+
+def to_hf_state_dict(config: T5Config, params: PyTree) -> dict[str, np.ndarray]:
+  """dpjax params -> the T5ForConditionalGeneration tensors (no aliases)."""
+  out = {}
+  for path, name, transposed in _table(config):
+    x = params
+    for key in path:
+      x = x[key]
+    x = np.asarray(x)
+    out[name] = x.T if transposed else x
+  return out

@@ -1,7 +1,8 @@
 """Tests of GPT-2: forward math, masking, losses, caching, generation, params.
 
-The Hugging Face logits comparison needs `transformers<5` (the last versions
-with Flax GPT-2); it is skipped where that is not installed, as in CI.
+The Hugging Face name mapping is checked here against an independent
+state-dict construction; logits against PyTorch transformers are compared
+in tests/pretrained/test_hf_t5_gpt2.py.
 """
 import dataclasses
 import functools
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from dpjax import decoding
 from dpjax.models import gpt2, hf_gpt2
+from dpjax.pretrained import hf
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "models"
 VOCAB = 97
@@ -359,57 +361,39 @@ def _hf_state_dict(cfg, params):
   return {k: np.asarray(v) for k, v in sd.items()}
 
 
-def test_state_dict_roundtrip(tiny):
+def _load(cfg, state_dict):
+  return hf.load_from_reader(hf_gpt2.config_to_hf(cfg), hf.DictReader(state_dict), cfg)
+
+
+def test_state_dict_layout_and_roundtrip(tiny):
   cfg, params, _ = tiny
   sd = _hf_state_dict(cfg, params)
-  converted = hf_gpt2.params_from_hf_state_dict(cfg, sd)
+  exported = hf_gpt2.to_hf_state_dict(cfg, params)
+  assert set(exported) == set(sd) - {"lm_head.weight"}
+  for k, v in exported.items():
+    np.testing.assert_array_equal(v, sd[k], err_msg=k)
+  converted = _load(cfg, sd)
   assert jax.tree.structure(converted) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
   # GPT2Model checkpoints: no prefix, no lm_head, old causal-mask buffers.
   bare = {k.removeprefix("transformer."): v for k, v in sd.items() if k != "lm_head.weight"}
   bare["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), bool))
-  jax.tree.map(np.testing.assert_array_equal,
-               hf_gpt2.params_from_hf_state_dict(cfg, bare), converted)
-  with pytest.raises(ValueError, match="Unused"):
-    hf_gpt2.params_from_hf_state_dict(cfg, dict(sd, extra=np.zeros(2)))
-  with pytest.raises(KeyError):
-    hf_gpt2.params_from_hf_state_dict(cfg, {k: v for k, v in sd.items() if "c_fc" not in k})
-  with pytest.raises(ValueError, match=r"h\.1\.attn\.c_attn\.weight has shape \(64, 191\), "
-                     r"expected \(64, 192\)"):
-    hf_gpt2.params_from_hf_state_dict(cfg, dict(sd, **{
+  jax.tree.map(np.testing.assert_array_equal, _load(cfg, bare), converted)
+  with pytest.raises(hf.CheckpointError, match="unused tensor 'extra'"):
+    _load(cfg, dict(sd, extra=np.zeros(2)))
+  with pytest.raises(hf.CheckpointError, match=r"missing tensor 'transformer.h.0.mlp.c_fc"):
+    _load(cfg, {k: v for k, v in sd.items() if "c_fc" not in k})
+  with pytest.raises(hf.CheckpointError, match=r"h\.1\.attn\.c_attn\.weight' of shape "
+                     r"\(64, 191\) does not fit param layers_1/attention/query/kernel"):
+    _load(cfg, dict(sd, **{
         "transformer.h.1.attn.c_attn.weight": sd["transformer.h.1.attn.c_attn.weight"][:, 1:]}))
-  with pytest.raises(ValueError, match="ties"):
-    hf_gpt2.params_from_hf_state_dict(cfg, dict(sd, **{"lm_head.weight": sd["lm_head.weight"]
-                                                       + 1}))
 
 
-def test_logits_match_hugging_face_flax(tiny):
-  transformers = pytest.importorskip("transformers")
-  if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
-    pytest.skip("this transformers has no Flax GPT-2")
-  from flax.traverse_util import flatten_dict, unflatten_dict
-  cfg = tiny_config(num_layers=3, d_model=96, num_heads=6, d_ff=200, n_positions=160)
-  hf = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
-      vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.d_model,
-      n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.d_ff,
-      activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-      seed=3)
-  # HF initializes biases to 0 and norms to 1: randomize every leaf instead.
-  flat = flatten_dict(hf.params)
-  rng = np.random.default_rng(0)
-  flat = {k: (0.1 * rng.standard_normal(v.shape)).astype(np.float32)
-          + (1.0 if k[-1] == "scale" else 0.0) for k, v in flat.items()}
-  hf_params = unflatten_dict(flat)
-  sd = {}  # Flax names -> PyTorch names; Flax Conv1D kernels are [out, in].
-  for path, x in flat.items():
-    name = ".".join(path[:-1] + ("bias" if path[-1] == "bias" else "weight",))
-    sd[name] = x.T if path[-1] == "kernel" else x
-  params = hf_gpt2.params_from_hf_state_dict(cfg, sd)
-  tokens = rng.integers(0, cfg.vocab_size, (2, 150)).astype(np.int32)
-  mask = np.ones_like(tokens)
-  mask[1, 100:] = 0  # right padding
-  ours = forward(cfg, params, tokens, mask)
-  theirs = hf(input_ids=tokens, attention_mask=mask, params=hf_params).logits
-  scale = float(jnp.max(jnp.abs(theirs)))
-  np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(scale, 1.0))
+def test_hf_config_roundtrip():
+  for cfg in (tiny_config(), tiny_config(d_ff=200, layer_norm_epsilon=1e-6)):
+    assert hf_gpt2.config_from_hf(hf_gpt2.config_to_hf(cfg)) == cfg
+  with pytest.raises(ValueError, match="tie_word_embeddings"):
+    hf_gpt2.config_from_hf(dict(hf_gpt2.config_to_hf(tiny_config()), tie_word_embeddings=False))
+  with pytest.raises(ValueError, match="activation_function"):
+    hf_gpt2.config_from_hf(dict(hf_gpt2.config_to_hf(tiny_config()), activation_function="relu"))

@@ -1,14 +1,14 @@
-"""Hugging Face compatibility: checkpoint conversion and (optionally) logits.
+"""Hugging Face T5 name mapping, against an independent state-dict layout.
 
-The logits comparison needs `transformers<5` (the last versions with Flax
-T5); it is skipped where that is not installed, as in CI.
+Logits against PyTorch transformers are compared in
+tests/pretrained/test_hf_t5_gpt2.py.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.models import hf_t5, t5
+from dpjax.models import hf_t5
+from dpjax.pretrained import hf
 
 
 def _hf_state_dict(cfg, params):
@@ -42,52 +42,58 @@ def _hf_state_dict(cfg, params):
   return {k: np.asarray(v) for k, v in sd.items()}
 
 
+def _load(cfg, state_dict):
+  return hf.load_from_reader(hf_t5.config_to_hf(cfg), hf.DictReader(state_dict), cfg)
+
+
 @pytest.mark.parametrize("variant", ["tiny", "tiny_v11"])
-def test_state_dict_roundtrip(variant, request):
+def test_state_dict_layout_and_roundtrip(variant, request):
   cfg, params, _ = request.getfixturevalue(variant)
   sd = _hf_state_dict(cfg, params)
-  converted = hf_t5.params_from_hf_state_dict(cfg, sd)
+  exported = hf_t5.to_hf_state_dict(cfg, params)
+  aliases = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+  if cfg.tie_embeddings:
+    aliases.add("lm_head.weight")
+  assert set(exported) == set(sd) - aliases
+  for k, v in exported.items():
+    np.testing.assert_array_equal(v, sd[k], err_msg=k)
+  converted = _load(cfg, sd)
   assert jax.tree.structure(converted) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
-  with pytest.raises(ValueError, match="Unused"):
-    hf_t5.params_from_hf_state_dict(cfg, dict(sd, extra=np.zeros(2)))
-  with pytest.raises(KeyError):
-    hf_t5.params_from_hf_state_dict(cfg, {k: v for k, v in sd.items() if ".wo." not in k})
+  with pytest.raises(hf.CheckpointError, match="unused tensor 'extra' of shape \\(2,\\)"):
+    _load(cfg, dict(sd, extra=np.zeros(2)))
+  with pytest.raises(hf.CheckpointError, match=r"missing tensor 'encoder\.block\.0\.layer\.1\."
+                     r"DenseReluDense\.wo\.weight'"):
+    _load(cfg, {k: v for k, v in sd.items() if ".wo." not in k})
   wrong = dict(sd)
   wrong["shared.weight"] = wrong["shared.weight"][:-1]
-  with pytest.raises(ValueError, match="does not fit"):
-    hf_t5.params_from_hf_state_dict(cfg, wrong)
+  with pytest.raises(hf.CheckpointError, match=r"tensor 'shared.weight' of shape \(96, 64\) "
+                     r"gives \(96, 64\), but param token_embedder/embedding has shape "
+                     r"\(97, 64\)"):
+    _load(cfg, wrong)
 
 
-@pytest.mark.parametrize("variant", ["tiny", "tiny_v11"])
-def test_logits_match_hugging_face_flax(variant, request, monkeypatch):
-  transformers = pytest.importorskip("transformers")
-  if not hasattr(transformers, "FlaxT5ForConditionalGeneration"):
-    pytest.skip("this transformers has no Flax T5")
-  from flax.traverse_util import flatten_dict
-  # transformers' Flax T5 still calls jnp.clip(a_max=...), gone from new jax.
-  clip = jnp.clip
-  monkeypatch.setattr(jnp, "clip", lambda x, a_min=None, a_max=None, **kw: clip(
-      x, kw.get("min", a_min), kw.get("max", a_max)))
-  cfg, _, _ = request.getfixturevalue(variant)
-  hf = transformers.FlaxT5ForConditionalGeneration(transformers.T5Config(
-      vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff,
-      num_heads=cfg.num_heads, num_layers=cfg.num_encoder_layers,
-      num_decoder_layers=cfg.num_decoder_layers, dropout_rate=0.0,
-      feed_forward_proj=cfg.feed_forward, tie_word_embeddings=cfg.tie_embeddings), seed=3)
-  sd = {}
-  for path, x in flatten_dict(hf.params).items():  # Flax names -> PyTorch names
-    name = ".".join(path[:-1] + ("weight",))
-    sd[name] = np.asarray(x).T if path[-1] == "kernel" else np.asarray(x)
-  params = hf_t5.params_from_hf_state_dict(cfg, sd)
-  rng = np.random.default_rng(0)
-  enc = rng.integers(2, cfg.vocab_size, (2, 150)).astype(np.int32)
-  enc[1, 60:] = 0
-  dec = rng.integers(2, cfg.vocab_size, (2, 140)).astype(np.int32)
-  dec[:, 0] = 0
-  ours = t5.T5Transformer(cfg).apply({"params": params}, enc, dec)
-  theirs = hf(input_ids=enc, attention_mask=(enc > 0).astype(np.int32),
-              decoder_input_ids=dec).logits
-  scale = float(jnp.max(jnp.abs(theirs)))
-  np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(scale, 1.0))
+def test_untied_model_without_lm_head_reads_shared(tiny_v11):
+  """transformers 5 saves a T5.1.1-config model whose head is tied without
+  lm_head.weight; its logits_dense is then the shared embedding."""
+  cfg, params, _ = tiny_v11
+  sd = {k: v for k, v in _hf_state_dict(cfg, params).items() if k != "lm_head.weight"}
+  converted = _load(cfg, sd)
+  np.testing.assert_array_equal(converted["decoder"]["logits_dense"]["kernel"],
+                                params["token_embedder"]["embedding"].T)
+
+
+def test_hf_config_roundtrip(make_config):
+  for cfg in (make_config(), make_config(feed_forward="gated-gelu", tie_embeddings=False,
+                                         num_decoder_layers=3)):
+    assert hf_t5.config_from_hf(hf_t5.config_to_hf(cfg)) == cfg
+  # transformers 4 wrote tie_word_embeddings=false for T5.1.1, 5 writes
+  # scale_decoder_outputs=false (and tie_word_embeddings=true).
+  v11 = {"model_type": "t5", "feed_forward_proj": "gated-gelu"}
+  assert not hf_t5.config_from_hf(dict(v11, tie_word_embeddings=False)).tie_embeddings
+  assert not hf_t5.config_from_hf(dict(v11, tie_word_embeddings=True,
+                                       scale_decoder_outputs=False)).tie_embeddings
+  assert hf_t5.config_from_hf({"model_type": "t5"}).tie_embeddings  # old t5-small configs
+  with pytest.raises(ValueError, match="feed_forward_proj 'gated-silu'"):
+    hf_t5.config_from_hf(dict(v11, feed_forward_proj="gated-silu"))

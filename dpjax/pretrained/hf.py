@@ -1,0 +1,442 @@
+"""Hugging Face checkpoint directories <-> dpjax params.
+
+A checkpoint directory holds `config.json` and the weights as
+`model.safetensors`, sharded `model-0000i-of-0000n.safetensors` with
+`model.safetensors.index.json`, or PyTorch's `pytorch_model.bin` (or its
+sharded `.bin` + index form). Safetensors are preferred when both exist. The
+per-model name mapping lives in `dpjax.models.hf_<model>` (picked by the
+config's type); this module reads, checks and places tensors.
+
+`load_hf` checks everything it can before reading a single tensor: the
+config.json architecture against the gin config, then every parameter's
+source tensors (present? shape, through the mapping's own transform, equal to
+the model's?), then that no checkpoint tensor is left unused (aliases such as
+tied embeddings aside). Any problem raises `CheckpointError`, which names the
+field or tensor and both values or shapes; nothing half-loaded is returned.
+
+Host memory: tensors are read one at a time, each straight from its file
+(safetensors: `safe_open` per tensor; `.bin`: `torch.load(mmap=True)`, so
+the file is paged in, not copied), upcast to float32 (a bf16/f16 tensor thus
+briefly takes 2-3x its stored size), transformed (transposes and slices are
+views), put on its device(s) with its sharding, waited for, and dropped
+before the next is read. Peak host memory is about one float32 tensor (the
+largest is the embedding, e.g. 128 MB for a 3B T5), never the model. On a
+CPU backend the device arrays themselves live in host memory: jax may adopt
+the loaded buffer as the array, so nothing is copied twice.
+
+Export (`export_hf`) writes `config.json` and one `model.safetensors`,
+streaming one tensor at a time into the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import pathlib
+import struct
+import sys
+from typing import Any, Iterable, Mapping
+
+import jax
+import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (safetensors BF16)
+import numpy as np
+
+from dpjax import fileio
+from dpjax.models import hf_common
+
+PyTree = Any
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_FILE = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+
+# (config module, config class, mapping module). Imported only when a config
+# of that class is seen, so a mapping may land later (bert).
+_MODELS = (
+    ("dpjax.models.t5", "T5Config", "dpjax.models.hf_t5"),
+    ("dpjax.models.gpt2", "GPT2Config", "dpjax.models.hf_gpt2"),
+    ("dpjax.models.bert", "BertConfig", "dpjax.models.hf_bert"),
+)
+# Config fields that are training choices, not architecture: config.json may
+# disagree with the gin config on them. A mapping may set NON_ARCH_FIELDS.
+_NON_ARCH_FIELDS = ("dropout_rate", "dtype")
+_MAX_LISTED = 20
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not fit the model, or cannot be read."""
+
+
+def _listing(problems: list[str]) -> str:
+  shown = problems[:_MAX_LISTED]
+  more = len(problems) - len(shown)
+  return "\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else "")
+
+
+# ----------------------------------------------------------------------------
+# Readers.
+# ----------------------------------------------------------------------------
+
+
+def _as_float32(x: np.ndarray) -> np.ndarray:
+  return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
+class SafetensorsReader:
+  """Tensors of one or more .safetensors files, each read when asked for."""
+
+  def __init__(self, files: Iterable[str | os.PathLike]):
+    from safetensors import safe_open
+    self._safe_open = safe_open
+    self._index: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+      with safe_open(os.fspath(file), framework="np") as f:  # reads the header only
+        for name in f.keys():
+          self._index[name] = (os.fspath(file), tuple(f.get_slice(name).get_shape()))
+
+  def keys(self) -> list[str]:
+    return list(self._index)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._index[name][1]
+
+  def get(self, name: str) -> np.ndarray:
+    file = self._index[name][0]
+    with self._safe_open(file, framework="np") as f:
+      return _as_float32(f.get_tensor(name))
+
+
+class TorchReader:
+  """Tensors of PyTorch `.bin` files, memory-mapped (torch imported here only)."""
+
+  def __init__(self, files: Iterable[str | os.PathLike]):
+    import torch
+    self._torch = torch
+    self._tensors: dict[str, Any] = {}
+    for file in files:
+      try:
+        state = torch.load(os.fspath(file), map_location="cpu", mmap=True, weights_only=True)
+      except RuntimeError:  # the pre-1.6 (non-zip) format cannot be mapped
+        state = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
+      self._tensors.update(state)
+
+  def keys(self) -> list[str]:
+    return list(self._tensors)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._tensors[name].shape)
+
+  def get(self, name: str) -> np.ndarray:
+    t = self._tensors[name]
+    if t.dtype == self._torch.float32:
+      return np.array(t.numpy())  # a copy: never hand out views of the mapped file
+    return t.to(self._torch.float32).numpy()  # a new tensor, owned by its array
+
+
+class DictReader:
+  """A TensorReader over an in-memory {name: array} dict (tests, conversions)."""
+
+  def __init__(self, tensors: Mapping[str, Any]):
+    self._tensors = tensors
+
+  def keys(self) -> list[str]:
+    return list(self._tensors)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(np.shape(self._tensors[name]))
+
+  def get(self, name: str) -> np.ndarray:
+    return np.asarray(self._tensors[name], np.float32)
+
+
+class _ShapeReader:
+  """Answers `get` with a zero-strided float32 array of the tensor's shape.
+
+  Running a mapping's transforms on these computes every parameter's shape
+  exactly as loading would, without reading or allocating anything.
+  """
+
+  def __init__(self, reader: hf_common.TensorReader):
+    self._reader = reader
+
+  def keys(self):
+    return self._reader.keys()
+
+  def shape(self, name):
+    return self._reader.shape(name)
+
+  def get(self, name):
+    return np.broadcast_to(np.zeros((), np.float32), self._reader.shape(name))
+
+
+def _index_files(directory: pathlib.Path, index: str) -> list[pathlib.Path]:
+  weight_map = json.loads((directory / index).read_text())["weight_map"]
+  return [directory / f for f in sorted(set(weight_map.values()))]
+
+
+def open_hf_checkpoint(path: str | os.PathLike) -> tuple[dict, hf_common.TensorReader]:
+  """`(config.json as a dict, a reader of the weights)` of a checkpoint directory."""
+  directory = pathlib.Path(path)
+  config_file = directory / CONFIG_FILE
+  if not config_file.is_file():
+    raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a Hugging Face checkpoint")
+  try:
+    hf_config = json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+  if (directory / SAFETENSORS_FILE).is_file():
+    reader = SafetensorsReader([directory / SAFETENSORS_FILE])
+  elif (directory / SAFETENSORS_INDEX).is_file():
+    reader = SafetensorsReader(_index_files(directory, SAFETENSORS_INDEX))
+  elif (directory / TORCH_FILE).is_file():
+    reader = TorchReader([directory / TORCH_FILE])
+  elif (directory / TORCH_INDEX).is_file():
+    reader = TorchReader(_index_files(directory, TORCH_INDEX))
+  else:
+    raise CheckpointError(
+        f"{directory} has {CONFIG_FILE} but no weights: expected {SAFETENSORS_FILE}, "
+        f"{SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}")
+  return hf_config, reader
+
+
+def tokenizer_files(path: str | os.PathLike) -> dict[str, str]:
+  """The tokenizer files a checkpoint directory carries, by kind.
+
+  {'sentencepiece': .../spiece.model} (T5), {'vocab': .../vocab.json,
+  'merges': .../merges.txt} (GPT-2 BPE), {'wordpiece': .../vocab.txt} (BERT),
+  or {} when there are none.
+  """
+  d = pathlib.Path(path)
+  if (d / "spiece.model").is_file():
+    return {"sentencepiece": str(d / "spiece.model")}
+  if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+    return {"vocab": str(d / "vocab.json"), "merges": str(d / "merges.txt")}
+  if (d / "vocab.txt").is_file():
+    return {"wordpiece": str(d / "vocab.txt")}
+  return {}
+
+
+# ----------------------------------------------------------------------------
+# Model dispatch and checks.
+# ----------------------------------------------------------------------------
+
+
+def mapping_for(config):
+  """The `dpjax.models.hf_*` module for a model config."""
+  cls = type(config)
+  for module, name, mapping in _MODELS:
+    if cls.__module__ == module and cls.__name__ == name:
+      return importlib.import_module(mapping)
+  raise CheckpointError(f"No Hugging Face mapping for {cls.__module__}.{cls.__name__}")
+
+
+def _abstract_target(config, mapping) -> PyTree:
+  """ShapeDtypeStruct params of the model (lengths 1: shapes do not depend on them)."""
+  if hasattr(mapping, "abstract_target"):
+    return mapping.abstract_target(config)
+  abstract_params = sys.modules[type(config).__module__].abstract_params
+  lengths = {name: 1 for name, p in inspect.signature(abstract_params).parameters.items()
+             if p.kind == p.KEYWORD_ONLY and p.default is p.empty}
+  return abstract_params(config, **lengths)[0]
+
+
+def _architecture(config, mapping, ignore=()) -> dict:
+  skip = set(getattr(mapping, "NON_ARCH_FIELDS", _NON_ARCH_FIELDS)) | set(ignore)
+  fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name not in skip}
+  if "d_ff" in fields and hasattr(config, "mlp_dim"):
+    fields["d_ff"] = config.mlp_dim  # None means the default width (GPT-2: 4 * d_model)
+  return fields
+
+
+def check_config(hf_config: Mapping[str, Any], config, mapping=None,
+                 ignore: tuple[str, ...] = ()) -> None:
+  """Raises CheckpointError unless config.json describes the gin model
+  (fields in `ignore` may differ)."""
+  mapping = mapping or mapping_for(config)
+  model_type = hf_config.get("model_type")
+  if model_type not in mapping.HF_MODEL_TYPES:
+    raise CheckpointError(
+        f"config.json model_type is {model_type!r}, but the gin model "
+        f"{type(config).__name__} reads {mapping.HF_MODEL_TYPES}")
+  try:
+    theirs = mapping.config_from_hf(hf_config)
+  except KeyError as e:
+    raise CheckpointError(f"config.json has no {e}") from e
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"config.json: {e}") from e
+  names = getattr(mapping, "HF_FIELD_NAMES", {})
+  a = _architecture(theirs, mapping, ignore)
+  b = _architecture(config, mapping, ignore)
+  diffs = [f"{k}{f' (config.json {names[k]!r})' if k in names else ''}: "
+           f"checkpoint {a[k]!r}, gin {b[k]!r}" for k in b if a.get(k) != b[k]]
+  if diffs:
+    raise CheckpointError("config.json disagrees with the gin model config:" + _listing(diffs))
+
+
+def _keystr(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _flat_shardings(shardings, treedef, n: int) -> list:
+  if shardings is None:
+    return [None] * n
+  if isinstance(shardings, jax.sharding.Sharding):
+    return [shardings] * n
+  leaves, tree = jax.tree.flatten(
+      shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+  if tree != treedef:
+    raise ValueError(f"shardings do not match the params tree: {tree} vs {treedef}")
+  return leaves
+
+
+def _put(x: np.ndarray, sharding) -> jax.Array:
+  """One host array onto its device(s); waits, so the host copy can go."""
+  out = jax.device_put(x) if sharding is None else jax.make_array_from_callback(
+      x.shape, sharding, lambda index: x[index])
+  return out.block_until_ready()
+
+
+# ----------------------------------------------------------------------------
+# Import and export.
+# ----------------------------------------------------------------------------
+
+
+def load_from_reader(hf_config: Mapping[str, Any], reader: hf_common.TensorReader, config,
+                     *, shardings=None, encoder_only: bool = False) -> PyTree:
+  """`load_hf` on an opened checkpoint (`open_hf_checkpoint`, or a DictReader)."""
+  mapping = mapping_for(config)
+  options = {"encoder_only": True} if encoder_only else {}
+  check_config(hf_config, config, mapping,
+               ignore=("num_labels",) if encoder_only else ())
+  abstract = _abstract_target(config, mapping)
+  is_source = lambda x: isinstance(x, hf_common.Source)
+  try:
+    sources, aliases = mapping.param_sources(config, reader, **options)
+    dry_sources, _ = mapping.param_sources(config, _ShapeReader(reader),
+                                           **options)
+  except (ValueError, TypeError) as e:  # an option this model has no use for
+    raise CheckpointError(str(e)) from e
+  if encoder_only:  # only the encoder's subtrees; the caller initialises the rest
+    abstract = {k: abstract[k] for k in sources}
+    if isinstance(shardings, Mapping):
+      shardings = {k: shardings[k] for k in sources}
+  abstract_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  source_leaves, source_tree = jax.tree.flatten(sources, is_leaf=is_source)
+  dry_leaves = jax.tree.leaves(dry_sources, is_leaf=is_source)
+  if source_tree != treedef:
+    raise CheckpointError(  # a mapping bug, not a checkpoint problem
+        f"{mapping.__name__}.param_sources does not match the params of {config}: "
+        f"{source_tree} vs {treedef}")
+
+  # Every check that needs shapes only, before any tensor is read.
+  keys = set(reader.keys())
+  used: set[str] = set()
+  problems = []
+  for (path, leaf), dry in zip(abstract_leaves, dry_leaves):
+    param, want = _keystr(path), tuple(leaf.shape)
+    used.update(dry.names)
+    missing = [n for n in dry.names if n not in keys]
+    if missing:
+      problems += [f"missing tensor {n!r}, needed for param {param} (shape {want})"
+                   for n in missing]
+      continue
+    described = ", ".join(f"tensor {n!r} of shape {reader.shape(n)}" for n in dry.names)
+    try:
+      shape = tuple(dry.load().shape)
+    except Exception as e:  # a transform that cannot apply to this shape
+      problems.append(f"{described} does not fit param {param} (shape {want}): {e}")
+      continue
+    if shape != want:
+      problems.append(f"{described} gives {shape}, but param {param} has shape {want}")
+  unused = sorted(keys - used - set(aliases))
+  problems += [f"unused tensor {n!r} of shape {reader.shape(n)} (no parameter reads it)"
+               for n in unused]
+  if problems:
+    raise CheckpointError(f"Checkpoint does not fit {type(config).__name__}:"
+                          + _listing(problems))
+
+  shards = _flat_shardings(shardings, treedef, len(source_leaves))
+  arrays = []
+  for (path, leaf), source, sharding in zip(abstract_leaves, source_leaves, shards):
+    try:
+      x = source.load()
+    except Exception as e:
+      raise CheckpointError(f"reading {source.names} for {_keystr(path)} failed: {e}") from e
+    if x.shape != tuple(leaf.shape):  # checked above; a reader that lied about shapes
+      raise CheckpointError(f"{source.names} gave shape {x.shape} for {_keystr(path)}: "
+                            f"expected {tuple(leaf.shape)}")
+    arrays.append(_put(x.astype(leaf.dtype, copy=False), sharding))
+    del x  # the only host copy; the next tensor is read after it is gone
+  return jax.tree.unflatten(treedef, arrays)
+
+
+def load_hf(path: str | os.PathLike, config, *, shardings=None,
+            encoder_only: bool = False) -> PyTree:
+  """Params of `config`'s model from a Hugging Face checkpoint directory.
+
+  `shardings`: None (default device), one `jax.sharding.Sharding` for every
+  param, or a params-shaped tree of them (e.g.
+  `partitioning.param_shardings(mesh, logical_axes)`). Raises CheckpointError
+  (naming the field or tensor and both values or shapes) if config.json
+  disagrees with `config` on the architecture (dropout may differ), or a
+  tensor is missing, mis-shaped or unused; nothing is read before all of
+  that is checked. `encoder_only` (BERT): load only the encoder and pooler
+  from a plain `BertModel` checkpoint (e.g. bert-base-uncased), returning
+  those subtrees for the caller to merge over a freshly initialised head.
+  """
+  hf_config, reader = open_hf_checkpoint(path)
+  return load_from_reader(hf_config, reader, config, shardings=shardings,
+                          encoder_only=encoder_only)
+
+
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+              np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float64): "F64",
+              np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
+
+
+def _write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray]) -> None:
+  """A .safetensors file written one tensor at a time (the format is a JSON
+  header of dtypes, shapes and byte ranges, then the raw little-endian data)."""
+  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+  offset = 0
+  names = sorted(tensors)
+  for name in names:
+    x = tensors[name]
+    size = int(np.prod(x.shape)) * x.dtype.itemsize
+    header[name] = {"dtype": _ST_DTYPES[x.dtype], "shape": list(x.shape),
+                    "data_offsets": [offset, offset + size]}
+    offset += size
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  tmp = path.with_name(f".{path.name}.tmp")
+  with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for name in names:
+      x = tensors[name]
+      f.write(np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes())
+  os.replace(tmp, path)
+
+
+def export_hf(params: PyTree, config, out_dir: str | os.PathLike) -> None:
+  """Writes `config.json` and `model.safetensors` that transformers loads
+  (`AutoModel...from_pretrained(out_dir)`) and `load_hf` reads back exactly."""
+  mapping = mapping_for(config)
+  abstract = _abstract_target(config, mapping)
+  want = {_keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
+  have = {_keystr(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  problems = [f"param {k}: shape {have.get(k)}, expected {v}" for k, v in want.items()
+              if have.get(k) != v] + [f"param {k} is not in the model" for k in have
+                                      if k not in want]
+  if problems:
+    raise CheckpointError(f"params do not fit {type(config).__name__}:" + _listing(problems))
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  _write_safetensors(out / SAFETENSORS_FILE, mapping.to_hf_state_dict(config, params))
+  fileio.write_atomic(out / CONFIG_FILE, json.dumps(mapping.config_to_hf(config), indent=2,
+                                                    sort_keys=True) + "\n")
