@@ -53,7 +53,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from dpjax.models import losses
+from dpjax.models import common, losses
 from dpjax.models.gpt2 import Dense, Embed, LayerNorm, param_count  # noqa: F401 (re-exported)
 
 Array = jax.Array
@@ -69,7 +69,7 @@ _INIT_STDDEV = 0.02  # BERT's initializer_range
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class BertConfig:
+class BertConfig(common.JsonConfig):
   """Hyperparameters of a BERT classifier. Frozen, so it can be a static jit arg."""
   vocab_size: int = 30522
   max_position_embeddings: int = 512
@@ -102,18 +102,6 @@ class BertConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
-
-  def to_json(self) -> dict:
-    """A plain dict of the fields (JSON-serializable)."""
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_json(cls, d: Mapping[str, Any]) -> "BertConfig":
-    """Inverse of `to_json`. Unknown keys are an error; missing keys default."""
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"Unknown BertConfig fields: {sorted(unknown)}")
-    return cls(**d)
 
 
 # ----------------------------------------------------------------------------
@@ -284,7 +272,6 @@ def abstract_params(config: BertConfig, *, max_length: int) -> tuple[PyTree, PyT
 
 # 'tokens' [L] int, 'attention_mask' [L] (1 = real token), 'label' [] int;
 # optional 'token_type_ids' [L].
-FEATURES = ("tokens", "attention_mask", "label")
 
 
 def _logits(model: BertClassifier, params, batch, rngs=None) -> Array:
@@ -306,20 +293,9 @@ def make_batch_loss(config: BertConfig) -> Callable[[PyTree, Mapping[str, Array]
 
 
 def make_example_loss(config: BertConfig) -> Callable[[PyTree, Mapping[str, Array]], Array]:
-  """`fn(params, example) -> scalar` loss of ONE example (no batch dim).
-
-  Meant for `jax.vmap(jax.value_and_grad(fn), in_axes=(None, 0))`. If the
-  example has a 'dropout_rng' key (a PRNG key), dropout is enabled with it;
-  otherwise the forward pass is deterministic.
-  """
-  model = BertClassifier(config)
-
-  def example_loss(params, example):
-    batch = {k: v[None] for k, v in example.items() if k != "dropout_rng"}
-    rngs = {"dropout": example["dropout_rng"]} if "dropout_rng" in example else None
-    return _classification_loss(model, params, batch, rngs)[0]
-
-  return example_loss
+  """The loss of ONE example, for per-example clipping (`common.one_example_loss`)."""
+  return common.one_example_loss(functools.partial(_classification_loss,
+                                                   BertClassifier(config)))
 
 
 def make_predict(config: BertConfig) -> Callable[[PyTree, Mapping[str, Array]], Array]:

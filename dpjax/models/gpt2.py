@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.models import losses
+from dpjax.models import common, losses
 
 Array = jax.Array
 PyTree = Any
@@ -48,7 +48,7 @@ _INIT_STDDEV = 0.02  # GPT-2's initializer_range
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(common.JsonConfig):
   """Hyperparameters of a GPT-2 model. Frozen, so it can be a static jit arg."""
   vocab_size: int = 50257
   n_positions: int = 1024
@@ -78,18 +78,6 @@ class GPT2Config:
   @property
   def mlp_dim(self) -> int:
     return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-  def to_json(self) -> dict:
-    """A plain dict of the fields (JSON-serializable)."""
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_json(cls, d: Mapping[str, Any]) -> "GPT2Config":
-    """Inverse of `to_json`. Unknown keys are an error; missing keys default."""
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"Unknown GPT2Config fields: {sorted(unknown)}")
-    return cls(**d)
 
 
 # ----------------------------------------------------------------------------
@@ -341,7 +329,6 @@ def param_count(params: PyTree) -> int:
 
 # 'tokens' [L] int, 'loss_weights' [L] (1 on target tokens, 0 on prompt and
 # padding); optional 'attention_mask' [L] (1 = real token).
-FEATURES = ("tokens", "loss_weights")
 
 
 def _lm_loss(model: GPT2, params, batch, rngs=None) -> Array:
@@ -360,17 +347,5 @@ def make_batch_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]
 
 
 def make_example_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
-  """`fn(params, example) -> scalar` loss of ONE example (no batch dim).
-
-  Meant for `jax.vmap(jax.value_and_grad(fn), in_axes=(None, 0))`. If the
-  example has a 'dropout_rng' key (a PRNG key), dropout is enabled with it;
-  otherwise the forward pass is deterministic.
-  """
-  model = GPT2(config)
-
-  def example_loss(params, example):
-    batch = {k: v[None] for k, v in example.items() if k != "dropout_rng"}
-    rngs = {"dropout": example["dropout_rng"]} if "dropout_rng" in example else None
-    return _lm_loss(model, params, batch, rngs)[0]
-
-  return example_loss
+  """The loss of ONE example, for per-example clipping (`common.one_example_loss`)."""
+  return common.one_example_loss(functools.partial(_lm_loss, GPT2(config)))

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.models import losses
+from dpjax.models import common, losses
 
 Array = jax.Array
 PyTree = Any
@@ -50,7 +50,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class T5Config:
+class T5Config(common.JsonConfig):
   """Hyperparameters of a T5 model. Frozen, so it can be a static jit arg."""
   vocab_size: int = 32128
   d_model: int = 512
@@ -75,18 +75,6 @@ class T5Config:
   @property
   def compute_dtype(self):
     return _DTYPES[self.dtype]
-
-  def to_json(self) -> dict:
-    """A plain dict of the fields (JSON-serializable)."""
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_json(cls, d: Mapping[str, Any]) -> "T5Config":
-    """Inverse of `to_json`. Unknown keys are an error; missing keys default."""
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"Unknown T5Config fields: {sorted(unknown)}")
-    return cls(**d)
 
 
 # ----------------------------------------------------------------------------
@@ -458,40 +446,23 @@ def param_count(params: PyTree) -> int:
 # Losses for the trainer. Batches use seqio EncDecFeatureConverter names.
 # ----------------------------------------------------------------------------
 
-FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
-            "decoder_loss_weights")
+
+
+def _seq2seq_loss(model: T5Transformer, params, batch, rngs=None) -> Array:
+  """`[b]` mean cross entropy over each example's weighted target tokens."""
+  logits = model.apply({"params": params}, batch["encoder_input_tokens"],
+                       batch["decoder_input_tokens"], enable_dropout=bool(rngs),
+                       rngs=rngs or {})
+  return losses.per_example_loss(logits, batch["decoder_target_tokens"],
+                                 batch["decoder_loss_weights"])
 
 
 def make_batch_loss(config: T5Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
   """`fn(params, batch) -> [b]` per-example losses, dropout off (eval)."""
   model = T5Transformer(config)
-
-  def batch_loss(params, batch):
-    logits = model.apply({"params": params}, batch["encoder_input_tokens"],
-                         batch["decoder_input_tokens"])
-    return losses.per_example_loss(logits, batch["decoder_target_tokens"],
-                                   batch["decoder_loss_weights"])
-
-  return batch_loss
+  return lambda params, batch: _seq2seq_loss(model, params, batch)
 
 
 def make_example_loss(config: T5Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
-  """`fn(params, example) -> scalar` loss of ONE example (no batch dim).
-
-  Meant for `jax.vmap(jax.value_and_grad(fn), in_axes=(None, 0))`. If the
-  example has a 'dropout_rng' key (a PRNG key), dropout is enabled with it;
-  otherwise the forward pass is deterministic.
-  """
-  model = T5Transformer(config)
-
-  def example_loss(params, example):
-    batch = {k: example[k][None] for k in FEATURES}
-    enable_dropout = "dropout_rng" in example
-    rngs = {"dropout": example["dropout_rng"]} if enable_dropout else {}
-    logits = model.apply({"params": params}, batch["encoder_input_tokens"],
-                         batch["decoder_input_tokens"], enable_dropout=enable_dropout,
-                         rngs=rngs)
-    return losses.per_example_loss(logits, batch["decoder_target_tokens"],
-                                   batch["decoder_loss_weights"])[0]
-
-  return example_loss
+  """The loss of ONE example, for per-example clipping (`common.one_example_loss`)."""
+  return common.one_example_loss(functools.partial(_seq2seq_loss, T5Transformer(config)))

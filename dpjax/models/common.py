@@ -1,0 +1,46 @@
+"""What the model modules share: config JSON and the one-example loss."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+
+PyTree = Any
+# (params, batch, dropout rngs or None) -> [b] per-example losses.
+BatchLoss = Callable[[PyTree, Mapping[str, jax.Array], dict | None], jax.Array]
+
+
+class JsonConfig:
+  """Mixin for frozen config dataclasses: a JSON round trip, used to detect a
+  checkpoint of a different model on resume."""
+
+  def to_json(self) -> dict:
+    """A plain dict of the fields (JSON-serializable)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]):
+    """Inverse of `to_json`. Unknown keys are an error; missing keys default."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"Unknown {cls.__name__} fields: {sorted(unknown)}")
+    return cls(**d)
+
+
+def one_example_loss(batch_loss: BatchLoss
+                     ) -> Callable[[PyTree, Mapping[str, jax.Array]], jax.Array]:
+  """`fn(params, example) -> scalar`: the loss of ONE example (no batch dim).
+
+  Meant for `jax.vmap(jax.value_and_grad(fn), in_axes=(None, 0))` in
+  per-example clipping. If the example has a 'dropout_rng' key (a PRNG key),
+  dropout is enabled with it; otherwise the forward pass is deterministic.
+  """
+
+  def example_loss(params, example):
+    batch = {k: v[None] for k, v in example.items() if k != "dropout_rng"}
+    rngs = ({"dropout": example["dropout_rng"]} if "dropout_rng" in example
+            else None)
+    return batch_loss(params, batch, rngs)[0]
+
+  return example_loss
