@@ -134,6 +134,46 @@ def _stop_requested_by_sigterm():
     signal.signal(signal.SIGTERM, previous)
 
 
+def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
+                 batch_size: int, sampling_method: str, clip_norm: float,
+                 delta: float, target_epsilon: float,
+                 noise_multiplier: float | None, accountant: str, seed: int
+                 ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
+  """The run's ledger and plan: read back from a checkpoint (whose plan must
+  match this one), else with σ calibrated by dp-accounting for the target
+  over all planned steps (or given, or 0 for ε = ∞). Raises
+  BudgetExceededError if the recorded plus planned releases exceed the target.
+  """
+  if saved_meta:
+    ledger = ledger_lib.PrivacyLedger.from_json(saved_meta["ledger"])
+    sigma = ledger.noise_multiplier
+  elif math.isinf(target_epsilon):
+    sigma = 0.0
+  elif noise_multiplier is not None:
+    sigma = float(noise_multiplier)
+  else:
+    sigma = accounting.calibrate_noise_multiplier(
+        target_epsilon, delta,
+        lambda s: accounting.training_events(sampler.describe(), (s,), steps),
+        accountant=accountant)
+  plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
+              clip_norm, delta, target_epsilon, float(sigma), accountant, seed)
+  if saved_meta:
+    checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
+                                 "privacy plan")
+  else:
+    ledger = ledger_lib.PrivacyLedger(
+        accountant=accountant, sampling=sampler.describe(),
+        noise_multiplier=float(sigma), clip_norm=clip_norm,
+        dataset_size=sampler.dataset_size, delta=delta,
+        target_epsilon=target_epsilon)
+  try:
+    ledger.check_budget(ledger.planned_events(steps))
+  except ledger_lib.BudgetExceededError as e:
+    raise ledger_lib.BudgetExceededError(f"refusing to start: {e}") from None
+  return ledger, plan
+
+
 def build_dp_step(model_config: t5.T5Config, *, clip_norm: float,
                   optimizer: str, learning_rate: optax.ScalarOrSchedule,
                   noise_multiplier: float, normalizer: float, seed: int):
@@ -215,37 +255,18 @@ def train(*, model_dir: str = gin.REQUIRED,
   if os.path.isdir(os.path.join(model_dir, "checkpoints")):
     mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
     resume = checkpoints.latest_meta(mngr)
+  ledger, plan = plan_privacy(
+      sampler, saved_meta=resume[1] if resume else None, steps=steps,
+      batch_size=batch_size, sampling_method=sampling_method,
+      clip_norm=float(clip_norm), delta=delta, target_epsilon=target_epsilon,
+      noise_multiplier=noise_multiplier, accountant=accountant, seed=seed)
   if resume:
-    ledger = ledger_lib.PrivacyLedger.from_json(resume[1]["ledger"])
-    sigma = ledger.noise_multiplier
-  elif math.isinf(target_epsilon):
-    sigma = 0.0
-  elif noise_multiplier is not None:
-    sigma = float(noise_multiplier)
-  else:
-    sigma = accounting.calibrate_noise_multiplier(
-        target_epsilon, delta,
-        lambda s: accounting.training_events(sampler.describe(), (s,), steps),
-        accountant=accountant)
-  plan = Plan(n, batch_size, steps, sampling_method, float(clip_norm), delta,
-              target_epsilon, float(sigma), accountant, seed)
-  if resume:
-    checkpoints.check_compatible(resume[1]["plan"], plan.guarantee(),
-                                 "privacy plan")
     checkpoints.check_compatible(resume[1]["model_config"],
                                  model_config.to_json(), "model")
-  else:
-    ledger = ledger_lib.PrivacyLedger(
-        accountant=accountant, sampling=sampler.describe(),
-        noise_multiplier=float(sigma), clip_norm=float(clip_norm),
-        dataset_size=n, delta=delta, target_epsilon=target_epsilon)
   start_step = resume[0] if resume else 0
-  planned = ledger.planned_events(steps)
-  try:
-    ledger.check_budget(planned)
-  except ledger_lib.BudgetExceededError as e:
-    raise ledger_lib.BudgetExceededError(f"refusing to start: {e}") from None
-  planned_eps = accounting.epsilon(ledger.events + planned, delta, accountant)
+  sigma = ledger.noise_multiplier
+  planned_eps = accounting.epsilon(
+      ledger.events + ledger.planned_events(steps), delta, accountant)
   print(f"dpjax: {steps} DP steps, {sampler.describe()['method']} sampling "
         f"(q={batch_size / n:.4g}), σ={sigma:.4f}, C={clip_norm}, δ={delta:.3g}"
         f", planned ε={planned_eps:.4f} (target {target_epsilon})", flush=True)
