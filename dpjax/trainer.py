@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import gin
 import jax

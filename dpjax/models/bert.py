@@ -124,12 +124,8 @@ class SelfAttention(nn.Module):
       return y.reshape(*y.shape[:-1], h, dh)
 
     q, k, v = project("query"), project("key"), project("value")
-    # Logits and softmax in float32 (bf16 inputs, f32 accumulation).
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(scores * dh ** -0.5 + bias, axis=-1).astype(dtype)
-    probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(dtype))
-    out = out.reshape(*out.shape[:-2], h * dh)
+    dropout = lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=deterministic)
+    out = common.scaled_attention(q, k, v, bias, dropout, dtype)
     return Dense(cfg.d_model, ("joined_kv", "embed"), _INIT_STDDEV, dtype, name="out")(out)
 
 

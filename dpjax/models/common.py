@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 PyTree = Any
 # (params, batch, dropout rngs or None) -> [b] per-example losses.
@@ -44,3 +45,20 @@ def one_example_loss(batch_loss: BatchLoss
     return batch_loss(params, batch, rngs)[0]
 
   return example_loss
+
+
+def scaled_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     bias: jax.Array, dropout: Callable[[jax.Array], jax.Array],
+                     dtype) -> jax.Array:
+  """softmax(q k^T / sqrt(d_head) + bias) v, heads joined: [b, q, h * d_head].
+
+  q, k, v: [b, len, heads, d_head]. Logits and softmax in float32 (f32
+  accumulation of bf16 inputs); scaling the f32 logits rather than a bf16
+  query keeps full precision. `dropout` acts on the attention weights.
+  """
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                      preferred_element_type=jnp.float32)
+  probs = jax.nn.softmax(scores * q.shape[-1] ** -0.5 + bias, axis=-1)
+  out = jnp.einsum("bhqk,bkhd->bqhd", dropout(probs.astype(dtype)),
+                   v.astype(dtype))
+  return out.reshape(*out.shape[:-2], -1)

@@ -171,13 +171,8 @@ class CausalSelfAttention(nn.Module):
         cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, start)
         k, v = cached_k.value, cached_v.value
 
-    # Logits and softmax in float32 (bf16 inputs, f32 accumulation); scaling
-    # the f32 logits rather than the bf16 query keeps full precision.
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(scores * dh ** -0.5 + bias, axis=-1).astype(dtype)
-    probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(dtype))
-    out = out.reshape(*out.shape[:-2], h * dh)
+    dropout = lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=deterministic)
+    out = common.scaled_attention(q, k, v, bias, dropout, dtype)
     # GPT-2 scales the init of residual-branch outputs by 1/sqrt(2 * layers).
     out_stddev = _INIT_STDDEV / np.sqrt(2 * cfg.num_layers)
     return Dense(cfg.d_model, ("joined_kv", "embed"), out_stddev, dtype, name="out")(out)
