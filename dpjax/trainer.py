@@ -119,6 +119,18 @@ def _microbatch_groups(idx, mask, k):
   return groups
 
 
+def _sharded_state_shapes(state: train_step.TrainState, param_shardings,
+                          replicated) -> train_step.TrainState:
+  """ShapeDtypeStructs of a TrainState with the shardings to restore into:
+  params by their logical axes, the rest replicated (data parallelism)."""
+  place = lambda tree, sh: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+  everywhere = lambda tree: jax.tree.map(lambda _: replicated, tree)
+  return train_step.TrainState(
+      place(state.step, replicated), place(state.params, param_shardings),
+      place(state.opt_state, everywhere(state.opt_state)))
+
+
 @contextlib.contextmanager
 def _stop_requested_by_sigterm():
   """Yields a flag that SIGTERM sets (preemption): the loop then checkpoints
@@ -277,17 +289,10 @@ def train(*, model_dir: str = gin.REQUIRED,
   m = microbatch_size or sampler.max_batch_size
   m = -(-m // data_devices) * data_devices
   k = -(-sampler.max_batch_size // m)
-  if initial_checkpoint_path and not resume:
-    _, axes = t5.abstract_params(model_config, input_length=1, target_length=1)
-    params = pretrained.load_pretrained(
-        initial_checkpoint_path, model_config,
-        shardings=partitioning.param_shardings(mesh, axes))
-    print(f"dpjax: initialised from {initial_checkpoint_path}", flush=True)
-  else:
-    params, axes = t5.init_params(model_config, jax.random.PRNGKey(seed),
-                                  input_length=lengths["inputs"],
-                                  target_length=lengths["targets"])
-    params = jax.device_put(params, partitioning.param_shardings(mesh, axes))
+  abstract, axes = t5.abstract_params(model_config,
+                                      input_length=lengths["inputs"],
+                                      target_length=lengths["targets"])
+  param_sh = partitioning.param_shardings(mesh, axes)
   schedule = learning_rate if learning_rate is not None else \
       learning_rate_schedule(total_steps=steps)
   normalizer = (sampler.sampling_rate * n
@@ -296,13 +301,25 @@ def train(*, model_dir: str = gin.REQUIRED,
       model_config, clip_norm=float(clip_norm), optimizer=optimizer,
       learning_rate=schedule, noise_multiplier=float(sigma),
       normalizer=normalizer, seed=seed)
-  state = train_step.init_state(params, tx)
-  if mngr is None:
-    mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
-  if resume:
-    state = checkpoints.restore_state(mngr, start_step, state)
+  if resume:  # restored straight into place: no throwaway initialisation
+    target = _sharded_state_shapes(
+        jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract),
+        param_sh, partitioning.replicated(mesh))
+    state = checkpoints.restore_state(mngr, start_step, target)
     print(f"dpjax: resumed {model_dir} at step {start_step}, "
           f"ε spent {ledger.epsilon_spent():.4f}", flush=True)
+  else:
+    if initial_checkpoint_path:
+      params = pretrained.load_pretrained(initial_checkpoint_path, model_config,
+                                          shardings=param_sh)
+      print(f"dpjax: initialised from {initial_checkpoint_path}", flush=True)
+    else:
+      params, _ = t5.init_params(model_config, jax.random.PRNGKey(seed),
+                                 input_length=lengths["inputs"],
+                                 target_length=lengths["targets"])
+      params = jax.device_put(params, param_sh)
+    state = train_step.init_state(params, tx)
+    mngr = mngr or checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
   os.makedirs(model_dir, exist_ok=True)
   fileio.write_atomic(os.path.join(model_dir, "config.gin"), gin.config_str())
 

@@ -304,3 +304,18 @@ def test_initial_checkpoint_initialises_params_and_vocabulary(tmp_path):
   vocab = seqio.get_mixture_or_task("msmarco_query_generation").output_features[
       "inputs"].vocabulary
   assert vocab.sentencepiece_model_file == str(ckpt / "spiece.model")
+
+
+def test_checkpoint_of_another_architecture_is_refused_before_writing(tmp_path):
+  from dpjax import pretrained
+  configure(tmp_path / "unused")
+  other = t5.T5Config(vocab_size=2000, d_model=32, d_kv=8, d_ff=64,
+                      num_heads=4, num_encoder_layers=1, num_decoder_layers=1)
+  params, _ = t5.init_params(other, jax.random.PRNGKey(0), input_length=4,
+                             target_length=4)
+  ckpt = tmp_path / "other_model"
+  pretrained.export_hf(params, other, str(ckpt))
+  model_dir = tmp_path / "never_written"
+  with pytest.raises(pretrained.CheckpointError, match="d_model"):
+    run(model_dir, "TRAIN_STEPS = 2", f"INITIAL_CHECKPOINT_PATH = '{ckpt}'")
+  assert not model_dir.exists()
