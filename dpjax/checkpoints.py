@@ -24,12 +24,13 @@ class CheckpointMismatchError(ValueError):
   """The checkpoint in a model directory belongs to a different run setup."""
 
 
-def manager(model_dir: str, *, max_to_keep: int | None = 3
-            ) -> ocp.CheckpointManager:
+def manager(model_dir: str, *, max_to_keep: int | None = 3,
+            create: bool = True) -> ocp.CheckpointManager:
+  """The run's checkpoint manager; `create=False` to only read."""
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(model_dir), "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                           create=True,
+                                           create=create,
                                            enable_async_checkpointing=False),
       item_handlers={"state": ocp.StandardCheckpointHandler(),
                      "meta": ocp.JsonCheckpointHandler()})

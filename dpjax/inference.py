@@ -31,9 +31,10 @@ from dpjax.privacy import ledger as ledger_lib
 
 def load_trained(model_dir: str):
   """(config, params, meta) of the latest checkpoint in model_dir."""
-  mngr = checkpoints.manager(model_dir)
-  found = checkpoints.latest_meta(mngr) if os.path.isdir(
-      os.path.join(model_dir, "checkpoints")) else None
+  found = None
+  if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+    mngr = checkpoints.manager(model_dir, create=False)
+    found = checkpoints.latest_meta(mngr)
   if not found:
     raise FileNotFoundError(f"no checkpoint under {model_dir}/checkpoints: "
                             "train a model there first (python -m dpjax.train)")

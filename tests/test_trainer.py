@@ -319,3 +319,14 @@ def test_checkpoint_of_another_architecture_is_refused_before_writing(tmp_path):
   with pytest.raises(pretrained.CheckpointError, match="d_model"):
     run(model_dir, "TRAIN_STEPS = 2", f"INITIAL_CHECKPOINT_PATH = '{ckpt}'")
   assert not model_dir.exists()
+
+
+def test_infer_without_a_trained_model_exits_2_and_writes_nothing(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  model_dir = tmp_path / "no_model"
+  proc = subprocess.run([sys.executable, "-m", "dpjax.infer",
+                         f"--model_dir={model_dir}"], capture_output=True,
+                        text=True, cwd=REPO, env=env, timeout=300)
+  assert proc.returncode == 2
+  assert "no checkpoint under" in proc.stderr and "Traceback" not in proc.stderr
+  assert not model_dir.exists()
