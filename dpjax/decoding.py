@@ -93,13 +93,15 @@ def _generate(config, params, encoder_input_tokens, rng, temperature, top_k, top
         method=T5Transformer.decode)
     return logits, state["cache"]
 
-  # The cache's shapes come from a full-length call; every entry (keys,
-  # values, position index) starts at zero, so no real forward pass is needed.
-  cache_shapes = jax.eval_shape(
-      lambda: model.apply({"params": params}, encoded, encoder_input_tokens,
-                          jnp.zeros((batch, max_length), jnp.int32), decode=True,
-                          mutable=["cache"], method=T5Transformer.decode)[1]["cache"])
-  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes)
+  # The cache-creating call (full length): self-attention caches and the
+  # position index start at zero; cross-attention keys/values are projected
+  # from the encodings once, here, and reused at every step.
+  _, state = model.apply(
+      {"params": params}, encoded, encoder_input_tokens,
+      jnp.zeros((batch, max_length), jnp.int32), decode=True,
+      max_decode_length=max_length, mutable=["cache"],
+      method=T5Transformer.decode)
+  cache = state["cache"]
 
   def cond(state):
     step, _, _, _, done, _ = state

@@ -189,12 +189,16 @@ class MultiHeadAttention(nn.Module):
   """Multi-head dot-product attention without logit scaling.
 
   With `decode=True` it keeps a key/value cache (`cached_key`,
-  `cached_value`: `[b, max_length, heads, d_kv]`) in the 'cache' collection.
-  The first such call (cache absent) only creates the zero cache and otherwise
-  runs normally; later calls take one query token and write its key/value at
-  `cache_index`.
+  `cached_value`) in the 'cache' collection. Self-attention
+  (`static_kv=False`): `[b, max_length, heads, d_kv]`; the first call (cache
+  absent) only creates the zero cache and otherwise runs normally; later calls
+  take one query token and write its key/value at `cache_index`.
+  Cross-attention (`static_kv=True`): the encoder's keys/values do not change
+  while decoding, so the first call projects and stores them
+  (`[b, input_length, heads, d_kv]`) and later calls reuse them.
   """
   config: T5Config
+  static_kv: bool = False
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Array, *,
@@ -211,10 +215,16 @@ class MultiHeadAttention(nn.Module):
 
     # The query init absorbs the 1/sqrt(d_kv) that T5 never applies to logits.
     q = project(inputs_q, "query", (cfg.d_model * dk) ** -0.5)
-    k = project(inputs_kv, "key", cfg.d_model ** -0.5)
-    v = project(inputs_kv, "value", cfg.d_model ** -0.5)
-
-    if decode:
+    if decode and self.static_kv and self.has_variable("cache", "cached_key"):
+      k = self.get_variable("cache", "cached_key")
+      v = self.get_variable("cache", "cached_value")
+    else:
+      k = project(inputs_kv, "key", cfg.d_model ** -0.5)
+      v = project(inputs_kv, "value", cfg.d_model ** -0.5)
+      if decode and self.static_kv:
+        self.put_variable("cache", "cached_key", k)
+        self.put_variable("cache", "cached_value", v)
+    if decode and not self.static_kv:
       initialized = self.has_variable("cache", "cached_key")
       cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
       cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
@@ -280,8 +290,9 @@ class DecoderLayer(nn.Module):
     x = x + dropout(MultiHeadAttention(cfg, name="self_attention")(
         y, y, self_bias, deterministic=deterministic, decode=decode, cache_index=cache_index))
     y = LayerNorm(cfg.compute_dtype, name="pre_cross_attention_layer_norm")(x)
-    x = x + dropout(MultiHeadAttention(cfg, name="encoder_decoder_attention")(
-        y, encoded, cross_bias, deterministic=deterministic))
+    x = x + dropout(MultiHeadAttention(cfg, static_kv=True,
+                                       name="encoder_decoder_attention")(
+        y, encoded, cross_bias, deterministic=deterministic, decode=decode))
     y = LayerNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
     return x + dropout(MlpBlock(cfg, name="mlp")(y, deterministic=deterministic))
 

@@ -81,14 +81,16 @@ def test_cached_decoding_matches_full_forward(tiny, forward):
   encoded = model.apply({"params": params}, enc, method=model.encode)
 
   # The cache-creating call (decode=True, full length): check its layout.
-  cache = jax.eval_shape(lambda: model.apply(
-      {"params": params}, encoded, enc, dec, decode=True, mutable=["cache"],
-      method=model.decode)[1]["cache"])
-  layer = cache["decoder"]["layers_1"]["self_attention"]
-  assert layer["cached_key"].shape == (2, length, cfg.num_heads, cfg.d_kv)
-  assert cache["decoder"]["cache_index"].shape == ()
-  assert "encoder_decoder_attention" not in cache["decoder"]["layers_1"]
-  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache)
+  cache = model.apply({"params": params}, encoded, enc, jnp.zeros_like(dec),
+                      decode=True, mutable=["cache"], method=model.decode)[1]["cache"]
+  layer = cache["decoder"]["layers_1"]
+  assert layer["self_attention"]["cached_key"].shape == (
+      2, length, cfg.num_heads, cfg.d_kv)
+  assert not np.any(layer["self_attention"]["cached_key"])  # filled per step
+  assert int(cache["decoder"]["cache_index"]) == 0
+  # Cross-attention keys of the encodings, projected once at creation.
+  assert layer["encoder_decoder_attention"]["cached_key"].shape == (
+      2, enc.shape[1], cfg.num_heads, cfg.d_kv)
 
   @jax.jit
   def step(cache, tokens):
