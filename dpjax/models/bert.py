@@ -62,14 +62,13 @@ PyTree = Any
 # Additive attention bias for masked keys (finite: an all-masked row gives a
 # uniform softmax, not NaN).
 _MASK_VALUE = -1e10
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _POOLINGS = ("cls", "mean")
 _INIT_STDDEV = 0.02  # BERT's initializer_range
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class BertConfig(common.JsonConfig):
+class BertConfig(common.ModelConfig):
   """Hyperparameters of a BERT classifier. Frozen, so it can be a static jit arg."""
   vocab_size: int = 30522
   max_position_embeddings: int = 512
@@ -85,8 +84,7 @@ class BertConfig(common.JsonConfig):
   pooling: str = "cls"  # "cls": HF BertPooler on [CLS]; "mean": masked mean, no pooler
 
   def __post_init__(self):
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+    self.check_dtype()
     if self.pooling not in _POOLINGS:
       raise ValueError(f"pooling must be one of {_POOLINGS}, got {self.pooling!r}")
     if self.d_model % self.num_heads:
@@ -94,10 +92,6 @@ class BertConfig(common.JsonConfig):
                        f"{self.num_heads}")
     if self.num_labels < 1:
       raise ValueError(f"num_labels must be positive, got {self.num_labels}")
-
-  @property
-  def compute_dtype(self):
-    return _DTYPES[self.dtype]
 
   @property
   def head_dim(self) -> int:

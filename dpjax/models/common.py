@@ -1,4 +1,5 @@
-"""What the model modules share: config JSON and the one-example loss."""
+"""What the model modules share: config basics, the one-example loss and the
+attention core."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,23 @@ PyTree = Any
 BatchLoss = Callable[[PyTree, Mapping[str, jax.Array], dict | None], jax.Array]
 
 
-class JsonConfig:
-  """Mixin for frozen config dataclasses: a JSON round trip, used to detect a
-  checkpoint of a different model on resume."""
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ModelConfig:
+  """Mixin for frozen model-config dataclasses with a `dtype` field: the
+  compute dtype, and a JSON round trip (used to detect a checkpoint of a
+  different model on resume)."""
+
+  def check_dtype(self) -> None:
+    if self.dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"dtype must be one of {tuple(COMPUTE_DTYPES)}, "
+                       f"got {self.dtype!r}")
+
+  @property
+  def compute_dtype(self):
+    """Matmul/activation dtype; params stay float32."""
+    return COMPUTE_DTYPES[self.dtype]
 
   def to_json(self) -> dict:
     """A plain dict of the fields (JSON-serializable)."""

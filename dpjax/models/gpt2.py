@@ -42,13 +42,12 @@ PyTree = Any
 # Additive attention bias for masked keys. Finite (not -inf) so that a fully
 # masked row gives a uniform softmax instead of NaN.
 _MASK_VALUE = -1e10
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _INIT_STDDEV = 0.02  # GPT-2's initializer_range
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class GPT2Config(common.JsonConfig):
+class GPT2Config(common.ModelConfig):
   """Hyperparameters of a GPT-2 model. Frozen, so it can be a static jit arg."""
   vocab_size: int = 50257
   n_positions: int = 1024
@@ -61,15 +60,10 @@ class GPT2Config(common.JsonConfig):
   dtype: str = "float32"  # compute dtype; params are always float32
 
   def __post_init__(self):
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+    self.check_dtype()
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model {self.d_model} is not a multiple of num_heads "
                        f"{self.num_heads}")
-
-  @property
-  def compute_dtype(self):
-    return _DTYPES[self.dtype]
 
   @property
   def head_dim(self) -> int:

@@ -45,12 +45,11 @@ PyTree = Any
 # biases are far below float32 resolution at this magnitude.
 _MASK_VALUE = -1e10
 _FEED_FORWARDS = ("relu", "gated-gelu")
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class T5Config(common.JsonConfig):
+class T5Config(common.ModelConfig):
   """Hyperparameters of a T5 model. Frozen, so it can be a static jit arg."""
   vocab_size: int = 32128
   d_model: int = 512
@@ -69,12 +68,7 @@ class T5Config(common.JsonConfig):
   def __post_init__(self):
     if self.feed_forward not in _FEED_FORWARDS:
       raise ValueError(f"feed_forward must be one of {_FEED_FORWARDS}, got {self.feed_forward!r}")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
-
-  @property
-  def compute_dtype(self):
-    return _DTYPES[self.dtype]
+    self.check_dtype()
 
 
 # ----------------------------------------------------------------------------
