@@ -66,7 +66,8 @@ class Summaries:
       return
     writer = self._writers[split]
     for name, value in values.items():
-      writer.add_scalar(name, value, step)
+      if math.isfinite(value):  # ε = inf (non-private) has no point to plot
+        writer.add_scalar(name, value, step)
     writer.flush()
 
   def close(self) -> None:

@@ -73,11 +73,30 @@ class _Runs:
         f"TARGET_EPSILON = {_eps_name(eps)!r}", "EPOCHS = None",
         f"TRAIN_STEPS = {steps}", f"train.seed = {seed}", *extra])
 
-  def macro(self, name):
+  def with_bindings(self, *extra) -> "_Runs":
+    return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
+
+  def query(self, name, default=None):
+    """A gin macro (`%NAME`) or parameter of these settings, or `default`
+    if unbound."""
     gin.clear_config()
     from dpjax import gin_cli
     gin_cli.configure(list(self.gin_files), list(self.bindings))
-    return gin.query_parameter(f"%{name}")
+    try:
+      return gin.query_parameter(name)
+    except ValueError:
+      return default
+
+  def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
+                   delta: float | None = None) -> dict:
+    """Batch, δ, (T1, T2) and the one σ for T1 + T2 Poisson-sampled steps on
+    n examples at ε (δ = 1/(2n) unless DELTA or `delta` is set)."""
+    batch = int(self.query("%BATCH_SIZE"))
+    delta = delta or self.query("%DELTA") or 1.0 / (2 * n)
+    t1, t2 = (math.ceil(e * n / batch) for e in epochs)
+    sigma = (0.0 if math.isinf(eps) else accounting.dpsgd_noise_multiplier(
+        eps, delta, batch / n, t1 + t2))
+    return dict(batch=batch, delta=delta, steps=(t1, t2), sigma=sigma)
 
 
 def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
@@ -169,12 +188,10 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
   root = os.path.join(os.path.abspath(out_dir), dataset)
   runs = _Runs(tuple(gin_files), tuple(bindings), lengths)
 
-  # The privacy plan shared by all methods: n, q, steps, δ.
+  # All methods train on the same n examples: one plan (q, steps, δ) per ε.
   train_turns = semparse.load_turns(dataset, "train")
   n = len(train_turns)
-  batch = int(runs.macro("BATCH_SIZE"))
-  delta = runs.macro("DELTA") or 1.0 / (2 * n)
-  t1, t2 = (math.ceil(e * n / batch) for e in epochs)
+  t1, t2 = runs.privacy_plan(n, epochs, math.inf)["steps"]
   domains = [t.domain or semparse.UNKNOWN_DOMAIN for t in train_turns]
 
   # Evaluation models, trained once without DP.
@@ -208,15 +225,14 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
   rows = [dict(method="ground truth", epsilon=None, seed=None,
                **scored("ground_truth", human))]
   for eps in epsilons:
-    sigma = (0.0 if math.isinf(eps) else
-             accounting.dpsgd_noise_multiplier(eps, delta, batch / n, t1 + t2))
+    plan = runs.privacy_plan(n, epochs, eps)
     for method in methods:
       for seed in seeds:
         name = os.path.join(method, f"eps{_eps_name(eps)}", f"seed{seed}")
         utterances, privacy = _synthesize(
             runs, os.path.join(root, name), method, dataset, eps, seed,
-            num=num, steps=(t1, t2), sigma=sigma, domains=domains,
-            max_tokens=max_tokens)
+            num=num, steps=plan["steps"], sigma=plan["sigma"],
+            domains=domains, max_tokens=max_tokens)
         rows.append(dict(method=method, epsilon=eps, seed=seed, **privacy,
                          **scored(name, utterances)))
   return _write_table(root, rows, dataset)
@@ -268,6 +284,8 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
                      gin_files: Sequence[str] = ("semparse_sample.gin",),
                      bindings: Sequence[str] = (),
                      parser_gin_files: Sequence[str] = ("semparse_t5_parser.gin",),
+                     public_parser_gin_files: Sequence[str] = (
+                         "semparse_t5_parser_public.gin",),
                      parser_bindings: Sequence[str] = (),
                      num_synthetic: int | None = None,
                      feature_lengths: dict | None = None,
@@ -276,47 +294,56 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
 
   D_pub = the public 1/10 of the training set without the `missing`
   functionality (`tasks.semparse.PAPER_EXCLUSIONS`: "weather" or "eod");
-  D_priv = the other 9/10. A low-resource parser p0 trained on D_pub parses
-  D_priv; the 1-stage / 2-stage DP generators are trained on D_priv with
-  those predicted parses at `epsilon`; `num_synthetic` utterances (default
-  |D_priv|) are sampled, labelled by the high-resource parser (trained on
-  the full training set, standing in for annotators) and added to D_pub;
-  the parser retrained on D_pub ∪ D_s is compared with p0 on the test split
-  (the validation file; `test_portion="public"` takes the paper's 1/10
-  subsample): exact match and API precision/recall overall and on the test
-  examples that use the missing functionality. Writes table3.md and
-  results.json under `out_dir/<dataset>_adaptation`.
+  D_priv = the other 9/10, whose programs are not used. A low-resource
+  parser p0 trained on D_pub (`public_parser_gin_files`: by default 10x the
+  epochs of the full parser, so both take as many steps) parses D_priv. The
+  DP generators are trained on D_priv at `epsilon`: the 1-stage utterance LM
+  on all its utterances; the 2-stage parse and parse -> utterance LMs on the
+  utterances whose p0 parse is valid Lispress, with p0's parses.
+  `num_synthetic` utterances (default |D_priv|) are sampled, labelled by the
+  high-resource parser (trained on the full training set, standing in for
+  annotators) and added to D_pub; the parser retrained on D_pub ∪ D_s is
+  compared with p0 on the test split (the validation file;
+  `test_portion="public"` takes the paper's 1/10 subsample): exact match and
+  API precision/recall overall and on the test examples that use the missing
+  functionality. Writes table3.md and results.json under
+  `out_dir/<dataset>_adaptation`.
+
+  Privacy: each D_priv utterance is one training example of each generator
+  (at most one row: dropping an invalid parse is a function of that
+  utterance and the public p0 alone), and both generators are (ε, δ)-DP
+  with δ = 1/(2|D_priv|) unless DELTA is set. As usual in DP-SGD, the
+  training-set sizes (|D_priv|, and the number of valid parses that sets
+  the 2-stage sampling rate) are treated as public.
   """
   from tasks import semparse
   root = os.path.join(os.path.abspath(out_dir), f"{dataset}_adaptation")
   focus = semparse.PAPER_EXCLUSIONS[missing]
   lengths = dict(FEATURE_LENGTHS, **(feature_lengths or {}))
   runs = _Runs(tuple(gin_files), tuple(bindings), lengths)
-  parser = lambda model_dir, task, *extra: pipeline.train_run(
-      model_dir, parser_gin_files, [*parser_bindings,
-                                    f"MIXTURE_OR_TASK_NAME = '{task}'", *extra])
+  parser = lambda model_dir, files, task, *extra: pipeline.train_run(
+      model_dir, files, [*parser_bindings, f"MIXTURE_OR_TASK_NAME = '{task}'",
+                         *extra])
   data_flag = f"register_semparse_tasks.{dataset}_dir"
 
   # Parsers trained on the published data: p0 (public, functionality
   # removed) and the high-resource one (everything).
   p0_dir = os.path.join(root, "parser_public")
-  parser(p0_dir, f"{dataset}_parser",
+  parser(p0_dir, public_parser_gin_files, f"{dataset}_parser",
          "register_semparse_tasks.parser_portion = 'public'",
          f"register_semparse_tasks.parser_exclude_functions = {list(focus)!r}")
   full_dir = os.path.join(root, "parser_full")
-  parser(full_dir, f"{dataset}_parser")
-  source = semparse.DEFAULT_DATA_DIRS[dataset]
-  for b in bindings:  # the data directory the user pointed the runs at
-    if b.replace(" ", "").startswith(f"{data_flag}="):
-      source = b.split("=", 1)[1].strip().strip("'\"")
+  parser(full_dir, parser_gin_files, f"{dataset}_parser")
+  # The data directory the user pointed the runs at (default: the sample).
+  source = runs.query(data_flag) or semparse.DEFAULT_DATA_DIRS[dataset]
   valid_file = semparse.split_path(source, "validation")
+  private = semparse.select_portion(
+      semparse.load_turns(dataset, "train", source), "private")
 
   # D_priv with p0's parses (invalid parses dropped), as dataflow files.
   priv_dir = os.path.join(root, "private_predicted")
   priv_train = os.path.join(priv_dir, semparse.SPLIT_FILES["train"])
   if not os.path.isfile(priv_train):
-    private = semparse.select_portion(
-        semparse.load_turns(dataset, "train", source), "private")
     predicted = pipeline.parse_utterances(p0_dir,
                                           [t.utterance for t in private])
     pairs = [(t.utterance, p) for t, p in zip(private, predicted)
@@ -326,21 +353,26 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
       fileio.write_atomic(os.path.join(priv_dir, semparse.SPLIT_FILES[
           "validation"]), f.read())
     semparse.write_dialogues(priv_train, pairs, prefix="private")
-  n = len(semparse.load_turns(dataset, "train", priv_dir))
-  if not n:
-    raise ValueError(f"the low-resource parser {p0_dir} gave no valid parse "
-                     "of D_priv: train it longer (--parser_gin.EPOCHS=...)")
-  runs.bindings = (*bindings, f"{data_flag} = '{priv_dir}'")
-  batch = int(runs.macro("BATCH_SIZE"))
-  if batch > n:
+  num_parsed = len(semparse.load_turns(dataset, "train", priv_dir))
+  delta = runs.query("%DELTA") or 1.0 / (2 * len(private))
+  method_runs = {  # each generator's training data: n examples, bindings
+      "1-stage": (len(private), runs.with_bindings(
+          f"{data_flag} = '{source}'",
+          "register_semparse_tasks.lm_portion = 'private'", f"DELTA = {delta!r}")),
+      "2-stage": (num_parsed, runs.with_bindings(
+          f"{data_flag} = '{priv_dir}'", f"DELTA = {delta!r}")),
+  }
+  unknown = set(methods) - set(method_runs)
+  if unknown:
+    raise ValueError(f"adaptation methods are {sorted(method_runs)}, got "
+                     f"{sorted(unknown)}")
+  batch = int(runs.query("%BATCH_SIZE"))
+  if "2-stage" in methods and batch > num_parsed:
     raise ValueError(
-        f"the low-resource parser {p0_dir} parsed only {n} D_priv utterances "
-        f"validly, fewer than BATCH_SIZE = {batch}: train it longer "
-        "(--parser_gin.EPOCHS=...) or lower --gin.BATCH_SIZE")
-  delta = runs.macro("DELTA") or 1.0 / (2 * n)
-  t1, t2 = (math.ceil(e * n / batch) for e in epochs)
-  sigma = (0.0 if math.isinf(epsilon) else accounting.dpsgd_noise_multiplier(
-      epsilon, delta, batch / n, t1 + t2))
+        f"the low-resource parser {p0_dir} parsed only {num_parsed} of "
+        f"{len(private)} D_priv utterances validly, fewer than BATCH_SIZE = "
+        f"{batch}: train it longer (--parser_gin.EPOCHS=...) or lower "
+        "--gin.BATCH_SIZE")
 
   test = semparse.select_portion(
       semparse.load_turns(dataset, "validation", source), test_portion)
@@ -356,10 +388,13 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   public = semparse.drop_functions(semparse.select_portion(
       semparse.load_turns(dataset, "train", source), "public"), focus)
   for method in methods:
+    n, method_run = method_runs[method]
+    plan = method_run.privacy_plan(n, epochs, epsilon, delta)
     run_dir = os.path.join(root, method)
     utterances, privacy = _synthesize(
-        runs, run_dir, method, dataset, epsilon, seed,
-        num=num_synthetic or n, steps=(t1, t2), sigma=sigma, domains=[],
+        method_run, run_dir, method, dataset, epsilon, seed,
+        num=num_synthetic or len(private), steps=plan["steps"],
+        sigma=plan["sigma"], domains=[],
         max_tokens={"utterance": lengths["utterance_lm"]["targets"],
                     "parse": lengths["parse_lm"]["targets"]})
     aug_dir = os.path.join(run_dir, "augmented_data")
@@ -376,10 +411,12 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
           [(t.utterance, t.program) for t in public] + synthetic,
           prefix=f"{method}-augmented")
     aug_parser = os.path.join(run_dir, "parser_augmented")
-    parser(aug_parser, f"{dataset}_parser", f"{data_flag} = '{aug_dir}'")
-    evaluate(f"D_pub + D_s ({method}, ε={_eps_name(epsilon)})", aug_parser)
-    rows[f"D_pub + D_s ({method}, ε={_eps_name(epsilon)})"]["epsilon_spent"] = \
-        privacy["epsilon_spent"]
+    parser(aug_parser, parser_gin_files, f"{dataset}_parser",
+           f"{data_flag} = '{aug_dir}'")
+    name = f"D_pub + D_s ({method}, ε={_eps_name(epsilon)})"
+    evaluate(name, aug_parser)
+    rows[name].update(epsilon_spent=privacy["epsilon_spent"],
+                      generator_examples=n)
   evaluate("full training set (high-resource)", full_dir)
 
   cols = ["exact_match", "api_precision", "api_recall"]
@@ -395,7 +432,9 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
     lines.append("| " + " | ".join(cells) + " |")
   lines += ["", f"Test: {len(test)} utterances of the validation file "
             f"({rows['D_pub (p0)']['focus_examples']} use '{missing}'). "
-            f"D_pub: {len(public)} examples; D_priv: {n} (p0's parses)."]
+            f"D_pub: {len(public)} examples; D_priv: {len(private)} "
+            f"utterances, {num_parsed} with a valid p0 parse (the 2-stage "
+            "generators' data; the 1-stage LM trains on all)."]
   md = os.path.join(root, "table3.md")
   fileio.write_atomic(md, "\n".join(lines) + "\n")
   fileio.write_atomic(os.path.join(root, "results.json"),

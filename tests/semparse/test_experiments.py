@@ -101,24 +101,32 @@ def test_parser_scores_against_hand_counts():
 
 def test_adaptation_experiment_end_to_end(tmp_path, monkeypatch):
   # Parsers trained for a few steps parse nothing; an oracle stands in for
-  # their predictions (gold programs of known utterances, one fixed program
-  # for synthetic ones), so the data flow is what is tested here.
+  # their predictions (gold programs of known utterances, except an invalid
+  # p0 parse of every third D_priv utterance; one fixed program for
+  # synthetic ones), so the data flow is what is tested here.
+  train = semparse.load_turns("smcalflow", "train")
+  private = semparse.select_portion(train, "private")
+  unparsable = {t.utterance for t in private[::3]}
   gold = {t.utterance: t.program for split in ("train", "validation")
           for t in semparse.load_turns("smcalflow", split)}
   calls = []
 
   def oracle(parser_dir, utterances, **_):
-    calls.append((os.path.basename(parser_dir), len(utterances)))
+    who = os.path.basename(parser_dir)
+    calls.append((who, len(utterances)))
+    if who == "parser_public" and len(utterances) == len(private):
+      return ["( Yield (" if u in unparsable else gold[u] for u in utterances]
     return [gold.get(u, "( Yield ( Today ) )") for u in utterances]
 
   monkeypatch.setattr(pipeline, "parse_utterances", oracle)
   result = experiments.adaptation_table(
       str(tmp_path), dataset="smcalflow", missing="weather", epsilon=8.0,
-      methods=("2-stage",), epochs=(0.3, 0.6), bindings=FAST,
+      methods=("1-stage", "2-stage"), epochs=(0.3, 0.6), bindings=FAST,
       parser_bindings=FAST_PARSER, feature_lengths=SHORT, num_synthetic=16)
   root = tmp_path / "smcalflow_adaptation"
   rows = result["rows"]
-  assert list(rows) == ["D_pub (p0)", "D_pub + D_s (2-stage, ε=8)",
+  assert list(rows) == ["D_pub (p0)", "D_pub + D_s (1-stage, ε=8)",
+                        "D_pub + D_s (2-stage, ε=8)",
                         "full training set (high-resource)"]
   test = semparse.load_turns("smcalflow", "validation")
   weather = [t for t in test if any(f.startswith("Weather")
@@ -126,9 +134,26 @@ def test_adaptation_experiment_end_to_end(tmp_path, monkeypatch):
   for r in rows.values():
     assert r["examples"] == len(test)
     assert r["focus_examples"] == len(weather) > 0
-  assert rows["D_pub + D_s (2-stage, ε=8)"]["epsilon_spent"] <= 8.0 * (1 + 1e-9)
-  # D_pub really lacks the functionality; D_priv carries p0's parses.
-  train = semparse.load_turns("smcalflow", "train")
+  # The 1-stage LM learns from every D_priv utterance, the 2-stage models
+  # from the validly parsed ones; both at ε = 8 with δ = 1/(2|D_priv|).
+  parsed = semparse.load_turns("smcalflow", "train",
+                               str(root / "private_predicted"))
+  assert [t.utterance for t in parsed] == \
+      [t.utterance for t in private if t.utterance not in unparsable]
+  for method, lm, n in (("1-stage", "utterance_lm", len(private)),
+                        ("2-stage", "parse_to_utterance", len(parsed))):
+    ledger = ledger_lib.PrivacyLedger.load(
+        str(root / method / lm / ledger_lib.LEDGER_FILENAME))
+    assert ledger.dataset_size == n
+    assert ledger.delta == pytest.approx(1 / (2 * len(private)))
+    direct = accounting.dpsgd_epsilon(
+        ledger.noise_multiplier, 256 / n, math.ceil(0.3 * n / 256) +
+        math.ceil(0.6 * n / 256), 1 / (2 * len(private)))
+    assert ledger.epsilon_spent() == pytest.approx(direct, rel=1e-9)
+    assert rows[f"D_pub + D_s ({method}, ε=8)"]["epsilon_spent"] == \
+        pytest.approx(8.0, rel=1e-2)
+    assert rows[f"D_pub + D_s ({method}, ε=8)"]["epsilon_spent"] <= 8.0 * (1 + 1e-9)
+  # D_pub really lacks the functionality; D_s follows it.
   public = semparse.drop_functions(
       semparse.select_portion(train, "public"), ("Weather*",))
   augmented = semparse.load_turns(
@@ -136,12 +161,9 @@ def test_adaptation_experiment_end_to_end(tmp_path, monkeypatch):
   assert [t.utterance for t in augmented[:len(public)]] == \
       [t.utterance for t in public]
   assert len(augmented) <= len(public) + 16
-  private = semparse.load_turns("smcalflow", "train",
-                                str(root / "private_predicted"))
-  assert len(private) <= len(semparse.select_portion(train, "private"))
   assert "| D_pub (p0) |" in open(result["table_md"]).read()
   assert rows["D_pub (p0)"]["exact_match"] == 1.0  # the oracle's gold parses
-  train_private = len(semparse.select_portion(train, "private"))
-  assert calls == [("parser_public", train_private), ("parser_public", len(test)),
+  assert calls == [("parser_public", len(private)), ("parser_public", len(test)),
+                   ("parser_full", 16), ("parser_augmented", len(test)),
                    ("parser_full", 16), ("parser_augmented", len(test)),
                    ("parser_full", len(test))]
