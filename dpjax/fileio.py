@@ -1,20 +1,27 @@
 """Atomic file writes: a reader sees the old file or the new one, never half."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from typing import IO, Iterator
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-  """Writes `text` to a temp file beside `path`, fsyncs it, renames it over
-  `path`, and fsyncs the directory so the rename itself survives a crash."""
+@contextlib.contextmanager
+def open_atomic(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+  """A file opened for writing ("w" or "wb") beside `path`; on a clean exit
+  it is fsynced, renamed over `path`, and the directory fsynced so the
+  rename itself survives a crash. On an exception `path` is untouched."""
+  if mode not in ("w", "wb"):
+    raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
   path = os.fspath(path)
   directory = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(
       dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
   try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
+    with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})
+                   ) as f:
+      yield f
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -26,3 +33,9 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     os.fsync(dir_fd)
   finally:
     os.close(dir_fd)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+  """Writes `text` to `path` atomically (see `open_atomic`)."""
+  with open_atomic(path) as f:
+    f.write(text)

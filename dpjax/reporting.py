@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-from tensorboardX import SummaryWriter
 
 
 def say(message: str) -> None:
@@ -57,6 +56,8 @@ class Summaries:
   """TensorBoard event files under MODEL_DIR/{train,eval} (no TensorFlow)."""
 
   def __init__(self, model_dir: str):
+    # tensorboardX imports torch when it is installed: only a run pays that.
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._writers = {
         split: SummaryWriter(os.path.join(model_dir, split))
         for split in ("train", "eval")} if jax.process_index() == 0 else {}

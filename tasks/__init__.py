@@ -3,7 +3,8 @@
 
 Importing this package registers nothing: it only makes the gin configurables
 available (`register_tasks`, `register_msmarco_query_generation`,
-`register_semparse_tasks`) and does not import TensorFlow. The trainer calls
+`register_semparse_tasks`, `register_multidogo_tasks`) and does not import
+TensorFlow. The trainer calls
 `register_tasks()` after parsing its gin files, e.g.::
 
     register_msmarco_query_generation.data_dir = "/data/msmarco"
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gin
 
 from tasks import msmarco
+from tasks import multidogo
 from tasks import semparse
 from tasks.msmarco import (  # noqa: F401  (re-exported)
     DEFAULT_SAMPLE_DIR,
@@ -36,6 +38,7 @@ from tasks.semparse import (  # noqa: F401  (re-exported)
 @gin.configurable(denylist=["tokenizer_files"])
 def register_tasks(msmarco_query_generation: bool = True,
                    semparse_tasks: bool = True,
+                   multidogo_tasks: bool = True,
                    tokenizer_files: dict | None = None) -> list[str]:
   """Registers the project's seqio tasks; returns their names.
 
@@ -52,5 +55,8 @@ def register_tasks(msmarco_query_generation: bool = True,
         checkpoint_vocabulary_path=files.get("sentencepiece")).name)
   if semparse_tasks:  # SMCalFlow / TreeDST (see tasks.semparse)
     names += [t.name for t in semparse.register_semparse_tasks(
+        checkpoint_tokenizer_files=files)]
+  if multidogo_tasks:  # MultiDoGo dialogs (see tasks.multidogo)
+    names += [t.name for t in multidogo.register_multidogo_tasks(
         checkpoint_tokenizer_files=files)]
   return names

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from dpjax import decoding, gin_cli, inference, trainer
+from dpjax.eval import mauve
 from dpjax.semparse import lispress, metrics
 
 _LENGTH_BUCKET = 16  # prompt lengths are rounded up to limit recompilation
@@ -166,7 +167,7 @@ def score(synthetic: Sequence[str], synthetic_types: Sequence[list[str] | None],
   row = {
       "num_synthetic": len(synthetic),
       "word_overlap": metrics.word_type_overlap(synthetic, human),
-      "mauve": metrics.mauve(human_features, synthetic_features,
+      "mauve": mauve.mauve(human_features, synthetic_features,
                              seed=mauve_seed),
       "invalid_parse_fraction": float(np.mean(
           [t is None for t in synthetic_types])) if synthetic_types else 0.0,

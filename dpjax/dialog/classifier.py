@@ -1,0 +1,290 @@
+"""The classifier policy's model: a Flax BERT that predicts the domain of a
+window of words.
+
+As in the paper (Sec. 5.1: a sequence classifier "fine-tuned to predict the
+domain from (a sequence of) tokens"), the classes are the training domains
+and the examples are word windows of the training split's utterances,
+labelled with their conversation's domain (`training_windows`: the same
+windows `redaction.ClassifierPolicy` scores). The model is
+`dpjax.models.bert.BertClassifier` with mean pooling (no [CLS] token needed)
+over the byte-level BPE tokens of a window, truncated to `max_tokens`.
+
+Training (`train_classifier`) is plain AdamW: one jitted step on
+fixed-shape batches; epochs are permutations, the last batch filled from the
+next permutation.
+
+Formal guarantees: none. The classifier is trained without DP on the
+training split, and the redaction it drives depends on all of that split.
+The paper's accounting (Pub+Redacted at ε = 0, only DP steps spending ε)
+treats the policy as given, i.e. assumes it reveals nothing of the private
+text; a ledger built on redacted data inherits that assumption.
+
+A saved classifier is a directory: `config.json` (BERT config, labels,
+window and token lengths), `params.msgpack` (flax msgpack of the params) and
+the tokenizer's `vocab.json` + `merges.txt`, so `DomainClassifier.load` (and
+`redaction.ClassifierPolicy.from_dir`) need nothing else.
+
+    python -m dpjax.dialog.classifier --output_dir /tmp/dogo_clf
+
+trains one on the embedded MultiDoGo sample (or `--data_dir`), sized by
+`--gin_file` (default `models/bert_tiny.gin`).
+
+No TensorFlow: jax, flax, optax, numpy and `tokenizers`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+import flax.serialization
+import jax
+import numpy as np
+import optax
+import tokenizers
+
+from dpjax import fileio
+from dpjax.dialog import redaction
+from dpjax.models import bert
+
+PyTree = Any
+_FILES = ("config.json", "params.msgpack", "vocab.json", "merges.txt")
+
+
+def training_windows(texts_by_domain: Mapping[str, Sequence[str]], *,
+                     window_words: int = 16, stride: int = 8
+                     ) -> tuple[list[str], np.ndarray]:
+  """(window texts, int32 labels): the word windows of every text, labelled
+  with the index of its domain in `texts_by_domain`'s order."""
+  windows, labels = [], []
+  for label, texts in enumerate(texts_by_domain.values()):
+    for text in texts:
+      words = text.split()
+      for s in redaction.word_windows(len(words), window_words, stride):
+        windows.append(" ".join(words[s:s + window_words]))
+        labels.append(label)
+  return windows, np.asarray(labels, np.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(vocab_path: str, merges_path: str, max_tokens: int
+               ) -> tokenizers.Tokenizer:
+  """GPT-2-style byte-level BPE that truncates and right-pads to `max_tokens`
+  (pad id 0; the attention mask says which tokens are real)."""
+  tok = tokenizers.ByteLevelBPETokenizer(vocab_path, merges_path)
+  tok.enable_truncation(max_tokens)
+  tok.enable_padding(length=max_tokens, pad_id=0)
+  return tok
+
+
+def _encode(tok, windows: Sequence[str]) -> dict[str, np.ndarray]:
+  encodings = tok.encode_batch(list(windows))
+  return {"tokens": np.asarray([e.ids for e in encodings], np.int32),
+          "attention_mask": np.asarray([e.attention_mask for e in encodings],
+                                       np.int32)}
+
+
+@functools.lru_cache(maxsize=None)
+def _probabilities_fn(config: bert.BertConfig):
+  """One jitted `(params, batch) -> [b, num_labels]` softmax per config."""
+  predict = bert.make_predict(config)
+  return jax.jit(lambda params, batch: jax.nn.softmax(predict(params, batch)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DomainClassifier:
+  """A trained window classifier: BERT config + params + its tokenizer."""
+
+  config: bert.BertConfig
+  params: PyTree
+  labels: tuple[str, ...]
+  vocab_path: str
+  merges_path: str
+  window_words: int = 16
+  max_tokens: int = 64
+  batch_size: int = 256  # windows per jitted call (the last call is padded)
+
+  def probabilities(self, windows: Sequence[str]) -> np.ndarray:
+    """`[len(windows), len(labels)]` float32 class probabilities."""
+    tok = _tokenizer(self.vocab_path, self.merges_path, self.max_tokens)
+    fn = _probabilities_fn(self.config)
+    n, b = len(windows), self.batch_size
+    padded = list(windows) + [""] * (-n % b)
+    out = [np.asarray(fn(self.params, _encode(tok, padded[s:s + b])))
+           for s in range(0, len(padded), b)]
+    return np.concatenate(out)[:n] if out else np.zeros((0, len(self.labels)), np.float32)
+
+  def save(self, path: str) -> None:
+    """Writes the directory `path` (see the module docstring); `config.json`
+    is written last, so a directory that has it is complete."""
+    os.makedirs(path, exist_ok=True)
+    for src, name in ((self.vocab_path, "vocab.json"), (self.merges_path, "merges.txt")):
+      if os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
+        shutil.copyfile(src, os.path.join(path, name))
+    tmp = os.path.join(path, "params.msgpack.tmp")
+    with open(tmp, "wb") as f:
+      f.write(flax.serialization.msgpack_serialize(jax.device_get(self.params)))
+    os.replace(tmp, os.path.join(path, "params.msgpack"))
+    fileio.write_atomic(os.path.join(path, "config.json"), json.dumps({
+        "bert_config": self.config.to_json(), "labels": list(self.labels),
+        "window_words": self.window_words, "max_tokens": self.max_tokens,
+    }, indent=2) + "\n")
+
+  @classmethod
+  def load(cls, path: str) -> "DomainClassifier":
+    """Reads a directory written by `save`; checks the params' shapes."""
+    missing = [f for f in _FILES if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+      raise FileNotFoundError(f"not a saved domain classifier: {path!r} lacks "
+                              f"{', '.join(missing)}")
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+      meta = json.load(f)
+    config = bert.BertConfig.from_json(meta["bert_config"])
+    with open(os.path.join(path, "params.msgpack"), "rb") as f:
+      params = flax.serialization.msgpack_restore(f.read())
+    expected, _ = bert.abstract_params(config, max_length=meta["max_tokens"])
+    shapes = jax.tree.map(lambda x: tuple(x.shape), params)
+    if shapes != jax.tree.map(lambda x: tuple(x.shape), expected):
+      raise ValueError(f"{path}/params.msgpack does not match the shapes of "
+                       "its config.json")
+    return cls(config, params, tuple(meta["labels"]),
+               os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"),
+               window_words=int(meta["window_words"]),
+               max_tokens=int(meta["max_tokens"]))
+
+
+def _make_train_step(config: bert.BertConfig, optimizer):
+  model = bert.BertClassifier(config)
+
+  def loss_fn(params, batch, rng):
+    logits = model.apply({"params": params}, batch["tokens"],
+                         attention_mask=batch["attention_mask"],
+                         enable_dropout=True, rngs={"dropout": rng})
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["label"]).mean()
+
+  @jax.jit
+  def step(params, opt_state, batch, rng):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def train_classifier(texts_by_domain: Mapping[str, Sequence[str]], *,
+                     config: bert.BertConfig, vocab_path: str, merges_path: str,
+                     window_words: int = 16, stride: int = 8,
+                     max_tokens: int = 64, batch_size: int = 64,
+                     epochs: float = 3.0, learning_rate: float = 1e-3,
+                     weight_decay: float = 0.01, seed: int = 0
+                     ) -> DomainClassifier:
+  """Trains a domain classifier on the windows of `texts_by_domain`.
+
+  Args:
+    texts_by_domain: {domain: utterance texts} of the training split; the
+      domains, in this order, are the classes.
+    config: the BERT (e.g. `gin/models/bert_tiny.gin`); its `num_labels` must
+      be the number of domains, `vocab_size` at least the tokenizer's and
+      `max_position_embeddings` at least `max_tokens`.
+    vocab_path, merges_path: byte-level BPE files of the tokenizer.
+    window_words, stride: the training windows (`training_windows`).
+    max_tokens: tokens per window (longer windows are truncated).
+    batch_size, epochs, learning_rate, weight_decay, seed: AdamW training;
+      `epochs` may be fractional.
+  """
+  labels = tuple(texts_by_domain)
+  tok = _tokenizer(vocab_path, merges_path, max_tokens)
+  problems = []
+  if config.num_labels != len(labels):
+    problems.append(f"num_labels {config.num_labels} != {len(labels)} domains")
+  if config.vocab_size < tok.get_vocab_size():
+    problems.append(f"vocab_size {config.vocab_size} < the tokenizer's "
+                    f"{tok.get_vocab_size()}")
+  if config.max_position_embeddings < max_tokens:
+    problems.append(f"max_position_embeddings {config.max_position_embeddings} "
+                    f"< max_tokens {max_tokens}")
+  if problems:
+    raise ValueError("BertConfig does not fit: " + "; ".join(problems))
+  windows, y = training_windows(texts_by_domain, window_words=window_words,
+                                stride=stride)
+  if len(set(y.tolist())) < 2:
+    raise ValueError("need windows of at least two domains to train a classifier")
+  data = {**_encode(tok, windows), "label": y}
+
+  rng = np.random.default_rng(seed)
+  n = len(y)
+  steps = max(math.ceil(epochs * n / batch_size), 1)
+  order = np.concatenate([rng.permutation(n) for _ in
+                          range(math.ceil(steps * batch_size / n))])
+  optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
+  params, _ = bert.init_params(config, jax.random.key(seed), max_length=max_tokens)
+  opt_state = optimizer.init(params)
+  step = _make_train_step(config, optimizer)
+  dropout_key = jax.random.key(seed + 1)
+  for s in range(steps):
+    idx = order[s * batch_size:(s + 1) * batch_size]
+    params, opt_state, _ = step(params, opt_state, {k: v[idx] for k, v in data.items()},
+                                jax.random.fold_in(dropout_key, s))
+  return DomainClassifier(config, jax.device_get(params), labels, vocab_path,
+                          merges_path, window_words=window_words,
+                          max_tokens=max_tokens)
+
+
+def accuracy(model: DomainClassifier, texts_by_domain: Mapping[str, Sequence[str]],
+             *, stride: int = 8) -> float:
+  """Window accuracy on held-out texts (domains named as in `model.labels`)."""
+  windows, y = training_windows(
+      {d: texts_by_domain.get(d, ()) for d in model.labels},
+      window_words=model.window_words, stride=stride)
+  return float(np.mean(model.probabilities(windows).argmax(1) == y))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """Trains a classifier on MultiDoGo's training split and saves it."""
+  from dpjax import gin_cli  # pylint: disable=g-import-not-at-top
+  from tasks import multidogo  # pylint: disable=g-import-not-at-top
+
+  def add_arguments(parser):
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--data_dir", default=None,
+                        help="MultiDoGo unannotated/ directory (default: the sample)")
+    parser.add_argument("--domains", default=",".join(multidogo.PAPER_DOMAINS))
+    parser.add_argument("--vocab_path", default=multidogo.DEFAULT_BPE_VOCAB_PATH)
+    parser.add_argument("--merges_path", default=multidogo.DEFAULT_BPE_MERGES_PATH)
+    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--split_seed", type=int, default=0)
+
+  args, gin_files, bindings = gin_cli.parse_args(
+      list(sys.argv[1:] if argv is None else argv), main.__doc__, add_arguments)
+  gin_cli.configure(gin_files or ["models/bert_tiny.gin"], bindings,
+                    args.gin_search_paths)
+  domains = tuple(args.domains.split(","))
+
+  def texts(split):
+    return multidogo.utterance_texts(multidogo.load_split(
+        split, args.data_dir, domains, seed=args.split_seed))
+
+  vocab_size = tokenizers.ByteLevelBPETokenizer(
+      args.vocab_path, args.merges_path).get_vocab_size()
+  config = bert.BertConfig(vocab_size=vocab_size, num_labels=len(domains),
+                           max_position_embeddings=64, pooling="mean")
+  start = time.perf_counter()
+  model = train_classifier(texts("train"), config=config,
+                           vocab_path=args.vocab_path,
+                           merges_path=args.merges_path, epochs=args.epochs)
+  model.save(args.output_dir)
+  print(json.dumps({"output_dir": args.output_dir, "labels": model.labels,
+                    "train_seconds": round(time.perf_counter() - start, 1),
+                    "validation_window_accuracy": round(
+                        accuracy(model, texts("validation")), 4)}))
+
+
+if __name__ == "__main__":
+  main()
