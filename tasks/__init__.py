@@ -3,7 +3,8 @@
 
 Importing this package registers nothing: it only makes the gin configurables
 available (`register_tasks`, `register_msmarco_query_generation`,
-`register_semparse_tasks`, `register_multidogo_tasks`) and does not import
+`register_msmarco_dual_encoder`, `register_semparse_tasks`,
+`register_multidogo_tasks`) and does not import
 TensorFlow. The trainer calls
 `register_tasks()` after parsing its gin files, e.g.::
 
@@ -37,6 +38,7 @@ from tasks.semparse import (  # noqa: F401  (re-exported)
 
 @gin.configurable(denylist=["tokenizer_files"])
 def register_tasks(msmarco_query_generation: bool = True,
+                   msmarco_dual_encoder: bool = True,
                    semparse_tasks: bool = True,
                    multidogo_tasks: bool = True,
                    tokenizer_files: dict | None = None) -> list[str]:
@@ -52,6 +54,9 @@ def register_tasks(msmarco_query_generation: bool = True,
   names = []
   if msmarco_query_generation:
     names.append(msmarco.register_msmarco_query_generation(
+        checkpoint_vocabulary_path=files.get("sentencepiece")).name)
+  if msmarco_dual_encoder:  # (query, passage) pairs of a retriever
+    names.append(msmarco.register_msmarco_dual_encoder(
         checkpoint_vocabulary_path=files.get("sentencepiece")).name)
   if semparse_tasks:  # SMCalFlow / TreeDST (see tasks.semparse)
     names += [t.name for t in semparse.register_semparse_tasks(

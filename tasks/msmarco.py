@@ -16,9 +16,16 @@ with `split` in {"train", "dev"}. The readers are pure Python (no TF) and
 memory-conscious: the qrels are read first and `collection.tsv` (8.8M passages
 in the full dataset) is streamed keeping only the passages that are needed.
 
-The task (see `register_msmarco_query_generation`) is the paper's document ->
-query generation task: inputs `"generate_query: " + passage`, targets the
-query, one example per relevant (query, passage) pair.
+Two tasks, one example per relevant (query, passage) pair:
+
+* `register_msmarco_query_generation`: the paper's document -> query
+  generation task: inputs `"generate_query: " + passage`, targets the query.
+* `register_msmarco_dual_encoder`: the retrieval pairs (features `queries`
+  and `documents`, no prefix) for the dual encoder. Its training pairs may
+  come from another directory and file split than the collection, e.g. the
+  `queries.synthetic.tsv` / `qrels.synthetic.tsv` written by
+  `dpjax.inference.generate_synthetic`, whose pids refer to the original
+  `collection.tsv`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ DEFAULT_VOCABULARY_PATH = os.path.join(
     DEFAULT_SAMPLE_DIR, "spm", "msmarco_sample.model"
 )
 DEFAULT_TASK_NAME = "msmarco_query_generation"
+DUAL_ENCODER_TASK_NAME = "msmarco_dual_encoder"
 INPUT_PREFIX = "generate_query: "
 # Maximum token lengths used in the paper: 384 for documents, 128 for queries.
 TASK_FEATURE_LENGTHS = {"inputs": 384, "targets": 128}
@@ -187,28 +195,45 @@ def read_qrels(path: str, *, on_malformed: str = "fail"
     policy.report()
 
 
-def _split_files(data_dir: str, split: str) -> dict[str, str]:
-  """Checks the MSMARCO files for `split` exist; returns their paths."""
-  if split not in SPLITS:
-    raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
-  name = SPLITS[split]
+def _split_files(data_dir: str, split: str, pairs_dir: str | None = None
+                 ) -> dict[str, str]:
+  """Checks the MSMARCO files for `split` exist; returns their paths.
+
+  `collection.tsv` is read from `data_dir`; `queries.{name}.tsv` and
+  `qrels.{name}.tsv` from `pairs_dir` (default `data_dir`), where `name` is
+  MSMARCO's name of `split` ("dev" for "validation"). With a `pairs_dir`,
+  `split` may be any file-name part (e.g. "synthetic").
+  """
+  if split in SPLITS:
+    name = SPLITS[split]
+  elif pairs_dir is not None and split and split.replace("_", "").replace(
+      "-", "").isalnum():
+    name = split
+  else:
+    raise ValueError(f"split must be one of {sorted(SPLITS)}"
+                     f"{' or a plain file-name part' if pairs_dir else ''}, "
+                     f"got {split!r}")
+  dirs = {"collection": data_dir, "queries": pairs_dir or data_dir,
+          "qrels": pairs_dir or data_dir}
   files = {
       "collection": COLLECTION_FILE,
       "queries": f"queries.{name}.tsv",
       "qrels": f"qrels.{name}.tsv",
   }
   expected = ", ".join(files.values())
-  if not os.path.isdir(data_dir):
-    raise FileNotFoundError(
-        f"MSMARCO data directory not found: {data_dir!r} (expected a directory "
-        f"holding {expected})"
-    )
-  paths = {k: os.path.join(data_dir, v) for k, v in files.items()}
-  missing = [files[k] for k, p in paths.items() if not os.path.isfile(p)]
+  for d in dict.fromkeys(dirs.values()):
+    if not os.path.isdir(d):
+      held = ", ".join(files[k] for k in files if dirs[k] == d)
+      raise FileNotFoundError(
+          f"MSMARCO data directory not found: {d!r} (expected a directory "
+          f"holding {held})"
+      )
+  paths = {k: os.path.join(dirs[k], v) for k, v in files.items()}
+  missing = [p for p in paths.values() if not os.path.isfile(p)]
   if missing:
     raise FileNotFoundError(
-        f"MSMARCO files missing in {data_dir!r}: {', '.join(missing)} (split "
-        f"{split!r} expects {expected})"
+        f"MSMARCO files missing: {', '.join(missing)} (split {split!r} "
+        f"expects {expected})"
     )
   return paths
 
@@ -222,7 +247,8 @@ def _relevant_qrels(path: str, on_malformed: str
 
 
 def load_query_passage_pairs(data_dir: str, split: str, *,
-                             on_malformed: str = "fail"
+                             on_malformed: str = "fail",
+                             pairs_dir: str | None = None
                              ) -> list[tuple[int, int, str, str]]:
   """Joins qrels with queries and passages.
 
@@ -232,10 +258,14 @@ def load_query_passage_pairs(data_dir: str, split: str, *,
   Args:
     data_dir: directory with MSMARCO's `collection.tsv`, `queries.{split}.tsv`
       and `qrels.{split}.tsv`.
-    split: "train" or "dev" ("validation" is an alias of "dev").
+    split: "train" or "dev" ("validation" is an alias of "dev"); with
+      `pairs_dir`, any file-name part (e.g. "synthetic").
     on_malformed: "fail" or "skip" (see `read_tsv_pairs`). A relevant qrels
       row whose query or passage is missing is treated as a malformed qrels
       line.
+    pairs_dir: where `queries.{split}.tsv` and `qrels.{split}.tsv` are, if
+      not in `data_dir` (e.g. a `generate_synthetic` output directory); the
+      passages still come from `data_dir`'s `collection.tsv`.
 
   Returns:
     `(qid, pid, query, passage)` for each relevant (relevance > 0) qrels row,
@@ -245,7 +275,7 @@ def load_query_passage_pairs(data_dir: str, split: str, *,
     FileNotFoundError: `data_dir` or one of the three files does not exist.
     MalformedLineError: a malformed line, with `on_malformed="fail"`.
   """
-  paths = _split_files(data_dir, split)
+  paths = _split_files(data_dir, split, pairs_dir)
   qrels = _relevant_qrels(paths["qrels"], on_malformed)
   qids = {qid for qid, _, _ in qrels}
   queries = dict(read_tsv_pairs(paths["queries"], on_malformed=on_malformed,
@@ -286,19 +316,74 @@ def load_collection_ids(data_dir: str, split: str = "train", *,
 # ---------------------------------------------------------------------------
 
 
-def _examples_dataset(pairs: list[tuple[int, int, str, str]]):
-  """A tf.data.Dataset of {'inputs', 'targets', 'qid', 'pid'} from pairs."""
+def _examples_dataset(pairs: list[tuple[int, int, str, str]],
+                      query_key: str, passage_key: str, passage_prefix: str):
+  """A tf.data.Dataset of {query_key, passage_key, 'qid', 'pid'} from pairs."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   return tf.data.Dataset.from_tensor_slices({
-      "inputs": tf.constant([INPUT_PREFIX + p for _, _, _, p in pairs],
-                            dtype=tf.string, shape=[len(pairs)]),
-      "targets": tf.constant([q for _, _, q, _ in pairs], dtype=tf.string,
+      passage_key: tf.constant([passage_prefix + p for _, _, _, p in pairs],
+                               dtype=tf.string, shape=[len(pairs)]),
+      query_key: tf.constant([q for _, _, q, _ in pairs], dtype=tf.string,
                              shape=[len(pairs)]),
       "qid": np.array([qid for qid, _, _, _ in pairs], dtype=np.int64),
       "pid": np.array([pid for _, pid, _, _ in pairs], dtype=np.int64),
   })
+
+
+def _register_pairs_task(task_name: str, files: dict[str, tuple],
+                         vocabulary_path: str, on_malformed: str, *,
+                         query_key: str, passage_key: str,
+                         passage_prefix: str = ""):
+  """Registers (replacing) a seqio Task of (query, passage) pairs.
+
+  `files`: seqio split -> `(data_dir, msmarco split, pairs_dir)` as taken by
+  `load_query_passage_pairs`. Both text features are tokenized and get EOS
+  appended after trimming; `qid` and `pid` pass through.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  if on_malformed not in _ON_MALFORMED:
+    raise ValueError(
+        f"on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}")
+  # Fail fast on a wrong directory, and count the examples from the (small)
+  # qrels files: exact unless rows get skipped as malformed.
+  num_input_examples = {
+      split: len(_relevant_qrels(_split_files(*where)["qrels"], on_malformed))
+      for split, where in files.items()
+  }
+  if not tf.io.gfile.exists(vocabulary_path):
+    raise FileNotFoundError(
+        f"SentencePiece model not found: {vocabulary_path!r}")
+
+  def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None):
+    data_dir, name, pairs_dir = files[split]
+    pairs = load_query_passage_pairs(data_dir, name, on_malformed=on_malformed,
+                                     pairs_dir=pairs_dir)
+    if shuffle_files:
+      order = np.random.default_rng(seed).permutation(len(pairs))
+      pairs = [pairs[i] for i in order]
+    return _examples_dataset(pairs, query_key, passage_key, passage_prefix)
+
+  vocabulary = seqio.SentencePieceVocabulary(vocabulary_path)
+  feature = seqio.Feature(vocabulary=vocabulary, add_eos=True, required=True)
+  if task_name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(task_name)
+  return seqio.TaskRegistry.add(
+      task_name,
+      source=seqio.FunctionDataSource(
+          dataset_fn=dataset_fn, splits=tuple(files),
+          num_input_examples=num_input_examples),
+      preprocessors=[
+          seqio.preprocessors.tokenize,
+          seqio.preprocessors.append_eos_after_trim,
+      ],
+      output_features={passage_key: feature, query_key: feature},
+      metric_fns=[],
+  )
 
 
 @gin.configurable(denylist=["checkpoint_vocabulary_path"])
@@ -330,61 +415,78 @@ def register_msmarco_query_generation(
   Returns:
     The registered `seqio.Task`.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import seqio  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
   data_dir = DEFAULT_SAMPLE_DIR if data_dir is None else data_dir
-  vocabulary_path = (vocabulary_path or checkpoint_vocabulary_path or
-                     DEFAULT_VOCABULARY_PATH)
-  if on_malformed not in _ON_MALFORMED:
-    raise ValueError(
-        f"on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}")
-  splits = ("train", "validation")
-  # Fail fast on a wrong directory, and count the examples from the (small)
-  # qrels files: exact unless rows get skipped as malformed.
-  num_input_examples = {
-      split: len(_relevant_qrels(_split_files(data_dir, split)["qrels"],
-                                 on_malformed))
-      for split in splits
-  }
-  if not tf.io.gfile.exists(vocabulary_path):
-    raise FileNotFoundError(
-        f"SentencePiece model not found: {vocabulary_path!r}")
-
-  def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None):
-    pairs = load_query_passage_pairs(data_dir, split, on_malformed=on_malformed)
-    if shuffle_files:
-      order = np.random.default_rng(seed).permutation(len(pairs))
-      pairs = [pairs[i] for i in order]
-    return _examples_dataset(pairs)
-
-  vocabulary = seqio.SentencePieceVocabulary(vocabulary_path)
-  output_features = {
-      "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True,
-                              required=True),
-      "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True,
-                               required=True),
-  }
-  if task_name in seqio.TaskRegistry.names():
-    seqio.TaskRegistry.remove(task_name)
-  return seqio.TaskRegistry.add(
+  return _register_pairs_task(
       task_name,
-      source=seqio.FunctionDataSource(
-          dataset_fn=dataset_fn, splits=splits,
-          num_input_examples=num_input_examples),
-      preprocessors=[
-          seqio.preprocessors.tokenize,
-          seqio.preprocessors.append_eos_after_trim,
-      ],
-      output_features=output_features,
-      metric_fns=[],
-  )
+      {split: (data_dir, split, None) for split in ("train", "validation")},
+      vocabulary_path or checkpoint_vocabulary_path or DEFAULT_VOCABULARY_PATH,
+      on_malformed, query_key="targets", passage_key="inputs",
+      passage_prefix=INPUT_PREFIX)
+
+
+@gin.configurable(denylist=["checkpoint_vocabulary_path"])
+def register_msmarco_dual_encoder(
+    data_dir: str | None = DEFAULT_SAMPLE_DIR,
+    train_pairs_dir: str | None = None,
+    train_pairs_split: str = "train",
+    vocabulary_path: str | None = None,
+    on_malformed: str = "fail",
+    task_name: str = DUAL_ENCODER_TASK_NAME,
+    checkpoint_vocabulary_path: str | None = None,
+):
+  """Registers (or re-registers) the dual encoder's MSMARCO pairs Task.
+
+  Examples: `queries = query`, `documents = passage` (no prefix: the
+  retrieval evaluation encodes raw texts), plus passthrough `qid` and `pid`;
+  one per relevant qrels row. Splits: "train" (the training pairs) and
+  "validation" (MSMARCO's dev pairs of `data_dir`).
+
+  Args:
+    data_dir: MSMARCO directory (`collection.tsv` and the dev pairs); None
+      means the embedded fictional sample.
+    train_pairs_dir: directory of the training `queries.{train_pairs_split}
+      .tsv` and `qrels.{train_pairs_split}.tsv`; None means `data_dir` (the
+      original pairs). For synthetic pairs: a `dpjax.infer` output directory
+      with `train_pairs_split="synthetic"`.
+    train_pairs_split: the file-name part of the training pairs.
+    vocabulary_path: SentencePiece model; None means the pretrained
+      checkpoint's (`checkpoint_vocabulary_path`), else the sample's.
+    on_malformed: "fail" or "skip" (see `load_query_passage_pairs`).
+    task_name: registry name; a task already registered under it is replaced.
+    checkpoint_vocabulary_path: the SentencePiece model shipped with
+      INITIAL_CHECKPOINT_PATH, if any.
+
+  Returns:
+    The registered `seqio.Task`.
+  """
+  data_dir = DEFAULT_SAMPLE_DIR if data_dir is None else data_dir
+  return _register_pairs_task(
+      task_name,
+      {"train": (data_dir, train_pairs_split, train_pairs_dir),
+       "validation": (data_dir, "validation", None)},
+      vocabulary_path or checkpoint_vocabulary_path or DEFAULT_VOCABULARY_PATH,
+      on_malformed, query_key="queries", passage_key="documents")
+
+
+@gin.configurable
+def msmarco_dual_encoder_delta(data_dir: str | None = DEFAULT_SAMPLE_DIR,
+                               train_pairs_dir: str | None = None,
+                               train_pairs_split: str = "train") -> float:
+  """δ = 1 / (2 n) for n the training PAIRS of `register_msmarco_dual_encoder`
+  with the same arguments (the paper's δ; the trainer's default counts the
+  rows, each a group of pairs). n counts the relevant qrels rows that parse,
+  an upper bound on the pairs when the task skips malformed rows, so δ never
+  exceeds 1 / (2 n_pairs)."""
+  data_dir = DEFAULT_SAMPLE_DIR if data_dir is None else data_dir
+  paths = _split_files(data_dir, train_pairs_split, train_pairs_dir)
+  return 1.0 / (2 * len(_relevant_qrels(paths["qrels"], "skip")))
 
 
 __all__ = [
     "DEFAULT_SAMPLE_DIR", "DEFAULT_VOCABULARY_PATH", "DEFAULT_TASK_NAME",
-    "INPUT_PREFIX", "TASK_FEATURE_LENGTHS", "MalformedLineError",
-    "read_tsv_pairs", "read_qrels", "load_query_passage_pairs",
-    "load_collection_ids", "register_msmarco_query_generation",
+    "DUAL_ENCODER_TASK_NAME", "INPUT_PREFIX", "TASK_FEATURE_LENGTHS",
+    "MalformedLineError", "read_tsv_pairs", "read_qrels",
+    "load_query_passage_pairs", "load_collection_ids",
+    "register_msmarco_query_generation", "register_msmarco_dual_encoder",
+    "msmarco_dual_encoder_delta",
 ]

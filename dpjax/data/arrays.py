@@ -20,6 +20,8 @@ import numpy as np  # noqa: E402
 import seqio  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from dpjax.models import dual_encoder  # noqa: E402
+
 ENC_DEC_FEATURES = (
     "encoder_input_tokens",
     "decoder_input_tokens",
@@ -27,6 +29,7 @@ ENC_DEC_FEATURES = (
     "decoder_loss_weights",
 )
 DECODER_ONLY_FEATURES = ("tokens", "loss_weights", "attention_mask")
+DUAL_ENCODER_FEATURES = ("queries", "documents")
 _BATCH = 1024
 
 
@@ -50,7 +53,8 @@ def _to_numpy(ds: tf.data.Dataset, keys) -> dict[str, np.ndarray]:
 def load_task_arrays(task_or_mixture_name: str, split: str,
                      task_feature_lengths: Mapping[str, int], *,
                      pack: bool = False,
-                     converter: str = "encoder_decoder") -> dict[str, np.ndarray]:
+                     converter: str | dual_encoder.PairGroups = "encoder_decoder"
+                     ) -> dict[str, np.ndarray]:
   """Tokenized split of a registered task/mixture as model features.
 
   Runs `get_dataset(task_feature_lengths, split=split, shuffle=False,
@@ -63,8 +67,10 @@ def load_task_arrays(task_or_mixture_name: str, split: str,
     task_feature_lengths: e.g. `{"inputs": 384, "targets": 128}`.
     pack: pack several examples per row (encoder-decoder only; adds
       `*_segment_ids`/`*_positions`).
-    converter: "encoder_decoder" (T5: `seqio.EncDecFeatureConverter`) or
-      "decoder_only" (GPT-2: see `decoder_only_features`).
+    converter: "encoder_decoder" (T5: `seqio.EncDecFeatureConverter`),
+      "decoder_only" (GPT-2: see `decoder_only_features`) or a
+      `dual_encoder.PairGroups` (rows of grouped query/document pairs of
+      `dual_encoder_features`).
 
   Returns:
     encoder-decoder: `encoder_input_tokens [N, Li]`, `decoder_input_tokens
@@ -72,12 +78,18 @@ def load_task_arrays(task_or_mixture_name: str, split: str,
     [N, Lt]` as int32 and `decoder_loss_weights [N, Lt]` as float32 (1 on
     target tokens, 0 on padding); with `pack`, also the int32
     segment-id/position arrays of the converter. Decoder-only: the arrays of
-    `decoder_only_features`.
+    `decoder_only_features`. Dual encoder: `PairGroups.rows` of
+    `dual_encoder_features`.
   """
   provider = seqio.get_mixture_or_task(task_or_mixture_name)
   lengths = dict(task_feature_lengths)
   ds = provider.get_dataset(lengths, split=split, shuffle=False,
                             use_cached=False, seed=0)
+  if isinstance(converter, dual_encoder.PairGroups):
+    if pack:
+      raise ValueError("packing is not supported for dual-encoder features")
+    pairs = dual_encoder_features(ds, lengths)
+    return converter.rows(pairs["queries"], pairs["documents"])
   if converter == "decoder_only":
     if pack:
       raise ValueError("packing is not supported for decoder-only features")
@@ -144,8 +156,31 @@ def decoder_only_features(ds: tf.data.Dataset, lengths: Mapping[str, int], *,
           "attention_mask": (pos <= n_in + n_tg).astype(np.int32)}
 
 
+def dual_encoder_features(ds: tf.data.Dataset, lengths: Mapping[str, int]
+                          ) -> dict[str, np.ndarray]:
+  """int32 `queries [N, Lq]` and `documents [N, Ld]`, one row per pair.
+
+  Each feature trimmed to its length (`lengths["queries"]`,
+  `lengths["documents"]`) and zero-padded; EOS is kept by the task's
+  `append_eos_after_trim`.
+  """
+  missing = [k for k in DUAL_ENCODER_FEATURES if k not in lengths]
+  if missing:
+    raise ValueError(f"dual-encoder feature lengths need {missing}, got "
+                     f"{dict(lengths)}")
+  lengths = {k: int(lengths[k]) for k in DUAL_ENCODER_FEATURES}
+  ds = seqio.utils.trim_and_pad_dataset(
+      ds.map(lambda ex: {k: ex[k] for k in DUAL_ENCODER_FEATURES}), lengths)
+  return {k: v.astype(np.int32, copy=False) for k, v in
+          _to_numpy(ds, DUAL_ENCODER_FEATURES).items()}
+
+
 def real_token_counts(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-  """`[N]` real (non-padding) tokens per example, for throughput reporting."""
+  """`[N]` real (non-padding) tokens per example (per row of pairs for the
+  dual encoder), for throughput reporting."""
+  if "pair_mask" in arrays:
+    return ((arrays["query_tokens"] > 0).sum((1, 2))
+            + (arrays["document_tokens"] > 0).sum((1, 2))).astype(np.int64)
   if "attention_mask" in arrays:
     return arrays["attention_mask"].sum(-1).astype(np.int64)
   return ((arrays["encoder_input_tokens"] > 0).sum(-1)

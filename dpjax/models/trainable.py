@@ -8,6 +8,9 @@ lengths bound, plus the name of the feature converter its batches come from
 * `T5Config`  -> "encoder_decoder": inputs -> encoder, targets -> decoder.
 * `GPT2Config` -> "decoder_only": `[bos] + inputs + targets` in one causal
   sequence of length `inputs + targets`, the prompt masked out of the loss.
+* `DualEncoderConfig` -> a `dual_encoder.PairGroups`: lengths `queries` and
+  `documents`; a row is a group of pairs and its loss the in-batch softmax
+  within the group (see `dpjax.models.dual_encoder` for why).
 
 Nothing here imports TensorFlow.
 """
@@ -19,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-from dpjax.models import gpt2, t5
+from dpjax.models import dual_encoder, gpt2, t5
 
 PyTree = Any
 
@@ -27,14 +30,16 @@ PyTree = Any
 @dataclasses.dataclass(frozen=True)
 class Trainable:
   config: Any
-  converter: str  # "encoder_decoder" | "decoder_only"
+  # "encoder_decoder" | "decoder_only" | the dual encoder's pair grouping
+  converter: str | dual_encoder.PairGroups
   init_params: Callable[[jax.Array], tuple[PyTree, PyTree]]  # rng -> (params, axes)
   abstract_params: Callable[[], tuple[PyTree, PyTree]]  # -> (shapes, axes)
   example_loss: Callable[[PyTree, Mapping[str, jax.Array]], jax.Array]
   batch_loss: Callable[[PyTree, Mapping[str, jax.Array]], jax.Array]
 
 
-CONFIG_CLASSES = {cls.__name__: cls for cls in (t5.T5Config, gpt2.GPT2Config)}
+CONFIG_CLASSES = {cls.__name__: cls for cls in (
+    t5.T5Config, gpt2.GPT2Config, dual_encoder.DualEncoderConfig)}
 
 
 def config_from_json(class_name: str | None, fields: Mapping[str, Any]):
@@ -62,5 +67,16 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
         lambda rng: gpt2.init_params(config, rng, **kw),
         functools.partial(gpt2.abstract_params, config, **kw),
         gpt2.make_example_loss(config), gpt2.make_batch_loss(config))
+  if isinstance(config, dual_encoder.DualEncoderConfig):
+    for name in ("queries", "documents"):
+      if name not in lengths:
+        raise KeyError(f"the dual encoder needs a {name!r} feature length, "
+                       f"got {sorted(lengths)}")
+    return Trainable(
+        config, dual_encoder.PairGroups(config.group_size, config.group_seed),
+        lambda rng: dual_encoder.init_params(config, rng),
+        functools.partial(dual_encoder.abstract_params, config),
+        dual_encoder.make_example_loss(config),
+        dual_encoder.make_batch_loss(config))
   raise TypeError(f"no trainer support for {type(config).__name__}; "
-                  "expected a T5Config or GPT2Config")
+                  "expected a T5Config, GPT2Config or DualEncoderConfig")

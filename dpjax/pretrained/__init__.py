@@ -33,7 +33,15 @@ def _t5x_module():
 
 
 def load_pretrained(path: str | os.PathLike, config, *, shardings=None) -> Any:
-  """Params of `config`'s model from a Hugging Face directory or a t5x checkpoint."""
+  """Params of `config`'s model from a Hugging Face directory or a t5x checkpoint.
+
+  A dual encoder takes the encoder of a T5 checkpoint (`config.encoder`
+  describes the whole T5, decoder included)."""
+  from dpjax.models import dual_encoder  # pylint: disable=g-import-not-at-top
+  if isinstance(config, dual_encoder.DualEncoderConfig):
+    import jax  # pylint: disable=g-import-not-at-top
+    params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder))
+    return params if shardings is None else jax.device_put(params, shardings)
   if (pathlib.Path(path) / "config.json").is_file():
     return load_hf(path, config, shardings=shardings)
   t5x = _t5x_module()
