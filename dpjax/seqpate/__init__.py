@@ -1,0 +1,13 @@
+"""SeqPATE (shared/papers/001): PATE for text generation.
+
+Private sentences are split among many GPT-2 teachers (`partition`), which
+are trained a vmapped group at a time and cache their top-k next-token
+distributions on the public pseudo-data (`teachers`, `cache`; pseudo-data
+from `pseudo_data`). The student's queries are answered by the noisy
+aggregation (`aggregation`), each (sentence, position) noised once and
+stored, and charged to a `PrivacyLedger` (`accounting`).
+`python -m dpjax.seqpate.bench` times vmapped against one-at-a-time teacher
+training.
+
+Nothing here imports TensorFlow.
+"""
