@@ -4,7 +4,7 @@
 Importing this package registers nothing: it only makes the gin configurables
 available (`register_tasks`, `register_msmarco_query_generation`,
 `register_msmarco_dual_encoder`, `register_semparse_tasks`,
-`register_multidogo_tasks`) and does not import
+`register_multidogo_tasks`, `register_textcls_tasks`) and does not import
 TensorFlow. The trainer calls
 `register_tasks()` after parsing its gin files, e.g.::
 
@@ -20,6 +20,7 @@ import gin
 from tasks import msmarco
 from tasks import multidogo
 from tasks import semparse
+from tasks import textcls
 from tasks.msmarco import (  # noqa: F401  (re-exported)
     DEFAULT_SAMPLE_DIR,
     DEFAULT_TASK_NAME,
@@ -41,6 +42,7 @@ def register_tasks(msmarco_query_generation: bool = True,
                    msmarco_dual_encoder: bool = True,
                    semparse_tasks: bool = True,
                    multidogo_tasks: bool = True,
+                   textcls_tasks: bool = True,
                    tokenizer_files: dict | None = None) -> list[str]:
   """Registers the project's seqio tasks; returns their names.
 
@@ -63,5 +65,8 @@ def register_tasks(msmarco_query_generation: bool = True,
         checkpoint_tokenizer_files=files)]
   if multidogo_tasks:  # MultiDoGo dialogs (see tasks.multidogo)
     names += [t.name for t in multidogo.register_multidogo_tasks(
+        checkpoint_tokenizer_files=files)]
+  if textcls_tasks:  # label-conditioned SST-2 / AG News (see tasks.textcls)
+    names += [t.name for t in textcls.register_textcls_tasks(
         checkpoint_tokenizer_files=files)]
   return names

@@ -153,7 +153,8 @@ def test_reregistration_replaces_and_gin_configures(tmp_path):
         f"register_msmarco_query_generation.task_name = '{name}'",
     ])
     assert tasks.register_tasks(semparse_tasks=False, multidogo_tasks=False,
-                                msmarco_dual_encoder=False) == [name]
+                                msmarco_dual_encoder=False,
+                                textcls_tasks=False) == [name]
     ds = seqio.get_mixture_or_task(name).get_dataset(
         LENGTHS, split="train", shuffle=False)
     [ex] = list(ds.as_numpy_iterator())
