@@ -36,7 +36,7 @@ key, bit for bit.
 Baselines: plain conditional sampling is `decoding.generate_causal` on the
 `BOS label SEP` prompts (`tasks.textcls.prompt_tokens`); `filter_by_classifier`
 keeps the samples a classifier gives p(a | x) > threshold (Baseline 1, with
-any classifier, e.g. `dpjax.textcls.classifier`); `discriminator_probs`
+any classifier, e.g. `dpjax.text_classifier`); `discriminator_probs`
 scores generations with a discriminator head (e.g. Baseline 2's post-hoc
 head, `gpt2_disc` with `head_only`).
 

@@ -9,9 +9,8 @@ windows `redaction.ClassifierPolicy` scores). The model is
 `dpjax.models.bert.BertClassifier` with mean pooling (no [CLS] token needed)
 over the byte-level BPE tokens of a window, truncated to `max_tokens`.
 
-Training (`train_classifier`) is plain AdamW: one jitted step on
-fixed-shape batches; epochs are permutations, the last batch filled from the
-next permutation.
+Training (`train_classifier`) is `dpjax.text_classifier`'s: plain AdamW,
+one jitted step on fixed-shape batches.
 
 Formal guarantees: none. The classifier is trained without DP on the
 training split, and the redaction it drives depends on all of that split.
@@ -34,9 +33,7 @@ No TensorFlow: jax, flax, optax, numpy and `tokenizers`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import os
 import shutil
 import sys
@@ -46,10 +43,9 @@ from typing import Any, Mapping, Sequence
 import flax.serialization
 import jax
 import numpy as np
-import optax
 import tokenizers
 
-from dpjax import fileio
+from dpjax import fileio, text_classifier
 from dpjax.dialog import redaction
 from dpjax.models import bert
 
@@ -72,53 +68,24 @@ def training_windows(texts_by_domain: Mapping[str, Sequence[str]], *,
   return windows, np.asarray(labels, np.int32)
 
 
-@functools.lru_cache(maxsize=8)
-def _tokenizer(vocab_path: str, merges_path: str, max_tokens: int
-               ) -> tokenizers.Tokenizer:
-  """GPT-2-style byte-level BPE that truncates and right-pads to `max_tokens`
-  (pad id 0; the attention mask says which tokens are real)."""
-  tok = tokenizers.ByteLevelBPETokenizer(vocab_path, merges_path)
-  tok.enable_truncation(max_tokens)
-  tok.enable_padding(length=max_tokens, pad_id=0)
-  return tok
-
-
-def _encode(tok, windows: Sequence[str]) -> dict[str, np.ndarray]:
-  encodings = tok.encode_batch(list(windows))
-  return {"tokens": np.asarray([e.ids for e in encodings], np.int32),
-          "attention_mask": np.asarray([e.attention_mask for e in encodings],
-                                       np.int32)}
-
-
-@functools.lru_cache(maxsize=None)
-def _probabilities_fn(config: bert.BertConfig):
-  """One jitted `(params, batch) -> [b, num_labels]` softmax per config."""
-  predict = bert.make_predict(config)
-  return jax.jit(lambda params, batch: jax.nn.softmax(predict(params, batch)))
+def _tokenizer(vocab_path: str, merges_path: str) -> tokenizers.Tokenizer:
+  return tokenizers.ByteLevelBPETokenizer(vocab_path, merges_path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DomainClassifier:
-  """A trained window classifier: BERT config + params + its tokenizer."""
+  """A trained window classifier: the text classifier, its domain labels, the
+  tokenizer files and the window length it was trained on."""
 
-  config: bert.BertConfig
-  params: PyTree
+  model: text_classifier.TextClassifier
   labels: tuple[str, ...]
   vocab_path: str
   merges_path: str
   window_words: int = 16
-  max_tokens: int = 64
-  batch_size: int = 256  # windows per jitted call (the last call is padded)
 
   def probabilities(self, windows: Sequence[str]) -> np.ndarray:
     """`[len(windows), len(labels)]` float32 class probabilities."""
-    tok = _tokenizer(self.vocab_path, self.merges_path, self.max_tokens)
-    fn = _probabilities_fn(self.config)
-    n, b = len(windows), self.batch_size
-    padded = list(windows) + [""] * (-n % b)
-    out = [np.asarray(fn(self.params, _encode(tok, padded[s:s + b])))
-           for s in range(0, len(padded), b)]
-    return np.concatenate(out)[:n] if out else np.zeros((0, len(self.labels)), np.float32)
+    return self.model.probabilities(windows)
 
   def save(self, path: str) -> None:
     """Writes the directory `path` (see the module docstring); `config.json`
@@ -127,13 +94,11 @@ class DomainClassifier:
     for src, name in ((self.vocab_path, "vocab.json"), (self.merges_path, "merges.txt")):
       if os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
         shutil.copyfile(src, os.path.join(path, name))
-    tmp = os.path.join(path, "params.msgpack.tmp")
-    with open(tmp, "wb") as f:
-      f.write(flax.serialization.msgpack_serialize(jax.device_get(self.params)))
-    os.replace(tmp, os.path.join(path, "params.msgpack"))
+    with fileio.open_atomic(os.path.join(path, "params.msgpack"), "wb") as f:
+      f.write(flax.serialization.msgpack_serialize(jax.device_get(self.model.params)))
     fileio.write_atomic(os.path.join(path, "config.json"), json.dumps({
-        "bert_config": self.config.to_json(), "labels": list(self.labels),
-        "window_words": self.window_words, "max_tokens": self.max_tokens,
+        "bert_config": self.model.config.to_json(), "labels": list(self.labels),
+        "window_words": self.window_words, "max_tokens": self.model.max_tokens,
     }, indent=2) + "\n")
 
   @classmethod
@@ -153,29 +118,11 @@ class DomainClassifier:
     if shapes != jax.tree.map(lambda x: tuple(x.shape), expected):
       raise ValueError(f"{path}/params.msgpack does not match the shapes of "
                        "its config.json")
-    return cls(config, params, tuple(meta["labels"]),
-               os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"),
-               window_words=int(meta["window_words"]),
-               max_tokens=int(meta["max_tokens"]))
-
-
-def _make_train_step(config: bert.BertConfig, optimizer):
-  model = bert.BertClassifier(config)
-
-  def loss_fn(params, batch, rng):
-    logits = model.apply({"params": params}, batch["tokens"],
-                         attention_mask=batch["attention_mask"],
-                         enable_dropout=True, rngs={"dropout": rng})
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["label"]).mean()
-
-  @jax.jit
-  def step(params, opt_state, batch, rng):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch, rng)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step
+    vocab, merges = (os.path.join(path, n) for n in ("vocab.json", "merges.txt"))
+    model = text_classifier.TextClassifier(
+        config, params, _tokenizer(vocab, merges), int(meta["max_tokens"]))
+    return cls(model, tuple(meta["labels"]), vocab, merges,
+               window_words=int(meta["window_words"]))
 
 
 def train_classifier(texts_by_domain: Mapping[str, Sequence[str]], *,
@@ -195,46 +142,24 @@ def train_classifier(texts_by_domain: Mapping[str, Sequence[str]], *,
       `max_position_embeddings` at least `max_tokens`.
     vocab_path, merges_path: byte-level BPE files of the tokenizer.
     window_words, stride: the training windows (`training_windows`).
-    max_tokens: tokens per window (longer windows are truncated).
-    batch_size, epochs, learning_rate, weight_decay, seed: AdamW training;
-      `epochs` may be fractional.
+    max_tokens, batch_size, epochs, learning_rate, weight_decay, seed: as in
+      `text_classifier.train_classifier` (AdamW, learning rate decaying
+      linearly to 0).
   """
   labels = tuple(texts_by_domain)
-  tok = _tokenizer(vocab_path, merges_path, max_tokens)
-  problems = []
   if config.num_labels != len(labels):
-    problems.append(f"num_labels {config.num_labels} != {len(labels)} domains")
-  if config.vocab_size < tok.get_vocab_size():
-    problems.append(f"vocab_size {config.vocab_size} < the tokenizer's "
-                    f"{tok.get_vocab_size()}")
-  if config.max_position_embeddings < max_tokens:
-    problems.append(f"max_position_embeddings {config.max_position_embeddings} "
-                    f"< max_tokens {max_tokens}")
-  if problems:
-    raise ValueError("BertConfig does not fit: " + "; ".join(problems))
+    raise ValueError(f"BertConfig does not fit: num_labels {config.num_labels} "
+                     f"!= {len(labels)} domains")
   windows, y = training_windows(texts_by_domain, window_words=window_words,
                                 stride=stride)
   if len(set(y.tolist())) < 2:
     raise ValueError("need windows of at least two domains to train a classifier")
-  data = {**_encode(tok, windows), "label": y}
-
-  rng = np.random.default_rng(seed)
-  n = len(y)
-  steps = max(math.ceil(epochs * n / batch_size), 1)
-  order = np.concatenate([rng.permutation(n) for _ in
-                          range(math.ceil(steps * batch_size / n))])
-  optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
-  params, _ = bert.init_params(config, jax.random.key(seed), max_length=max_tokens)
-  opt_state = optimizer.init(params)
-  step = _make_train_step(config, optimizer)
-  dropout_key = jax.random.key(seed + 1)
-  for s in range(steps):
-    idx = order[s * batch_size:(s + 1) * batch_size]
-    params, opt_state, _ = step(params, opt_state, {k: v[idx] for k, v in data.items()},
-                                jax.random.fold_in(dropout_key, s))
-  return DomainClassifier(config, jax.device_get(params), labels, vocab_path,
-                          merges_path, window_words=window_words,
-                          max_tokens=max_tokens)
+  model = text_classifier.train_classifier(
+      windows, y, config=config, tokenizer=_tokenizer(vocab_path, merges_path),
+      max_tokens=max_tokens, batch_size=batch_size, epochs=epochs,
+      learning_rate=learning_rate, weight_decay=weight_decay, seed=seed)
+  return DomainClassifier(model, labels, vocab_path, merges_path,
+                          window_words=window_words)
 
 
 def accuracy(model: DomainClassifier, texts_by_domain: Mapping[str, Sequence[str]],

@@ -1,10 +1,10 @@
-"""The downstream classifier (dpjax.textcls.classifier) learns a trivially
+"""The downstream classifier (dpjax.text_classifier) learns a trivially
 separable labelling and is scored on held-out texts."""
 import numpy as np
 import tokenizers
 
 from dpjax.models import bert
-from dpjax.textcls import classifier
+from dpjax import text_classifier as classifier
 from tasks import textcls
 
 MARKERS = ("splendid", "dreadful")  # the class of a text is its marker word

@@ -1,6 +1,8 @@
-"""The downstream classifier of the utility evaluation (shared/papers/002,
-Sec. 6.2): train on (synthetic) labelled texts, report accuracy on the real
-held-out split.
+"""A BERT text classifier trained without DP, for the pipelines that need one:
+the downstream utility evaluation of label-conditioned generation
+(shared/papers/002, Sec. 6.2: train on synthetic labelled texts, accuracy on
+the real held-out split) and the domain classifier behind the dialog
+redaction policy (`dpjax.dialog.classifier`).
 
 The model is `dpjax.models.bert.BertClassifier` (the paper uses DistilBERT;
 any `BertConfig`, e.g. `gin/models/bert_tiny.gin` on the embedded samples).
@@ -13,10 +15,9 @@ rate (the paper's Table 5: batch 32, 5 epochs, lr 1e-4, decay), one jitted
 step on fixed-shape batches; epochs are permutations, the last batch filled
 from the next permutation.
 
-Formal guarantees: post-processing only. Trained on DP-synthetic texts, the
-classifier inherits the generator's (ε, δ); trained on real texts (the
-paper's "original" baseline) it has none. The held-out split is only read to
-measure accuracy.
+Formal guarantees: none of its own. Trained on DP-synthetic texts, the
+classifier is post-processing and inherits the generator's (ε, δ); trained
+on real texts it has none.
 
 No TensorFlow: jax, flax, optax, numpy and `tokenizers`.
 """
