@@ -4,7 +4,9 @@ A checkpoint holds two items:
   state: TrainState (params, optimizer state incl. the noise counter, step)
   meta:  JSON with the privacy ledger, the model config, the sampler
          description and the data position (the step: batches are a pure
-         function of (seed, step), so the step is the data position).
+         function of (seed, step), so the step is the data position; with a
+         redaction schedule also the DP and public steps before it, which
+         the schedule's coins recompute from (seed, step)).
 Orbax writes each checkpoint to a temporary directory and renames it when
 complete, so a crash never leaves a half-written checkpoint behind. After each
 save the ledger is also written atomically to MODEL_DIR/privacy_ledger.json: a
@@ -140,17 +142,40 @@ def _move_aside(mngr: ocp.CheckpointManager, steps: list[int],
 
 
 def restore_params(mngr: ocp.CheckpointManager, step: int,
-                   sharding: jax.sharding.Sharding | None = None) -> Any:
-  """Only the params of a checkpoint, placed by `sharding` (default: the
-  first local device), whatever the mesh it was saved from."""
+                   sharding: Any = None) -> Any:
+  """Only the params of a checkpoint (the optimizer state is not read),
+  placed by `sharding`: one `Sharding` for every leaf or a params-shaped tree
+  of them (default: the first local device), whatever the mesh it was saved
+  from."""
   sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  saved = mngr.item_metadata(step)["state"]
-  target = jax.tree.map(
-      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
-      saved)
-  restored = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target)))["state"]
-  return restored["params"]
+  saved = mngr.item_metadata(step)["state"]["params"]
+  if isinstance(sharding, jax.sharding.Sharding):
+    sharding = jax.tree.map(lambda _: sharding, saved)
+  target = {"params": jax.tree.map(
+      lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
+      saved, sharding)}
+  reader = ocp.CheckpointManager(  # the saved format, read as a plain pytree
+      mngr.directory, options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+  return reader.restore(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(
+          target, ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True)))["state"]["params"]
+
+
+def read_run(path: str) -> tuple[ocp.CheckpointManager, int, dict] | None:
+  """(manager, step, meta) of the newest readable checkpoint of the dpjax run
+  directory `path`, or None if `path` holds no `checkpoints/` (e.g. a
+  Hugging Face directory). A run directory none of whose checkpoints reads
+  back raises UnreadableCheckpointError."""
+  if not os.path.isdir(os.path.join(path, "checkpoints")):
+    return None
+  mngr = manager(path, create=False)
+  found = latest_meta(mngr)
+  if found is None:
+    raise UnreadableCheckpointError(f"no checkpoint under {path}/checkpoints "
+                                    "reads back")
+  return mngr, *found
 
 
 def jax_abstract(tree):
@@ -160,13 +185,16 @@ def jax_abstract(tree):
       tree)
 
 
-def check_compatible(saved: dict, current: dict, what: str) -> None:
+def check_compatible(
+    saved: dict, current: dict, what: str, *,
+    source: str = "the checkpoint in this model directory",
+    fix: str = "Use a fresh MODEL_DIR, or restore the original configuration."
+) -> None:
   """Raises CheckpointMismatchError naming every field that differs."""
   diffs = [f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
            for k in sorted(set(saved) | set(current))
            if saved.get(k) != current.get(k)]
   if diffs:
     raise CheckpointMismatchError(
-        f"the checkpoint in this model directory was written with a different "
-        f"{what}:\n  " + "\n  ".join(diffs) +
-        "\nUse a fresh MODEL_DIR, or restore the original configuration.")
+        f"{source} was written with a different {what}:\n  "
+        + "\n  ".join(diffs) + "\n" + fix)

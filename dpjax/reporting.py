@@ -36,7 +36,10 @@ class Progress:
     self.stream = stream
 
   def report(self, step: int, *, loss: float, eps_spent: float,
-             eps_target: float, tokens_per_s: float, clipped: float) -> str:
+             eps_target: float, tokens_per_s: float, clipped: float,
+             mixed: tuple[int, int, float] | None = None) -> str:
+    """`mixed`: (DP steps, public steps, public loss) of a run that mixes
+    non-private steps in (a redaction schedule); `loss` is the DP steps'."""
     elapsed = time.perf_counter() - self.start_time
     done = max(step - self.start_step, 1)
     eta = elapsed / done * (self.total - step)
@@ -47,6 +50,9 @@ class Progress:
     line = (f"[{bar}] step {step}/{self.total} | loss {loss:.4f} | "
             f"ε {eps_spent:.3f}/{target} | {tokens_per_s:,.0f} tok/s | "
             f"clipped {100 * clipped:.1f}% | ETA {_duration(eta)}")
+    if mixed:
+      line += (f" | DP {mixed[0]} / public {mixed[1]} steps, public loss "
+               f"{mixed[2]:.4f}")
     if jax.process_index() == 0:
       print(line, file=self.stream, flush=True)
     return line

@@ -15,6 +15,11 @@ optimizer. A Poisson sample larger than K*m (rare by construction of the
 sampler) costs one more `accumulate` call with the same compiled shapes, so no
 sampled example is ever dropped and the accountant's model stays exact.
 
+A run with a redaction schedule (dpjax.privacy.redaction_schedule) also takes
+non-private steps on public (redacted) batches: `public_step` is the plain
+mean gradient over the real rows, scanned over K microbatches, and the DP
+optimizer's base update on the same optimizer state; it makes no release.
+
 Nothing here imports TensorFlow.
 """
 from __future__ import annotations
@@ -32,10 +37,14 @@ PyTree = Any
 
 NORM_QUANTILES = (0.5, 0.9, 0.99)
 _DROPOUT_STREAM = 0x0D50
+_PUBLIC_DROPOUT_STREAM = 0x9D50
 
 
 class TrainState(NamedTuple):
-  step: jax.Array          # int32 scalar: DP steps (noisy releases) taken
+  """`step`: optimizer updates taken, DP and public (int32 scalar). The DP
+  releases are counted by `privatize`'s noise counter in `opt_state`; in a run
+  without public steps the two are equal."""
+  step: jax.Array
   params: PyTree
   opt_state: optax.OptState
 
@@ -45,9 +54,11 @@ def init_state(params: PyTree, optimizer: optax.GradientTransformation
   return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def dropout_keys(seed: int, step, call: int, shape) -> jax.Array:
-  """Per-example dropout keys for microbatch group `call` of DP step `step`."""
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), _DROPOUT_STREAM)
+def dropout_keys(seed: int, step, call: int, shape, *,
+                 stream: int = _DROPOUT_STREAM) -> jax.Array:
+  """Per-example dropout keys for microbatch group `call` of DP step `step`
+  (of public step `step` with `stream=_PUBLIC_DROPOUT_STREAM`)."""
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), stream)
   key = jax.random.fold_in(jax.random.fold_in(key, step), call)
   return jax.random.split(key, math.prod(shape)).reshape(*shape, -1)
 
@@ -99,6 +110,43 @@ def make_apply(optimizer: optax.GradientTransformation) -> Callable:
     return TrainState(state.step + 1, params, opt_state)
 
   return apply
+
+
+def make_public_step(example_loss: Callable, update: optax.TransformUpdateFn,
+                     *, seed: int, dropout: bool) -> Callable:
+  """(state, batch[K,m,...], mask[K,m], index) -> (state, metrics).
+
+  One NON-private step on a public batch: the mean over its real rows of the
+  unclipped per-example loss gradients (a scan over the K microbatches), then
+  `update` (`optimizers.public_update(base)`: the DP optimizer's base on the
+  shared state, noise counter untouched). `index` numbers the public steps
+  (their dropout keys). Metrics: loss sum and number of real examples.
+  """
+  per_example = jax.vmap(example_loss, in_axes=(None, 0))
+
+  def loss_sum(params, microbatch, mask):
+    return jnp.where(mask > 0, per_example(params, microbatch), 0.0).sum()
+
+  def public_step(state: TrainState, batch, mask, index):
+    if dropout:
+      batch = dict(batch, dropout_rng=dropout_keys(
+          seed, index, 0, mask.shape, stream=_PUBLIC_DROPOUT_STREAM))
+
+    def one_microbatch(acc, microbatch):
+      mb, mb_mask = microbatch
+      loss, grads = jax.value_and_grad(loss_sum)(state.params, mb, mb_mask)
+      return jax.tree.map(jnp.add, acc, grads), loss
+
+    grads, losses = jax.lax.scan(one_microbatch,
+                                 zeros_like_f32(state.params), (batch, mask))
+    count = mask.sum()
+    grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
+    updates, opt_state = update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return (TrainState(state.step + 1, params, opt_state),
+            {"loss_sum": losses.sum(), "num_examples": count})
+
+  return public_step
 
 
 def make_eval_step(batch_loss: Callable) -> Callable:

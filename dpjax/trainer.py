@@ -11,6 +11,15 @@ dpjax.train_step), periodic eval loss, TensorBoard summaries, a console
 progress line and orbax checkpoints that carry the privacy ledger and resume
 exactly: batches and noise are pure functions of (seed, step).
 
+With `train.public_task_name` and `train.redaction_schedule` the run follows
+a redaction schedule (dpjax.privacy.redaction_schedule, shared/papers/004):
+each step is, by a public coin flipped before training, either a DP step on
+the original task or a non-private step on the public (redacted) task, both
+updating one optimizer state. Only the DP steps are releases: σ is calibrated
+for exactly their number, and only they enter the ledger. A finished dpjax run
+directory is also a valid INITIAL_CHECKPOINT_PATH (of the same model), e.g.
+JFT: a DP run started from a run trained on redacted data.
+
 The same command runs on every host of a multi-host job (dpjax.distributed):
 each process reads only the sampled rows its devices hold, process 0 alone
 writes the console, summaries and ledger file, and a SIGTERM reaching any host
@@ -36,11 +45,14 @@ from dpjax import (checkpoints, distributed, fileio, gin_cli, partitioning,
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import accounting, clipping, ledger as ledger_lib
 from dpjax.privacy import optimizers as dp_optimizers
-from dpjax.privacy import sampling
+from dpjax.privacy import redaction_schedule as redaction_lib, sampling
 
-OPTIMIZERS = {"sgd": dp_optimizers.dp_sgd, "adam": dp_optimizers.dp_adam,
-              "adamw": dp_optimizers.dp_adamw,
-              "adafactor": dp_optimizers.dp_adafactor}
+# Base optimizers: a DP step runs `dp_optimizers.dp_optimizer(base)`, a public
+# step `base` alone on the same state (`dp_optimizers.public_update`).
+OPTIMIZERS = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
+              "adafactor": optax.adafactor}
+# Seeds the public sampler apart from the secret Poisson sampler's stream.
+_PUBLIC_SAMPLER_STREAM = 0x70756273  # "pubs"
 
 
 @gin.configurable
@@ -80,9 +92,19 @@ class Plan:
   noise_multiplier: float
   accountant: str
   seed: int
+  # The redaction schedule (`train`'s `redaction`); None: all steps are DP.
+  redaction: dict | None = None
+
+  @property
+  def dp_steps(self) -> int:
+    """The planned releases: the steps the schedule's coins made DP steps."""
+    return self.redaction["dp_steps"] if self.redaction else self.steps
 
   def guarantee(self) -> dict:
-    return dataclasses.asdict(self)
+    plan = dataclasses.asdict(self)
+    if self.redaction is None:  # as saved by runs without a schedule
+      del plan["redaction"]
+    return plan
 
 
 def _steps(train_steps, epochs, n, batch_size) -> int:
@@ -121,21 +143,25 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
                  batch_size: int, sampling_method: str, clip_norm: float,
                  delta: float, target_epsilon: float,
                  noise_multiplier: float | None, accountant: str, seed: int,
-                 prior: ledger_lib.PrivacyLedger | None = None
+                 prior: ledger_lib.PrivacyLedger | None = None,
+                 redaction: dict | None = None
                  ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
   """The run's ledger and plan: read back from a checkpoint (whose plan must
   match this one), else with σ calibrated by dp-accounting for the target
-  over all planned steps (or given, or 0 for ε = ∞). `prior`: the ledger of
-  an earlier run on the same data (stage 1 of a two-stage pipeline), whose
-  releases this run composes with: they count in calibration, ε and budget.
+  over all planned DP steps (or given, or 0 for ε = ∞ or when no DP step is
+  planned). `prior`: the ledger of an earlier run on the same data (stage 1
+  of a two-stage pipeline), whose releases this run composes with: they
+  count in calibration, ε and budget. `redaction`: a redaction schedule's
+  description; its `dp_steps` of the `steps` are the planned releases.
   Raises BudgetExceededError if the recorded plus planned releases exceed
   the target.
   """
   prior_events = prior.all_events if prior else []
+  releases = redaction["dp_steps"] if redaction else steps
   if saved_meta:
     ledger = ledger_lib.PrivacyLedger.from_json(saved_meta["ledger"])
     sigma = ledger.noise_multiplier
-  elif math.isinf(target_epsilon):
+  elif math.isinf(target_epsilon) or releases == 0:
     sigma = 0.0
   elif noise_multiplier is not None:
     sigma = float(noise_multiplier)
@@ -143,10 +169,11 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
     sigma = accounting.calibrate_noise_multiplier(
         target_epsilon, delta,
         lambda s: prior_events + accounting.training_events(
-            sampler.describe(), (s,), steps),
+            sampler.describe(), (s,), releases),
         accountant=accountant)
   plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
-              clip_norm, delta, target_epsilon, float(sigma), accountant, seed)
+              clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
+              redaction)
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
@@ -162,7 +189,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
       except ValueError as e:
         raise gin_cli.UsageError(f"train.prior_ledger: {e}") from None
   try:
-    ledger.check_budget(ledger.planned_events(steps))
+    ledger.check_budget(ledger.planned_events(releases))
   except ledger_lib.BudgetExceededError as e:
     raise ledger_lib.BudgetExceededError(f"refusing to start: {e}") from None
   return ledger, plan
@@ -179,6 +206,14 @@ def _read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
   return ledger_lib.PrivacyLedger.load(path)
 
 
+def _base_optimizer(name: str, learning_rate: optax.ScalarOrSchedule
+                    ) -> optax.GradientTransformation:
+  if name not in OPTIMIZERS:
+    raise gin_cli.UsageError(f"unknown optimizer {name!r}; choose from "
+                             f"{sorted(OPTIMIZERS)}")
+  return OPTIMIZERS[name](learning_rate)
+
+
 def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                   optimizer: str, learning_rate: optax.ScalarOrSchedule,
                   noise_multiplier: float, normalizer: float, seed: int,
@@ -189,20 +224,49 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   book-keeping: no per-example weight gradients) or 'auto' (ghost when the
   model has intercepted layers); all give the same clipped sum and bound.
   """
-  if optimizer not in OPTIMIZERS:
-    raise gin_cli.UsageError(f"unknown optimizer {optimizer!r}; choose from "
-                             f"{sorted(OPTIMIZERS)}")
+  base = _base_optimizer(optimizer, learning_rate)
   if clipping_method not in ("vmap", "ghost", "auto"):
     raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
                              f"'auto', got {clipping_method!r}")
   clipped = clipping.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
                                        method=clipping_method)
-  tx = OPTIMIZERS[optimizer](learning_rate, noise_multiplier=noise_multiplier,
-                             sensitivity=clipped.sensitivity,
-                             normalizer=normalizer, seed=seed)
+  tx = dp_optimizers.dp_optimizer(base, noise_multiplier=noise_multiplier,
+                                  sensitivity=clipped.sensitivity,
+                                  normalizer=normalizer, seed=seed)
   accumulate = train_step.make_accumulate(
       clipped, seed=seed, dropout=model.config.dropout_rate > 0)
   return tx, accumulate, train_step.make_apply(tx)
+
+
+def build_public_step(model: trainable_lib.Trainable, *, optimizer: str,
+                      learning_rate: optax.ScalarOrSchedule, seed: int):
+  """The un-jitted non-private step on a public batch, on the state of
+  `build_dp_step`'s DP optimizer (same `optimizer` and `learning_rate`)."""
+  return train_step.make_public_step(
+      model.example_loss,
+      dp_optimizers.public_update(_base_optimizer(optimizer, learning_rate)),
+      seed=seed, dropout=model.config.dropout_rate > 0)
+
+
+def plan_redaction(schedule: str, *, total_steps: int, eta: float,
+                   probability: float | None, seed: int, public_task: str,
+                   public_dataset_size: int) -> tuple[np.ndarray, dict]:
+  """(public [T] bool: the redacted steps, the description the plan keeps).
+
+  The coins are flipped here, before training, from (seed, t) alone, so the
+  number of DP steps the accountant is calibrated for is exact.
+  """
+  try:
+    probs = redaction_lib.probabilities(schedule, total_steps, eta=eta,
+                                        p=probability)
+  except ValueError as e:
+    raise gin_cli.UsageError(f"train.redaction_schedule: {e}") from None
+  public = redaction_lib.public_steps(probs, seed)
+  return public, {
+      "schedule": schedule, "eta": eta, "probability": probability,
+      "public_task": public_task, "public_dataset_size": public_dataset_size,
+      "dp_steps": int(np.count_nonzero(~public)),
+      "public_steps": int(np.count_nonzero(public))}
 
 
 @gin.configurable
@@ -227,6 +291,10 @@ def train(*, model_dir: str = gin.REQUIRED,
           seed: int = 0,
           initial_checkpoint_path: str | None = None,
           prior_ledger: str | None = None,
+          public_task_name: str | None = None,
+          redaction_schedule: str | None = None,
+          redaction_schedule_eta: float = 15.0,
+          redaction_probability: float | None = None,
           checkpoint_period: int = 1000,
           keep_checkpoints: int = 3,
           log_period: int = 10,
@@ -238,6 +306,14 @@ def train(*, model_dir: str = gin.REQUIRED,
   `prior_ledger`: the privacy ledger file of an earlier run on the same
   training set (e.g. stage 1 of the two-stage semantic-parse pipeline); this
   run's ε composes with it (see `plan_privacy`).
+
+  Redaction schedule (shared/papers/004): `public_task_name` is the public
+  (redacted) task and `redaction_schedule` one of
+  `redaction_schedule.SCHEDULES` ('exp_concave' in the paper, with
+  `redaction_schedule_eta` = 15; 'constant' takes `redaction_probability`).
+  Each step t of the T steps (TRAIN_STEPS, or EPOCHS of the original data) is
+  with probability p(t) a non-private step on a shuffled public batch of
+  BATCH_SIZE rows, else a DP step; σ is calibrated for the planned DP steps.
 
   `clipping_method`: 'vmap', 'ghost' or 'auto' (`build_dp_step`); the mesh
   and its rule set come from `partitioning.make_mesh` and
@@ -257,18 +333,32 @@ def train(*, model_dir: str = gin.REQUIRED,
   if not (target_epsilon > 0):
     raise gin_cli.UsageError(f"target epsilon must be > 0 (or 'inf'), got "
                              f"{target_epsilon}")
+  if (public_task_name is None) != (redaction_schedule is None):
+    raise gin_cli.UsageError(
+        "train.public_task_name and train.redaction_schedule go together: "
+        f"got {public_task_name!r} and {redaction_schedule!r}")
 
   # --- Data: validated before anything is written. -------------------------
-  tokenizer = None
+  tokenizer, init_run = None, None
   if initial_checkpoint_path:
     from dpjax import pretrained
-    tokenizer = pretrained.tokenizer_files(initial_checkpoint_path)
+    init_run = checkpoints.read_run(os.path.expanduser(initial_checkpoint_path))
+    tokenizer = (init_run[2].get("tokenizer_files") if init_run else
+                 pretrained.tokenizer_files(initial_checkpoint_path))
   tasks.register_tasks(tokenizer_files=tokenizer)
   lengths = dict(task_feature_lengths)
   try:
     model = trainable_lib.trainable(model_config, lengths)
   except (TypeError, KeyError) as e:
     raise gin_cli.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
+  if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model
+    saved = init_run[2]
+    checkpoints.check_compatible(
+        {"class": saved.get("model_class") or "T5Config",
+         **saved["model_config"]},
+        {"class": type(model_config).__name__, **model_config.to_json()},
+        "model", source="the run in INITIAL_CHECKPOINT_PATH",
+        fix="Configure the model it was trained with.")
   data = data_arrays.load_task_arrays(mixture_or_task_name, "train", lengths,
                                       converter=model.converter)
   token_counts = data_arrays.real_token_counts(data)
@@ -279,6 +369,20 @@ def train(*, model_dir: str = gin.REQUIRED,
   sampler = make_sampler(sampling_method, n, batch_size, seed,
                          overflow_probability)
   delta = float(delta) if delta is not None else 1.0 / (2 * n)
+  public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
+  if redaction_schedule:
+    public_data = data_arrays.load_task_arrays(
+        public_task_name, "train", lengths, converter=model.converter)
+    public_tokens = data_arrays.real_token_counts(public_data)
+    public_sampler = _public_sampler(len(public_tokens), batch_size, seed)
+    reporting.say(f"{public_task_name} train split (public): "
+                  f"{len(public_tokens)} examples")
+    public, redaction = plan_redaction(
+        redaction_schedule, total_steps=steps, eta=redaction_schedule_eta,
+        probability=redaction_probability, seed=seed,
+        public_task=public_task_name, public_dataset_size=len(public_tokens))
+  kind_index = redaction_lib.kind_indices(public)
+  dp_before = lambda t: int(np.count_nonzero(~public[:t]))  # DP steps < t
 
   # --- Privacy plan: resume the ledger or calibrate σ; refuse to overspend. -
   mngr = None
@@ -296,16 +400,20 @@ def train(*, model_dir: str = gin.REQUIRED,
       batch_size=batch_size, sampling_method=sampling_method,
       clip_norm=float(clip_norm), delta=delta, target_epsilon=target_epsilon,
       noise_multiplier=noise_multiplier, accountant=accountant, seed=seed,
-      prior=prior)
+      prior=prior, redaction=redaction)
   ledger, plan = plan_from(resume[1] if resume else None)
   if resume:
     checkpoints.check_compatible(resume[1]["model_config"],
                                  model_config.to_json(), "model")
   sigma = ledger.noise_multiplier
   planned_eps = accounting.epsilon(
-      ledger.all_events + ledger.planned_events(steps), delta, accountant)
+      ledger.all_events + ledger.planned_events(plan.dp_steps), delta,
+      accountant)
   reporting.say(
-      f"{steps} DP steps, {sampler.describe()['method']} sampling "
+      (f"{steps} DP steps" if redaction is None else
+       f"{steps} steps ({redaction_schedule} redaction schedule): "
+       f"{plan.dp_steps} DP steps and {steps - plan.dp_steps} public steps on "
+       f"{public_task_name}") + f", {sampler.describe()['method']} sampling "
       f"(q={batch_size / n:.4g}), σ={sigma:.4f}, C={clip_norm}, δ={delta:.3g}"
       f", planned ε={planned_eps:.4f} (target {target_epsilon})")
 
@@ -339,10 +447,19 @@ def train(*, model_dir: str = gin.REQUIRED,
                                                           model_dir)
     if start_step != resume[0]:  # newer ones unreadable: this one's ledger
       ledger, plan = plan_from(saved)
+    if ledger.steps != dp_before(start_step):
+      raise checkpoints.CheckpointMismatchError(
+          f"the checkpoint at step {start_step} records {ledger.steps} DP "
+          f"steps; this run's schedule takes {dp_before(start_step)} before "
+          "that step")
     reporting.say(f"resumed {model_dir} at step {start_step}, "
                   f"ε spent {ledger.epsilon_spent():.4f}")
   else:  # built in place on the mesh, the same on every process
-    if initial_checkpoint_path:
+    if init_run:
+      params = checkpoints.restore_params(init_run[0], init_run[1], param_sh)
+      reporting.say(f"initialised from step {init_run[1]} of the run "
+                    f"{initial_checkpoint_path}")
+    elif initial_checkpoint_path:
       params = pretrained.load_pretrained(initial_checkpoint_path, model_config,
                                           shardings=param_sh)
       reporting.say(f"initialised from {initial_checkpoint_path}")
@@ -361,6 +478,10 @@ def train(*, model_dir: str = gin.REQUIRED,
   accumulate = jax.jit(accumulate_fn, donate_argnums=(1,), out_shardings=(
       param_sh, partitioning.replicated(mesh)))
   apply = jax.jit(apply_fn, donate_argnums=(0,), out_shardings=state_sh)
+  public_step = jax.jit(build_public_step(
+      model, optimizer=optimizer, learning_rate=schedule, seed=seed),
+      donate_argnums=(0,),
+      out_shardings=(state_sh, partitioning.replicated(mesh)))
   eval_step = jax.jit(train_step.make_eval_step(model.batch_loss))
   zero_grads = jax.jit(train_step.zeros_like_f32, out_shardings=param_sh)
   # Batches [K, m, ...] split over the example axis m: each process reads
@@ -375,7 +496,10 @@ def train(*, model_dir: str = gin.REQUIRED,
     return {"ledger": ledger.to_json(), "plan": plan.guarantee(),
             "model_class": type(model_config).__name__,
             "model_config": model_config.to_json(),
-            "data_position": {"step": step, "seed": seed},
+            "data_position": {
+                "step": step, "seed": seed,
+                "dp_steps": dp_before(step),
+                "public_steps": step - dp_before(step)},
             "sampler": sampler.describe(),
             "mixture_or_task_name": mixture_or_task_name,
             "task_feature_lengths": lengths,
@@ -399,37 +523,54 @@ def train(*, model_dir: str = gin.REQUIRED,
 
   summaries = reporting.Summaries(model_dir)
   progress = reporting.Progress(steps, start_step)
-  window: list[dict] = []
+  window: list[dict] = []  # accumulate metrics of the DP steps
+  public_window: list[dict] = []
   window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
   last = {}
   done = start_step
   with distributed.preemption_watch() as preempted:
     for step in range(start_step, steps):
-      idx, mask = sampler.microbatches(step, m)
-      window_tokens += int(token_counts[idx[mask > 0]].sum())
-      grads = zero_grads(state.params)
-      for call, (i, mk) in enumerate(_microbatch_groups(idx, mask, k)):
-        batch = distributed.global_rows(data, i, batch_sh)
-        grads, metrics = accumulate(state.params, grads, batch,
-                                    distributed.global_array(mk, mask_sh),
-                                    step, call)
-        window.append(metrics)
-      state = apply(state, grads)
-      ledger.record_dp_steps()
-      window_steps += 1
+      # A DP step's index is its release number (sample, dropout and noise
+      # keys, ledger), a public step's its place in the public stream.
+      index = int(kind_index[step])
+      if public[step]:
+        idx, mask = public_sampler.microbatches(index, m)
+        window_tokens += int(public_tokens[idx[mask > 0]].sum())
+        state, metrics = public_step(
+            state, distributed.global_rows(public_data, idx, batch_sh),
+            distributed.global_array(mask, mask_sh), index)
+        public_window.append(metrics)
+      else:
+        idx, mask = sampler.microbatches(index, m)
+        window_tokens += int(token_counts[idx[mask > 0]].sum())
+        grads = zero_grads(state.params)
+        for call, (i, mk) in enumerate(_microbatch_groups(idx, mask, k)):
+          batch = distributed.global_rows(data, i, batch_sh)
+          grads, metrics = accumulate(state.params, grads, batch,
+                                      distributed.global_array(mk, mask_sh),
+                                      index, call)
+          window.append(metrics)
+        state = apply(state, grads)
+        ledger.record_dp_steps()
+        window_steps += 1
       done = step + 1
       if done % log_period == 0 or done == steps:
-        last = _window_metrics(jax.device_get(window), window_steps,
-                               window_tokens, time.perf_counter() - window_start)
+        last = _window_metrics(
+            jax.device_get(window), jax.device_get(public_window),
+            window_steps, window_tokens, time.perf_counter() - window_start)
         last["epsilon"] = ledger.epsilon_spent()
         last["learning_rate"] = float(
             schedule(done) if callable(schedule) else schedule)
+        last["dp_steps"], last["public_steps"] = ledger.steps, done - ledger.steps
         summaries.scalars("train", done, last)
-        progress.report(done, loss=last["loss"], eps_spent=last["epsilon"],
-                        eps_target=target_epsilon,
+        progress.report(done, loss=last.get("loss", math.nan),
+                        eps_spent=last["epsilon"], eps_target=target_epsilon,
                         tokens_per_s=last["tokens_per_second"],
-                        clipped=last["clipped_fraction"])
-        window, window_steps, window_tokens = [], 0, 0
+                        clipped=last.get("clipped_fraction", math.nan),
+                        mixed=(last["dp_steps"], last["public_steps"],
+                               last.get("public_loss", math.nan))
+                        if redaction else None)
+        window, public_window, window_steps, window_tokens = [], [], 0, 0
         window_start = time.perf_counter()
       if eval_period and (done % eval_period == 0 or done == steps):
         last["eval_loss"] = run_eval(state.params)
@@ -447,11 +588,12 @@ def train(*, model_dir: str = gin.REQUIRED,
   result = {"model_dir": model_dir, "steps": steps, "steps_done": done,
             "epsilon_spent": eps, "target_epsilon": target_epsilon,
             "delta": delta, "noise_multiplier": sigma,
-            "wall_seconds": time.perf_counter() - wall_start, **last}
+            "wall_seconds": time.perf_counter() - wall_start, **last,
+            "dp_steps": ledger.steps, "public_steps": done - ledger.steps}
   reporting.say(
       f"{'trained' if done == steps else 'stopped'} {model_dir} at "
-      f"step {done}/{steps}: ε spent {eps:.4f} of {target_epsilon} "
-      f"(δ={delta:.3g}); checkpoints in "
+      f"step {done}/{steps} ({ledger.steps} DP steps): ε spent {eps:.4f} of "
+      f"{target_epsilon} (δ={delta:.3g}); checkpoints in "
       f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
       f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}")
   if generate_after_training and done == steps:
@@ -467,16 +609,35 @@ def train(*, model_dir: str = gin.REQUIRED,
   return result
 
 
-def _window_metrics(host: list[dict], num_steps: int, num_tokens: int,
-                    seconds: float) -> dict:
-  """Aggregates the accumulate metrics of the steps since the last report."""
-  real = sum(h["num_examples"] for h in host)
-  return {
-      "loss": sum(h["loss_sum"] for h in host) / max(real, 1),
-      "clipped_fraction": sum(h["num_clipped"] for h in host) / max(real, 1),
-      "nonfinite_examples": float(sum(h["num_nonfinite"] for h in host)),
-      "tokens_per_second": num_tokens / max(seconds, 1e-9),
-      "examples_per_step": real / max(num_steps, 1),
-      **{q: float(np.mean([h[q] for h in host]))
-         for q in host[0] if q.startswith("grad_norm_p")},
-  }
+def _public_sampler(n: int, batch_size: int, seed: int
+                    ) -> sampling.ShuffleSampler:
+  """Shuffled batches of exactly BATCH_SIZE public rows. Public data needs no
+  Poisson sampling; its seed is drawn apart from the run's so that public
+  batches say nothing about the secret Poisson samples."""
+  public_seed = int(np.random.SeedSequence(
+      [seed, _PUBLIC_SAMPLER_STREAM]).generate_state(1)[0])
+  try:
+    return sampling.ShuffleSampler(n, batch_size, seed=public_seed)
+  except ValueError as e:
+    raise gin_cli.UsageError(f"train.public_task_name: {e}") from None
+
+
+def _window_metrics(dp: list[dict], public: list[dict], dp_steps: int,
+                    num_tokens: int, seconds: float) -> dict:
+  """Aggregates the metrics of the steps since the last report: `accumulate`'s
+  of the DP steps, and the loss of the public steps as `public_loss`."""
+  metrics = {"tokens_per_second": num_tokens / max(seconds, 1e-9)}
+  if dp:
+    real = sum(h["num_examples"] for h in dp)
+    metrics.update({
+        "loss": sum(h["loss_sum"] for h in dp) / max(real, 1),
+        "clipped_fraction": sum(h["num_clipped"] for h in dp) / max(real, 1),
+        "nonfinite_examples": float(sum(h["num_nonfinite"] for h in dp)),
+        "examples_per_step": real / max(dp_steps, 1),
+        **{q: float(np.mean([h[q] for h in dp]))
+           for q in dp[0] if q.startswith("grad_norm_p")},
+    })
+  if public:
+    metrics["public_loss"] = (sum(h["loss_sum"] for h in public)
+                              / max(sum(h["num_examples"] for h in public), 1))
+  return metrics

@@ -38,3 +38,10 @@ def test_progress_line_shows_infinite_target():
       tokens_per_s=1234.0, clipped=0.25)
   assert "step 5/10" in line and "ε inf/∞" in line and "clipped 25.0%" in line
   assert out.getvalue().strip() == line
+
+
+def test_progress_line_of_a_mixed_run_counts_both_kinds_of_step():
+  line = reporting.Progress(10, 0, stream=io.StringIO()).report(
+      4, loss=0.5, eps_spent=1.0, eps_target=8.0, tokens_per_s=10.0,
+      clipped=0.0, mixed=(1, 3, 0.25))
+  assert line.endswith("| DP 1 / public 3 steps, public loss 0.2500")

@@ -8,6 +8,12 @@ earlier releases), so `base` is post-processing and the whole optimizer makes
 exactly one Gaussian release with noise multiplier `noise_multiplier` per
 `update` call. Its input must be the clipped gradient SUM of one logical batch
 with L2 sensitivity `<= sensitivity`.
+
+`public_update(base)` updates the same optimizer state with `base` alone and
+makes no release: it is post-processing only when its gradient is computed
+from public data and the current parameters (see
+`dpjax.privacy.redaction_schedule`). It leaves the noise counter as it is, so
+noise stays keyed by the release index.
 """
 
 from __future__ import annotations
@@ -36,6 +42,25 @@ def dp_optimizer(
                       seed=seed),
       base,
   )
+
+
+def public_update(base: optax.GradientTransformation
+                  ) -> optax.TransformUpdateFn:
+  """A non-private update of `dp_optimizer(base, ...)`'s state.
+
+  Returns `update(grads, state, params) -> (updates, state)` that hands the
+  (mean, unclipped, un-noised) `grads` to `base` and returns the DP
+  optimizer's state with `base`'s part (moments, step count, learning-rate
+  schedule position) advanced, so DP and public steps share one optimizer;
+  `privatize`'s noise counter comes back unchanged.
+  """
+
+  def update_fn(grads, state, params=None):
+    privatize_state, base_state = state
+    updates, base_state = base.update(grads, base_state, params)
+    return updates, (privatize_state, base_state)
+
+  return update_fn
 
 
 def dp_sgd(
