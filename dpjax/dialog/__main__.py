@@ -1,0 +1,73 @@
+"""The domain-privacy experiment of shared/papers/004 (its Figure 1 table):
+
+  python -m dpjax.dialog table --output_dir=runs/dialog \\
+      [--prompt_domain=AIRLINE] [--modes=domain_only,public,pub_redacted,
+      private,jft,redaction_schedule] [--policies=keyword,classifier] \\
+      [--epsilon=8] [--num_conversations=10] [--prompts_per_conversation=10] \\
+      [--num_samples=10] [--max_new_tokens=64] \\
+      [--gin_file=dialog_sample.gin] [--gin.NAME=VALUE ...]
+
+Defaults run on the embedded MultiDoGo sample (tiny GPT-2, CPU). With the
+release's files: `--gin_file=dialog_gpt2.gin
+--gin.register_multidogo_tasks.data_dir="'/data/multidogo/unannotated'"`.
+Rerunning the same command skips every finished run and attack.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from absl import logging as absl_logging
+
+from dpjax import gin_cli
+
+_LIST = lambda s: [x for x in s.split(",") if x]
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+  from dpjax.dialog import experiment, lira
+  p.add_argument("experiment", choices=["table"])
+  p.add_argument("--output_dir", required=True)
+  p.add_argument("--prompt_domain", default="AIRLINE")
+  p.add_argument("--modes", type=_LIST, default=list(experiment.MODES))
+  p.add_argument("--policies", type=_LIST, default=list(experiment.POLICIES))
+  p.add_argument("--epsilon", type=float, default=8.0)
+  p.add_argument("--num_conversations", type=int, default=10)
+  p.add_argument("--prompts_per_conversation", type=int, default=10)
+  p.add_argument("--num_samples", type=int, default=lira.PAPER_NUM_SAMPLES)
+  p.add_argument("--max_new_tokens", type=int, default=64)
+  p.add_argument("--top_k", type=int, default=lira.PAPER_TOP_K)
+  p.add_argument("--top_fraction", type=float, default=0.1)
+  p.add_argument("--classifier_epochs", type=float, default=3.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--batch_size", type=int, default=64)
+
+
+def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  args, files, bindings = gin_cli.parse_args(
+      argv, "The domain-privacy experiment of dpjax.", _add_arguments)
+  import tasks  # noqa: F401  (gin configurables of the data layer)
+  from dpjax import trainer  # noqa: F401  (gin configurables)
+  from dpjax.dialog import experiment
+  for name, given, known in (("modes", args.modes, experiment.MODES),
+                             ("policies", args.policies, experiment.POLICIES)):
+    if not given or set(given) - set(known):
+      raise gin_cli.UsageError(f"--{name} takes a comma-separated subset of "
+                               f"{','.join(known)}, got {','.join(given)!r}")
+  return experiment.domain_privacy_table(
+      args.output_dir, prompt_domain=args.prompt_domain, modes=args.modes,
+      policies=args.policies, epsilon=args.epsilon,
+      gin_files=files or ("dialog_sample.gin",), bindings=bindings,
+      num_conversations=args.num_conversations,
+      prompts_per_conversation=args.prompts_per_conversation,
+      num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+      top_k=args.top_k, top_fraction=args.top_fraction,
+      classifier_epochs=args.classifier_epochs, seed=args.seed,
+      batch_size=args.batch_size)
+
+
+if __name__ == "__main__":
+  from dpjax import train
+  gin_cli.exit_on_user_error(main, train.user_errors())
