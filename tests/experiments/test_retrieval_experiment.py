@@ -1,0 +1,120 @@
+"""The retrieval experiment end to end on the embedded sample, shrunk to one
+finite ε and 2 steps per run (the real grid is a benchmark, not a test)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+
+import pytest
+
+from dpjax import inference, trainer
+from dpjax.experiments import canaries, retrieval
+from dpjax.privacy import ledger as ledger_lib
+from tasks import msmarco
+
+SETTINGS = dict(
+    epsilons=(8.0,), seeds=(0,), canary_epsilons=(8.0,), canaries_per_cell=1,
+    canary_repetitions=(1, 3), num_candidates=31,
+    generator_bindings=[
+        "TRAIN_STEPS = 2", "BATCH_SIZE = 32", "MICROBATCH_SIZE = 32",
+        "TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 32}",
+        "train.eval_period = 0", "generate_synthetic.limit = 40"],
+    dual_encoder_bindings=["EPOCHS = None", "TRAIN_STEPS = 2",
+                           "train.eval_period = 0"])
+
+
+TRAIN_PAIRS, DEV_PAIRS = 96, 24
+
+
+def _subset(out: str) -> str:
+  """The first pairs of the embedded sample as an MSMARCO directory (their
+  passages only), so encoding and generation stay small."""
+  pids = set()
+  for split, n in (("train", TRAIN_PAIRS), ("dev", DEV_PAIRS)):
+    pairs = msmarco.load_query_passage_pairs(msmarco.DEFAULT_SAMPLE_DIR, split)[:n]
+    pids |= {pid for _, pid, _, _ in pairs}
+    with open(os.path.join(out, f"queries.{split}.tsv"), "w") as f:
+      f.writelines(f"{qid}\t{q}\n" for qid, _, q, _ in pairs)
+    with open(os.path.join(out, f"qrels.{split}.tsv"), "w") as f:
+      f.writelines(f"{qid}\t0\t{pid}\t1\n" for qid, pid, _, _ in pairs)
+  with open(os.path.join(out, "collection.tsv"), "w") as f:
+    f.writelines(f"{pid}\t{p}\n" for pid, p in msmarco.read_tsv_pairs(
+        os.path.join(msmarco.DEFAULT_SAMPLE_DIR, "collection.tsv"), keep_ids=pids))
+  return out
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+  data = _subset(str(tmp_path_factory.mktemp("data")))
+  out = str(tmp_path_factory.mktemp("retrieval"))
+  return out, data, retrieval.run_experiment(out, data_dir=data, **SETTINGS)
+
+
+def test_tables_and_plot_are_written(experiment):
+  out, data, result = experiment
+  approaches = [(r["approach"], r["epsilon"]) for r in result["rows"]]
+  assert approaches == [("original", math.inf), ("synthetic", 8.0),
+                        ("direct DP", 8.0)]
+  for row in result["rows"]:
+    for m in retrieval.METRICS:
+      assert 0.0 <= row[m] <= 1.0
+  with open(os.path.join(out, "table.csv")) as f:
+    table = list(csv.DictReader(f))
+  assert [(t["approach"], t["ε"]) for t in table] == [
+      ("original", "inf"), ("synthetic", "8"), ("direct DP", "8")]
+  assert float(table[1]["NDCG@10"]) == pytest.approx(result["rows"][1]["ndcg@10"],
+                                                     abs=1e-4)
+  md = open(os.path.join(out, "table.md")).read()
+  assert "| synthetic | 8 |" in md and "Canary exposure" in md
+  with open(os.path.join(out, "ndcg_vs_epsilon.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  lines = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
+  assert sum(l["kind"] == "retrieval" for l in lines) == 3
+
+
+def test_synthetic_pipeline_and_privacy(experiment):
+  out, data, result = experiment
+  run = os.path.join(out, "synthetic", "eps8", "seed0")
+  synthetic = [json.loads(l) for l in open(os.path.join(run, "synthetic",
+                                                        "synthetic.jsonl"))]
+  assert len(synthetic) == 40  # generate_synthetic.limit from the generator gin
+  # The dual encoder trained on the synthetic pairs (not the original ones).
+  meta = inference.load_trained(os.path.join(run, "dual_encoder"))[2]
+  assert meta["plan"]["dataset_size"] == math.ceil(40 / 32)  # groups of 32
+  for name, approach in (("generator", "synthetic"),):
+    ledger = ledger_lib.PrivacyLedger.load(
+        os.path.join(run, name, ledger_lib.LEDGER_FILENAME))
+    assert ledger.epsilon_spent() <= 8.0 * (1 + 1e-9)
+  for row in result["rows"][1:]:
+    assert row["epsilon_spent"] == pytest.approx(8.0, rel=0.02)
+  quality = result["rows"][1]
+  assert 0 <= quality["bleu"] <= 100 and 0 <= quality["mauve"] <= 1
+
+
+def test_canary_audit_rows(experiment):
+  out, data, result = experiment
+  made = canaries.load_canaries(os.path.join(out, "canaries", "data"))
+  assert len(made) == 3 * 2
+  per_canary = json.load(open(os.path.join(out, "canaries", "eps8",
+                                           "audit.json")))
+  assert [r["secret"] for r in per_canary] == [c.secret for c in made]
+  for r in per_canary:
+    assert 1 <= r["sample_rank"] <= 32
+    assert r["exposure"] <= math.log2(1e10) + 1e-9
+  pooled = [r for r in result["canaries"] if r["kind"] == "all"]
+  assert [r["repetitions"] for r in pooled] == [1, 3]
+  assert all(r["epsilon_lower_bound"] >= 0 for r in pooled)
+  assert os.path.isfile(os.path.join(out, "canaries.csv"))
+
+
+def test_rerun_retrains_nothing(experiment, monkeypatch):
+  out, data, result = experiment
+  monkeypatch.setattr(trainer, "train", lambda: pytest.fail("retrained"))
+  monkeypatch.setattr(inference, "generate_synthetic",
+                      lambda **_: pytest.fail("regenerated"))
+  monkeypatch.setattr(canaries, "audit", lambda *a, **k: pytest.fail("re-audited"))
+  again = retrieval.run_experiment(out, data_dir=data, **SETTINGS)
+  assert again["rows"] == result["rows"]
+  assert again["canaries"] == result["canaries"]
