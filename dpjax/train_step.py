@@ -15,6 +15,11 @@ optimizer. A Poisson sample larger than K*m (rare by construction of the
 sampler) costs one more `accumulate` call with the same compiled shapes, so no
 sampled example is ever dropped and the accountant's model stays exact.
 
+A model with several named losses (`clipping.multi_loss_clipped_grad`, e.g.
+GPT-2 + discriminator head) accumulates one clipped sum per loss; `apply`
+then noises each as its own release (`optimizers.dp_optimizer_releases`) and
+its metrics are those of one loss per `name/` prefix.
+
 A run with a redaction schedule (dpjax.privacy.redaction_schedule) also takes
 non-private steps on public (redacted) batches: `public_step` is the plain
 mean gradient over the real rows, scanned over K microbatches, and the DP
@@ -77,7 +82,8 @@ def make_accumulate(clipped_grad: clipping.ClippedGradFn, *, seed: int,
   """(params, grads, batch[K,m,...], mask[K,m], step, call) -> (grads, metrics).
 
   Metrics are sums over real examples, plus quantiles of the per-example
-  gradient norms before clipping.
+  gradient norms before clipping. `dropout`: give every example a
+  `dropout_rng` key (`dropout_keys`), for dropout or a loss's own randomness.
   """
 
   def accumulate(params, grads, batch, mask, step, call):
@@ -89,16 +95,29 @@ def make_accumulate(clipped_grad: clipping.ClippedGradFn, *, seed: int,
       mb, mb_mask = microbatch
       grad_sum, stats = clipped_grad(params, mb, mb_mask)
       acc = jax.tree.map(jnp.add, acc, grad_sum)
-      return acc, (_sum_stats(stats), stats.norms)
+      if isinstance(stats, clipping.ClipStats):
+        return acc, (_sum_stats(stats), stats.norms)
+      return acc, ({k: _sum_stats(s) for k, s in stats.items()},
+                   {k: s.norms for k, s in stats.items()})
 
     grads, (sums, norms) = jax.lax.scan(one_microbatch, grads, (batch, mask))
-    metrics = jax.tree.map(lambda x: x.sum(0), sums)
-    real_norms = jnp.where(mask > 0, norms, jnp.nan).reshape(-1)
-    for q in NORM_QUANTILES:
-      metrics[f"grad_norm_p{int(q * 100)}"] = jnp.nanquantile(real_norms, q)
-    return grads, metrics
+    if isinstance(norms, dict):  # several losses: `name/metric`
+      metrics = {}
+      for name in norms:
+        for key, value in _metrics(sums[name], norms[name], mask).items():
+          metrics[f"{name}/{key}"] = value
+      return grads, metrics
+    return grads, _metrics(sums, norms, mask)
 
   return accumulate
+
+
+def _metrics(sums, norms, mask):
+  metrics = jax.tree.map(lambda x: x.sum(0), sums)
+  real_norms = jnp.where(mask > 0, norms, jnp.nan).reshape(-1)
+  for q in NORM_QUANTILES:
+    metrics[f"grad_norm_p{int(q * 100)}"] = jnp.nanquantile(real_norms, q)
+  return metrics
 
 
 def make_apply(optimizer: optax.GradientTransformation) -> Callable:

@@ -20,6 +20,17 @@ for exactly their number, and only they enter the ledger. A finished dpjax run
 directory is also a valid INITIAL_CHECKPOINT_PATH (of the same model), e.g.
 JFT: a DP run started from a run trained on redacted data.
 
+A model with several named per-example losses (`Trainable.example_losses`:
+GPT-2 + discriminator head, shared/papers/002) makes one release per loss
+each step: every per-example gradient of loss k (w.r.t. the trainable
+params; frozen layers get none) is clipped to its own C_k
+(`train.clip_norms`, default `clip_norm` for every loss), each clipped sum
+gets its own Gaussian noise σ C_k, and the noisy sums are added before the
+one base optimizer. One σ serves all k releases, calibrated so that T steps
+of k Gaussians on the same Poisson sample, `PoissonGaussian(q, (σ,)*k, T)`,
+meet the target; the ledger records exactly that event. (Separate clipping,
+not one joint clip of the summed gradient: the paper's Algorithm 1.)
+
 The same command runs on every host of a multi-host job (dpjax.distributed):
 each process reads only the sampled rows its devices hold, process 0 alone
 writes the console, summaries and ledger file, and a SIGTERM reaching any host
@@ -94,6 +105,13 @@ class Plan:
   seed: int
   # The redaction schedule (`train`'s `redaction`); None: all steps are DP.
   redaction: dict | None = None
+  # Per-loss clip bounds of a multi-loss model (one release each per step);
+  # None: one loss, one release of sensitivity `clip_norm`.
+  clip_norms: dict | None = None
+
+  @property
+  def releases_per_step(self) -> int:
+    return len(self.clip_norms) if self.clip_norms else 1
 
   @property
   def dp_steps(self) -> int:
@@ -102,8 +120,9 @@ class Plan:
 
   def guarantee(self) -> dict:
     plan = dataclasses.asdict(self)
-    if self.redaction is None:  # as saved by runs without a schedule
-      del plan["redaction"]
+    for optional in ("redaction", "clip_norms"):  # as saved before they existed
+      if plan[optional] is None:
+        del plan[optional]
     return plan
 
 
@@ -144,7 +163,8 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
                  delta: float, target_epsilon: float,
                  noise_multiplier: float | None, accountant: str, seed: int,
                  prior: ledger_lib.PrivacyLedger | None = None,
-                 redaction: dict | None = None
+                 redaction: dict | None = None,
+                 clip_norms: Mapping[str, float] | None = None
                  ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
   """The run's ledger and plan: read back from a checkpoint (whose plan must
   match this one), else with σ calibrated by dp-accounting for the target
@@ -153,11 +173,14 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
   of a two-stage pipeline), whose releases this run composes with: they
   count in calibration, ε and budget. `redaction`: a redaction schedule's
   description; its `dp_steps` of the `steps` are the planned releases.
+  `clip_norms`: a multi-loss model's per-loss bounds; each DP step is then
+  `len(clip_norms)` Gaussians with the one σ on the same sample.
   Raises BudgetExceededError if the recorded plus planned releases exceed
   the target.
   """
   prior_events = prior.all_events if prior else []
   releases = redaction["dp_steps"] if redaction else steps
+  per_step = len(clip_norms) if clip_norms else 1
   if saved_meta:
     ledger = ledger_lib.PrivacyLedger.from_json(saved_meta["ledger"])
     sigma = ledger.noise_multiplier
@@ -169,11 +192,11 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
     sigma = accounting.calibrate_noise_multiplier(
         target_epsilon, delta,
         lambda s: prior_events + accounting.training_events(
-            sampler.describe(), (s,), releases),
+            sampler.describe(), (s,) * per_step, releases),
         accountant=accountant)
   plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
               clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
-              redaction)
+              redaction, dict(clip_norms) if clip_norms else None)
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
@@ -189,10 +212,33 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
       except ValueError as e:
         raise gin_cli.UsageError(f"train.prior_ledger: {e}") from None
   try:
-    ledger.check_budget(ledger.planned_events(releases))
+    ledger.check_budget(ledger.planned_events(releases,
+                                              plan_multipliers(plan)))
   except ledger_lib.BudgetExceededError as e:
     raise ledger_lib.BudgetExceededError(f"refusing to start: {e}") from None
   return ledger, plan
+
+
+def plan_multipliers(plan: Plan) -> tuple[float, ...]:
+  """The noise multipliers of one DP step's releases (one σ for all). With
+  σ = 0 (ε = ∞) one release stands for all: dp-accounting cannot compose
+  several noiseless Gaussians, and one is already non-private."""
+  if plan.noise_multiplier == 0:
+    return (0.0,)
+  return (plan.noise_multiplier,) * plan.releases_per_step
+
+
+def resolve_delta(delta: float | str | None, n: int) -> float:
+  """`train.delta`: a number, '1/n', or '1/(2n)' (the default, None)."""
+  if delta is None or delta == "1/(2n)":
+    return 1.0 / (2 * n)
+  if delta == "1/n":
+    return 1.0 / n
+  try:
+    return float(delta)
+  except ValueError:
+    raise gin_cli.UsageError(f"train.delta must be a number, '1/n' or "
+                             f"'1/(2n)', got {delta!r}") from None
 
 
 def _read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
@@ -214,27 +260,79 @@ def _base_optimizer(name: str, learning_rate: optax.ScalarOrSchedule
   return OPTIMIZERS[name](learning_rate)
 
 
+def _trainable(model: trainable_lib.Trainable):
+  """The model's trainable-leaf mask (of its abstract params), or None."""
+  if model.trainable_mask is None:
+    return None
+  return model.trainable_mask(model.abstract_params()[0])
+
+
+def _model_base(model: trainable_lib.Trainable, optimizer: str,
+                learning_rate: optax.ScalarOrSchedule
+                ) -> optax.GradientTransformation:
+  base = _base_optimizer(optimizer, learning_rate)
+  mask = _trainable(model)
+  if mask is None or all(jax.tree.leaves(mask)):
+    return base
+  return dp_optimizers.freeze(base, mask)
+
+
+def loss_clip_norms(model: trainable_lib.Trainable, clip_norm: float,
+                    clip_norms: Mapping[str, float] | None
+                    ) -> dict[str, float] | None:
+  """A multi-loss model's bound per loss (`clip_norms`, else `clip_norm`
+  for every loss); None for a one-loss model."""
+  if model.example_losses is None:
+    if clip_norms:
+      raise gin_cli.UsageError(
+          f"train.clip_norms {dict(clip_norms)} is for a model with several "
+          "losses; this one has one: set train.clip_norm")
+    return None
+  extra = set(clip_norms or {}) - set(model.loss_names)
+  if extra:
+    raise gin_cli.UsageError(f"train.clip_norms names {sorted(extra)}; the "
+                             f"model's losses are {list(model.loss_names)}")
+  return {k: float((clip_norms or {}).get(k, clip_norm))
+          for k in model.loss_names}
+
+
 def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                   optimizer: str, learning_rate: optax.ScalarOrSchedule,
                   noise_multiplier: float, normalizer: float, seed: int,
-                  clipping_method: str = "vmap"):
+                  clipping_method: str = "vmap",
+                  clip_norms: Mapping[str, float] | None = None):
   """(DP optimizer, accumulate, apply) for a model: the un-jitted DP step.
 
   `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms +
   book-keeping: no per-example weight gradients) or 'auto' (ghost when the
   model has intercepted layers); all give the same clipped sum and bound.
+  A multi-loss model (`loss_clip_norms`) clips by vmap only ('auto' is vmap):
+  one clipped sum per loss, noised separately with the one σ.
   """
-  base = _base_optimizer(optimizer, learning_rate)
   if clipping_method not in ("vmap", "ghost", "auto"):
     raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
                              f"'auto', got {clipping_method!r}")
-  clipped = clipping.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
-                                       method=clipping_method)
-  tx = dp_optimizers.dp_optimizer(base, noise_multiplier=noise_multiplier,
-                                  sensitivity=clipped.sensitivity,
-                                  normalizer=normalizer, seed=seed)
-  accumulate = train_step.make_accumulate(
-      clipped, seed=seed, dropout=model.config.dropout_rate > 0)
+  base = _model_base(model, optimizer, learning_rate)
+  bounds = loss_clip_norms(model, clip_norm, clip_norms)
+  if bounds is None:
+    clipped = clipping.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
+                                         method=clipping_method)
+    tx = dp_optimizers.dp_optimizer(base, noise_multiplier=noise_multiplier,
+                                    sensitivity=clipped.sensitivity,
+                                    normalizer=normalizer, seed=seed)
+  else:
+    if clipping_method == "ghost":
+      raise gin_cli.UsageError(
+          "train.clipping_method = 'ghost' does not support a model with "
+          "several losses or frozen layers; use 'vmap'")
+    clipped = clipping.multi_loss_clipped_grad(
+        model.example_losses, clip_norms=bounds, trainable=_trainable(model))
+    tx = dp_optimizers.dp_optimizer_releases(
+        base, noise_multipliers={k: noise_multiplier for k in bounds},
+        sensitivities=clipped.sensitivities, normalizer=normalizer, seed=seed,
+        trainable=_trainable(model))
+  accumulate = train_step.make_accumulate(clipped, seed=seed,
+                                          dropout=model.example_rng)
   return tx, accumulate, train_step.make_apply(tx)
 
 
@@ -244,8 +342,8 @@ def build_public_step(model: trainable_lib.Trainable, *, optimizer: str,
   `build_dp_step`'s DP optimizer (same `optimizer` and `learning_rate`)."""
   return train_step.make_public_step(
       model.example_loss,
-      dp_optimizers.public_update(_base_optimizer(optimizer, learning_rate)),
-      seed=seed, dropout=model.config.dropout_rate > 0)
+      dp_optimizers.public_update(_model_base(model, optimizer, learning_rate)),
+      seed=seed, dropout=model.example_rng)
 
 
 def plan_redaction(schedule: str, *, total_steps: int, eta: float,
@@ -279,8 +377,9 @@ def train(*, model_dir: str = gin.REQUIRED,
           epochs: float | None = None,
           microbatch_size: int | None = None,
           target_epsilon: float | str = 3.0,
-          delta: float | None = None,
+          delta: float | str | None = None,
           clip_norm: float = 0.1,
+          clip_norms: Mapping[str, float] | None = None,
           noise_multiplier: float | None = None,
           accountant: str = "rdp",
           sampling_method: str = "poisson",
@@ -300,6 +399,7 @@ def train(*, model_dir: str = gin.REQUIRED,
           log_period: int = 10,
           eval_period: int = 0,
           eval_examples: int = 2048,
+          eval_split: str = "validation",
           generate_after_training: bool = False) -> dict:
   """Runs (or resumes) one DP training job; returns a summary dict.
 
@@ -318,6 +418,10 @@ def train(*, model_dir: str = gin.REQUIRED,
   `clipping_method`: 'vmap', 'ghost' or 'auto' (`build_dp_step`); the mesh
   and its rule set come from `partitioning.make_mesh` and
   `partitioning.logical_axis_rules` (e.g. `logical_axis_rules.name = 'fsdp'`).
+
+  `delta`: a number, '1/n' or '1/(2n)' (None: 1/(2n)). `clip_norms`: per-loss
+  bounds of a multi-loss model (see the module docstring). `eval_split`: the
+  task split of the eval loss.
 
   `overflow_probability` sizes the padded Poisson batch: a sample larger than
   the padded shape costs one more accumulate call (nothing is dropped, the
@@ -356,11 +460,15 @@ def train(*, model_dir: str = gin.REQUIRED,
     checkpoints.check_compatible(
         {"class": saved.get("model_class") or "T5Config",
          **saved["model_config"]},
-        {"class": type(model_config).__name__, **model_config.to_json()},
+        {"class": type(model_config).__name__, **_config_json(model_config)},
         "model", source="the run in INITIAL_CHECKPOINT_PATH",
         fix="Configure the model it was trained with.")
   data = data_arrays.load_task_arrays(mixture_or_task_name, "train", lengths,
                                       converter=model.converter)
+  try:
+    model.check_arrays(data)
+  except ValueError as e:
+    raise gin_cli.UsageError(f"{mixture_or_task_name}: {e}") from None
   token_counts = data_arrays.real_token_counts(data)
   n = len(token_counts)
   reporting.say(f"{mixture_or_task_name} train split: {n} examples, "
@@ -368,7 +476,8 @@ def train(*, model_dir: str = gin.REQUIRED,
   steps = _steps(train_steps, epochs, n, batch_size)
   sampler = make_sampler(sampling_method, n, batch_size, seed,
                          overflow_probability)
-  delta = float(delta) if delta is not None else 1.0 / (2 * n)
+  delta = resolve_delta(delta, n)
+  bounds = loss_clip_norms(model, float(clip_norm), clip_norms)
   public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
   if redaction_schedule:
     public_data = data_arrays.load_task_arrays(
@@ -400,21 +509,23 @@ def train(*, model_dir: str = gin.REQUIRED,
       batch_size=batch_size, sampling_method=sampling_method,
       clip_norm=float(clip_norm), delta=delta, target_epsilon=target_epsilon,
       noise_multiplier=noise_multiplier, accountant=accountant, seed=seed,
-      prior=prior, redaction=redaction)
+      prior=prior, redaction=redaction, clip_norms=bounds)
   ledger, plan = plan_from(resume[1] if resume else None)
   if resume:
     checkpoints.check_compatible(resume[1]["model_config"],
-                                 model_config.to_json(), "model")
+                                 _config_json(model_config), "model")
   sigma = ledger.noise_multiplier
+  multipliers = plan_multipliers(plan)
   planned_eps = accounting.epsilon(
-      ledger.all_events + ledger.planned_events(plan.dp_steps), delta,
-      accountant)
+      ledger.all_events + ledger.planned_events(plan.dp_steps, multipliers),
+      delta, accountant)
   reporting.say(
       (f"{steps} DP steps" if redaction is None else
        f"{steps} steps ({redaction_schedule} redaction schedule): "
        f"{plan.dp_steps} DP steps and {steps - plan.dp_steps} public steps on "
        f"{public_task_name}") + f", {sampler.describe()['method']} sampling "
-      f"(q={batch_size / n:.4g}), σ={sigma:.4f}, C={clip_norm}, δ={delta:.3g}"
+      f"(q={batch_size / n:.4g}), σ={sigma:.4f}, "
+      f"C={bounds if bounds else clip_norm}, δ={delta:.3g}"
       f", planned ε={planned_eps:.4f} (target {target_epsilon})")
 
   # --- Model, mesh, optimizer, state. ---------------------------------------
@@ -432,7 +543,8 @@ def train(*, model_dir: str = gin.REQUIRED,
   tx, accumulate_fn, apply_fn = build_dp_step(
       model, clip_norm=float(clip_norm), optimizer=optimizer,
       learning_rate=schedule, noise_multiplier=float(sigma),
-      normalizer=normalizer, seed=seed, clipping_method=clipping_method)
+      normalizer=normalizer, seed=seed, clipping_method=clipping_method,
+      clip_norms=bounds)
   # Params by their logical axes (replicated, FSDP or tensor-parallel per the
   # rule set); optimizer moments like their params; counters replicated.
   state_sh = partitioning.state_shardings(mesh, tx, abstract, axes, rules)
@@ -475,27 +587,31 @@ def train(*, model_dir: str = gin.REQUIRED,
     fileio.write_atomic(os.path.join(model_dir, "config.gin"),
                         gin.config_str())
 
+  # A multi-loss model accumulates one sum per loss.
+  grads_sh = {k: param_sh for k in bounds} if bounds else param_sh
   accumulate = jax.jit(accumulate_fn, donate_argnums=(1,), out_shardings=(
-      param_sh, partitioning.replicated(mesh)))
+      grads_sh, partitioning.replicated(mesh)))
   apply = jax.jit(apply_fn, donate_argnums=(0,), out_shardings=state_sh)
   public_step = jax.jit(build_public_step(
       model, optimizer=optimizer, learning_rate=schedule, seed=seed),
       donate_argnums=(0,),
       out_shardings=(state_sh, partitioning.replicated(mesh)))
   eval_step = jax.jit(train_step.make_eval_step(model.batch_loss))
-  zero_grads = jax.jit(train_step.zeros_like_f32, out_shardings=param_sh)
+  zero_grads = jax.jit(
+      lambda p: ({k: train_step.zeros_like_f32(p) for k in bounds} if bounds
+                 else train_step.zeros_like_f32(p)), out_shardings=grads_sh)
   # Batches [K, m, ...] split over the example axis m: each process reads
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
   eval_data = (data_arrays.load_task_arrays(
-      mixture_or_task_name, "validation", lengths, converter=model.converter)
+      mixture_or_task_name, eval_split, lengths, converter=model.converter)
       if eval_period else None)
 
   def meta(step):
     return {"ledger": ledger.to_json(), "plan": plan.guarantee(),
             "model_class": type(model_config).__name__,
-            "model_config": model_config.to_json(),
+            "model_config": _config_json(model_config),
             "data_position": {
                 "step": step, "seed": seed,
                 "dp_steps": dp_before(step),
@@ -551,7 +667,7 @@ def train(*, model_dir: str = gin.REQUIRED,
                                       index, call)
           window.append(metrics)
         state = apply(state, grads)
-        ledger.record_dp_steps()
+        ledger.record_dp_steps(noise_multipliers=multipliers)
         window_steps += 1
       done = step + 1
       if done % log_period == 0 or done == steps:
@@ -609,6 +725,11 @@ def train(*, model_dir: str = gin.REQUIRED,
   return result
 
 
+def _config_json(model_config) -> dict:
+  """The config as a checkpoint's JSON meta reads back (tuples as lists)."""
+  return json.loads(json.dumps(model_config.to_json()))
+
+
 def _public_sampler(n: int, batch_size: int, seed: int
                     ) -> sampling.ShuffleSampler:
   """Shuffled batches of exactly BATCH_SIZE public rows. Public data needs no
@@ -627,16 +748,24 @@ def _window_metrics(dp: list[dict], public: list[dict], dp_steps: int,
   """Aggregates the metrics of the steps since the last report: `accumulate`'s
   of the DP steps, and the loss of the public steps as `public_loss`."""
   metrics = {"tokens_per_second": num_tokens / max(seconds, 1e-9)}
-  if dp:
-    real = sum(h["num_examples"] for h in dp)
+  # One loss: plain names; several: `name/...` per loss, and `loss` their sum.
+  prefixes = sorted(k[:-len("loss_sum")] for k in (dp[0] if dp else {})
+                    if k.endswith("loss_sum"))
+  for p in prefixes:
+    real = sum(h[p + "num_examples"] for h in dp)
     metrics.update({
-        "loss": sum(h["loss_sum"] for h in dp) / max(real, 1),
-        "clipped_fraction": sum(h["num_clipped"] for h in dp) / max(real, 1),
-        "nonfinite_examples": float(sum(h["num_nonfinite"] for h in dp)),
-        "examples_per_step": real / max(dp_steps, 1),
+        p + "loss": sum(h[p + "loss_sum"] for h in dp) / max(real, 1),
+        p + "clipped_fraction":
+            sum(h[p + "num_clipped"] for h in dp) / max(real, 1),
+        p + "nonfinite_examples": float(sum(h[p + "num_nonfinite"] for h in dp)),
+        p + "examples_per_step": real / max(dp_steps, 1),
         **{q: float(np.mean([h[q] for h in dp]))
-           for q in dp[0] if q.startswith("grad_norm_p")},
+           for q in dp[0] if q.startswith(p + "grad_norm_p")},
     })
+  if prefixes and "" not in prefixes:
+    metrics["loss"] = sum(metrics[p + "loss"] for p in prefixes)
+    metrics["clipped_fraction"] = max(metrics[p + "clipped_fraction"]
+                                      for p in prefixes)
   if public:
     metrics["public_loss"] = (sum(h["loss_sum"] for h in public)
                               / max(sum(h["num_examples"] for h in public), 1))

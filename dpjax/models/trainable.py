@@ -11,6 +11,11 @@ lengths bound, plus the name of the feature converter its batches come from
 * `DualEncoderConfig` -> a `dual_encoder.PairGroups`: lengths `queries` and
   `documents`; a row is a group of pairs and its loss the in-batch softmax
   within the group (see `dpjax.models.dual_encoder` for why).
+* `GPT2DiscConfig` -> "decoder_only" like GPT-2, with two named per-example
+  losses (`example_losses`: "lm" and "disc", or "disc" alone with
+  `head_only`), each clipped and noised as its own release, the frozen
+  layers' mask (`trainable_mask`), and a per-example key always attached
+  (the discriminator's random label-slot token); eval is the LM loss.
 
 Nothing here imports TensorFlow.
 """
@@ -21,8 +26,9 @@ import functools
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 
-from dpjax.models import dual_encoder, gpt2, t5
+from dpjax.models import dual_encoder, gpt2, gpt2_disc, t5
 
 PyTree = Any
 
@@ -36,10 +42,22 @@ class Trainable:
   abstract_params: Callable[[], tuple[PyTree, PyTree]]  # -> (shapes, axes)
   example_loss: Callable[[PyTree, Mapping[str, jax.Array]], jax.Array]
   batch_loss: Callable[[PyTree, Mapping[str, jax.Array]], jax.Array]
+  # Each example carries a `dropout_rng` key (dropout, or a loss's randomness).
+  example_rng: bool = False
+  # Several named losses of one example, each its own clipped, noised release
+  # (`loss_names` of them); None: `example_loss` is the one release.
+  example_losses: Callable[[PyTree, Mapping[str, jax.Array]],
+                           dict[str, jax.Array]] | None = None
+  loss_names: tuple[str, ...] = ()
+  # params (or shapes) -> bools: the leaves that train; None: all of them.
+  trainable_mask: Callable[[PyTree], PyTree] | None = None
+  # Raises ValueError on training arrays the losses cannot use.
+  check_arrays: Callable[[Mapping[str, np.ndarray]], None] = lambda arrays: None
 
 
 CONFIG_CLASSES = {cls.__name__: cls for cls in (
-    t5.T5Config, gpt2.GPT2Config, dual_encoder.DualEncoderConfig)}
+    t5.T5Config, gpt2.GPT2Config, dual_encoder.DualEncoderConfig,
+    gpt2_disc.GPT2DiscConfig)}
 
 
 def config_from_json(class_name: str | None, fields: Mapping[str, Any]):
@@ -59,14 +77,18 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
         config, "encoder_decoder",
         lambda rng: t5.init_params(config, rng, **kw),
         functools.partial(t5.abstract_params, config, **kw),
-        t5.make_example_loss(config), t5.make_batch_loss(config))
+        t5.make_example_loss(config), t5.make_batch_loss(config),
+        example_rng=config.dropout_rate > 0)
   if isinstance(config, gpt2.GPT2Config):
     kw = dict(max_length=lengths.get("inputs", 1) + lengths["targets"])
     return Trainable(
         config, "decoder_only",
         lambda rng: gpt2.init_params(config, rng, **kw),
         functools.partial(gpt2.abstract_params, config, **kw),
-        gpt2.make_example_loss(config), gpt2.make_batch_loss(config))
+        gpt2.make_example_loss(config), gpt2.make_batch_loss(config),
+        example_rng=config.dropout_rate > 0)
+  if isinstance(config, gpt2_disc.GPT2DiscConfig):
+    return _gpt2_disc(config, lengths)
   if isinstance(config, dual_encoder.DualEncoderConfig):
     for name in ("queries", "documents"):
       if name not in lengths:
@@ -77,6 +99,31 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
         lambda rng: dual_encoder.init_params(config, rng),
         functools.partial(dual_encoder.abstract_params, config),
         dual_encoder.make_example_loss(config),
-        dual_encoder.make_batch_loss(config))
+        dual_encoder.make_batch_loss(config),
+        example_rng=config.dropout_rate > 0)
   raise TypeError(f"no trainer support for {type(config).__name__}; "
-                  "expected a T5Config, GPT2Config or DualEncoderConfig")
+                  "expected a T5Config, GPT2Config, DualEncoderConfig or "
+                  "GPT2DiscConfig")
+
+
+def _gpt2_disc(config: gpt2_disc.GPT2DiscConfig, lengths) -> Trainable:
+  kw = dict(max_length=lengths.get("inputs", 1) + lengths["targets"])
+  names = ("disc",) if config.head_only else ("lm", "disc")
+  both = gpt2_disc.make_example_losses(config)
+  losses = lambda params, example: {k: v for k, v in both(params, example).items()
+                                    if k in names}
+  lm_batch_loss = gpt2.make_batch_loss(config.lm)
+
+  def check_arrays(arrays):
+    gpt2_disc.check_label_slots(config, arrays["tokens"])
+
+  return Trainable(
+      config, "decoder_only",
+      lambda rng: gpt2_disc.init_params(config, rng, **kw),
+      functools.partial(gpt2_disc.abstract_params, config, **kw),
+      # The joint objective (a public step's loss); DP steps clip each loss.
+      lambda params, example: sum(losses(params, example).values()),
+      lambda params, batch: lm_batch_loss(gpt2_disc.lm_params(params), batch),
+      example_rng=True, example_losses=losses, loss_names=names,
+      trainable_mask=functools.partial(gpt2_disc.trainable_mask, config),
+      check_arrays=check_arrays)

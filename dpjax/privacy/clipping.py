@@ -24,6 +24,8 @@ Hence adding or removing one real example (or flipping its mask) changes `S`
 by at most `f.sensitivity == C` in L2 norm; replacing one example changes it by
 at most `2 * C`. For `per_group_clipped_grad` the same holds with
 `C = sqrt(sum_g C_g**2)`, since each group's block is clipped to `C_g`.
+`multi_loss_clipped_grad` returns one such sum per named loss (each the
+sensitivity of its own loss's bound), meant to be noised separately.
 
 `ClipStats` are computed from individual examples WITHOUT noise: they are for
 monitoring and debugging only, and releasing them is not covered by any DP
@@ -191,6 +193,100 @@ def per_group_clipped_grad(
                            microbatch_size),
       sensitivity=math.sqrt(sum(c * c for c in clip_norms.values())),
   )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity (jit)
+class MultiClippedGrad:
+  """`(params, batch, mask) -> ({name: clipped grad sum}, {name: ClipStats})`,
+  one clipped sum per named loss, each with its own L2 sensitivity."""
+
+  fn: Callable[[PyTree, PyTree, jax.Array],
+               tuple[dict[str, PyTree], dict[str, ClipStats]]]
+  sensitivities: Mapping[str, float]
+
+  def __call__(self, params, batch, mask):
+    return self.fn(params, batch, mask)
+
+
+def multi_loss_clipped_grad(
+    losses_fn: Callable[[PyTree, PyTree], Mapping[str, jax.Array]],
+    *,
+    clip_norms: Mapping[str, float],
+    trainable: PyTree | None = None,
+    microbatch_size: int | None = None,
+) -> MultiClippedGrad:
+  """One `clipped_grad` sum per named loss of one example, each its own release.
+
+  For every name k in `clip_norms`, each example's gradient of
+  `losses_fn(params, example)[k]` w.r.t. the TRAINABLE params (all leaves if
+  `trainable` is None) is clipped to `clip_norms[k]` and summed over the
+  real examples. Frozen leaves (`trainable` False) are not differentiated:
+  they add nothing to an example's norm and are exactly zero in every sum.
+
+  Formal guarantees:
+    For each k separately, the sum of release k has every guarantee of
+    `clipped_grad` with `C = clip_norms[k]`: adding or removing one real
+    example changes it by at most `sensitivities[k]` in L2 norm, padding and
+    non-finite examples contribute zero. The sums are computed on the same
+    examples, so noising them separately is several Gaussian mechanisms on
+    one sample (`accounting.PoissonGaussian(q, (s_1, ..., s_k), T)`), not
+    one mechanism of sensitivity `max_k C_k`.
+
+  Args:
+    losses_fn: `losses_fn(params, example) -> {name: scalar}` for ONE example;
+      must not couple examples.
+    clip_norms: loss name -> its clip bound `C_k > 0`; names absent here are
+      not differentiated (and must exist in the losses' output otherwise).
+    trainable: bools shaped like `params` (e.g. `gpt2_disc.trainable_mask`);
+      fixed when the function is built.
+    microbatch_size: As in `clipped_grad`.
+
+  Returns:
+    A `MultiClippedGrad` with `sensitivities == clip_norms`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> losses = lambda p, x: {"a": jnp.sum(p["w"] * x), "b": 10 * p["v"] * x[0]}
+    >>> f = multi_loss_clipped_grad(losses, clip_norms={"a": 1.0, "b": 2.0})
+    >>> g, _ = f({"w": jnp.zeros(2), "v": jnp.zeros(())},
+    ...          jnp.array([[3.0, 4.0]]), jnp.ones(1))
+    >>> print(g["a"]["w"], g["a"]["v"], g["b"]["w"], g["b"]["v"])
+    [0.6 0.8] 0.0 [0. 0.] 2.0
+  """
+  if not clip_norms:
+    raise ValueError("clip_norms must name at least one loss.")
+  for name, bound in clip_norms.items():
+    check_bound(f"clip_norms[{name!r}]", bound)
+  clip_norms = dict(clip_norms)
+  flags = None if trainable is None else [bool(t) for t in
+                                          jax.tree_util.tree_leaves(trainable)]
+
+  def fn(params, batch, mask):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keep = flags if flags is not None else [True] * len(leaves)
+    if len(keep) != len(leaves):
+      raise ValueError(f"trainable has {len(keep)} leaves, params {len(leaves)}.")
+    trained = [leaf for leaf, k in zip(leaves, keep) if k]
+
+    def with_trained(trained_leaves):
+      it = iter(trained_leaves)
+      return jax.tree_util.tree_unflatten(
+          treedef, [next(it) if k else leaf for leaf, k in zip(leaves, keep)])
+
+    sums, stats = {}, {}
+    for name, bound in clip_norms.items():
+      loss = lambda t, example, name=name: losses_fn(with_trained(t), example)[name]
+      part, stats[name] = clipped_grad(
+          loss, clip_norm=bound, microbatch_size=microbatch_size)(
+              trained, batch, mask)
+      it = iter(part)
+      sums[name] = jax.tree_util.tree_unflatten(treedef, [
+          next(it) if k else jnp.zeros(jnp.shape(leaf), jnp.float32)
+          for leaf, k in zip(leaves, keep)])
+    return sums, stats
+
+  return MultiClippedGrad(fn=fn, sensitivities={k: float(c) for k, c in
+                                                 clip_norms.items()})
 
 
 _METHODS = ("auto", "vmap", "ghost")

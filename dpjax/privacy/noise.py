@@ -5,7 +5,9 @@ Formal guarantees
 `privatize(noise_multiplier=z, sensitivity=C, ...)` turns a sum `S(D)` whose
 L2 sensitivity is at most `C` (see `dpjax.privacy.clipping`) into the release
 `(S(D) + N(0, (z C)^2 I)) / normalizer`: one Gaussian mechanism with noise
-multiplier `z` per `update` call. Dividing by a data-independent `normalizer`
+multiplier `z` per `update` call. `privatize_releases` does the same for
+several sums at once (one per named loss, `clipping.multi_loss_clipped_grad`):
+one Gaussian per sum, with independent keys, added up afterwards. Dividing by a data-independent `normalizer`
 and everything downstream (the base optimizer, which only sees this release
 and the parameters) is post-processing. How many releases were made, and on
 which sampled batches, is what `dpjax.privacy.accounting` composes.
@@ -18,7 +20,7 @@ seed is secret and treats PRNG floating-point samples as exact Gaussians
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +111,83 @@ def privatize(
     del params
     noisy = add_gaussian_noise(updates, noise_key(seed, state.count), stddev)
     updates = jax.tree_util.tree_map(lambda x: x / normalizer, noisy)
+    return updates, PrivatizeState(count=state.count + 1)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def privatize_releases(
+    *,
+    noise_multipliers: Mapping[str, float],
+    sensitivities: Mapping[str, float],
+    normalizer: float,
+    seed: int,
+    trainable: PyTree | None = None,
+) -> optax.GradientTransformation:
+  """`privatize` for several clipped sums of one batch, noised separately.
+
+  `updates` is `{name: clipped grad sum}` (the output of
+  `clipping.multi_loss_clipped_grad`); each sum gets its own
+  `N(0, (noise_multipliers[name] * sensitivities[name])^2 I)`, then the noisy
+  sums are added and divided by `normalizer`, giving one update shaped like
+  the params. Leaves where `trainable` is False (frozen) are never noised:
+  their sums are zero, and so are their updates.
+
+  Formal guarantees:
+    If each `updates[name]` has L2 sensitivity `<= sensitivities[name]`, each
+    `update` call is one Gaussian mechanism per name, with noise multiplier
+    `noise_multipliers[name]`, all on the same batch: account for them as
+    `accounting.PoissonGaussian(q, tuple(noise_multipliers.values()), T)`.
+    Release k (in `noise_multipliers`' order) is keyed by
+    `fold_in(noise_key(seed, count), k)`, so the draws are independent of
+    each other and of every other step's. The sum over names and the
+    division are post-processing.
+
+  Args:
+    noise_multipliers: name -> noise multiplier (>= 0).
+    sensitivities: name -> L2 sensitivity (> 0); the same names.
+    normalizer, seed: As in `privatize`.
+    trainable: Optional bools shaped like the params.
+
+  Returns:
+    An optax `GradientTransformation` with state `PrivatizeState` (the same
+    state as `privatize`'s, so public steps treat both alike).
+  """
+  names = list(noise_multipliers)
+  if not names or set(names) != set(sensitivities):
+    raise ValueError(f"noise_multipliers and sensitivities must name the same "
+                     f"releases, got {names} and {list(sensitivities)}.")
+  for name in names:
+    if not noise_multipliers[name] >= 0:
+      raise ValueError(f"noise_multipliers[{name!r}] must be >= 0, got "
+                       f"{noise_multipliers[name]}.")
+    if not sensitivities[name] > 0:
+      raise ValueError(f"sensitivities[{name!r}] must be > 0, got "
+                       f"{sensitivities[name]}.")
+  if not normalizer > 0:
+    raise ValueError(f"normalizer must be > 0, got {normalizer}.")
+  stddevs = {k: noise_multipliers[k] * sensitivities[k] for k in names}
+
+  def init_fn(params):
+    del params
+    return PrivatizeState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    del params
+    if set(updates) != set(names):
+      raise ValueError(f"expected the sums {names}, got {sorted(updates)}.")
+    step_key = noise_key(seed, state.count)
+    total = None
+    for k, name in enumerate(names):
+      noisy = add_gaussian_noise(updates[name], jax.random.fold_in(step_key, k),
+                                 stddevs[name])
+      if trainable is not None:  # frozen leaves: exactly the (zero) sum
+        noisy = jax.tree_util.tree_map(
+            lambda n, u, t: n if t else u.astype(jnp.float32), noisy,
+            updates[name], trainable)
+      total = noisy if total is None else jax.tree_util.tree_map(
+          jnp.add, total, noisy)
+    updates = jax.tree_util.tree_map(lambda x: x / normalizer, total)
     return updates, PrivatizeState(count=state.count + 1)
 
   return optax.GradientTransformation(init_fn, update_fn)

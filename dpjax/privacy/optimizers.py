@@ -7,7 +7,12 @@ Formal guarantees
 earlier releases), so `base` is post-processing and the whole optimizer makes
 exactly one Gaussian release with noise multiplier `noise_multiplier` per
 `update` call. Its input must be the clipped gradient SUM of one logical batch
-with L2 sensitivity `<= sensitivity`.
+with L2 sensitivity `<= sensitivity`. `dp_optimizer_releases(base, ...)` is
+the same with one Gaussian release per named clipped sum
+(`noise.privatize_releases`): k releases per `update` call.
+
+`freeze(base, trainable)` zeroes `base`'s updates of the frozen leaves (a
+data-independent mask: post-processing).
 
 `public_update(base)` updates the same optimizer state with `base` alone and
 makes no release: it is post-processing only when its gradient is computed
@@ -18,8 +23,9 @@ noise stays keyed by the release index.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
+import jax
 import optax
 
 from dpjax.privacy import noise
@@ -42,6 +48,36 @@ def dp_optimizer(
                       seed=seed),
       base,
   )
+
+
+def dp_optimizer_releases(
+    base: optax.GradientTransformation,
+    *,
+    noise_multipliers: Mapping[str, float],
+    sensitivities: Mapping[str, float],
+    normalizer: float,
+    seed: int,
+    trainable: Any = None,
+) -> optax.GradientTransformation:
+  """`optax.chain(privatize_releases(...), base)`: several clipped sums of one
+  batch, each noised as its own release, added, then `base`; see
+  `noise.privatize_releases` for the args. The state has the layout of
+  `dp_optimizer`'s, so `public_update` works on it too."""
+  return optax.chain(
+      noise.privatize_releases(noise_multipliers=noise_multipliers,
+                               sensitivities=sensitivities,
+                               normalizer=normalizer, seed=seed,
+                               trainable=trainable),
+      base,
+  )
+
+
+def freeze(base: optax.GradientTransformation, trainable: Any
+           ) -> optax.GradientTransformation:
+  """`base` whose updates of the leaves where `trainable` is False are zero
+  (frozen layers stay as they are, even under weight decay)."""
+  frozen = jax.tree.map(lambda t: not t, trainable)
+  return optax.chain(base, optax.masked(optax.set_to_zero(), frozen))
 
 
 def public_update(base: optax.GradientTransformation

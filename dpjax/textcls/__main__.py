@@ -1,0 +1,58 @@
+"""The label-conditioned generation experiments of shared/papers/002.
+
+  python -m dpjax.textcls table4 --output_dir=runs/textcls \\
+      [--epsilons=3,8,16,256,inf] [--gin_file=textcls_sample.gin] [--gin.NAME=VALUE ...]
+  python -m dpjax.textcls table1 --output_dir=runs/textcls [--step_size=0.04] \\
+      [--samples_per_class=N]
+
+Both share the multitask runs (`OUTPUT_DIR/runs/multitask_eps*`) and
+`results.jsonl`; rerunning skips what is done. Defaults run on the embedded
+SST-2 sample (tiny models, CPU); the paper's settings are
+`--gin_file=textcls_distilgpt2.gin` with the full data and a pretrained
+distilgpt2 (see that file).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from absl import logging as absl_logging
+
+from dpjax import gin_cli
+
+
+def _floats(text: str) -> list[float]:
+  return [math.inf if x.strip() == "inf" else float(x) for x in text.split(",")]
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("table", choices=["table1", "table4"])
+  p.add_argument("--output_dir", required=True)
+  p.add_argument("--epsilons", default="3,8,16,256,inf", type=_floats)
+  p.add_argument("--step_size", type=float, default=None, help="PPLM step size")
+  p.add_argument("--samples_per_class", type=int, default=None,
+                 help="default: as many as the training set has")
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  args, files, bindings = gin_cli.parse_args(
+      argv, "Tables 1 and 4 of DP conditional text generation.", _add_arguments)
+  import dataclasses
+  from dpjax.textcls import experiment
+  files = files or experiment.DEFAULT_GIN_FILES
+  if args.table == "table4":
+    return experiment.table4(args.output_dir, epsilons=args.epsilons,
+                             gin_files=files, bindings=bindings)
+  settings = experiment.Settings(samples_per_class=args.samples_per_class)
+  if args.step_size is not None:
+    settings = dataclasses.replace(settings, step_size=args.step_size)
+  return experiment.table1(args.output_dir, epsilons=args.epsilons, gin_files=files,
+                           bindings=bindings, settings=settings)
+
+
+if __name__ == "__main__":
+  from dpjax import train
+  gin_cli.exit_on_user_error(main, train.user_errors())

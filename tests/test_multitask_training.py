@@ -1,0 +1,165 @@
+"""Two clipped-and-noised releases per step (GPT-2 + discriminator head,
+shared/papers/002): each release clips its own loss, is noised with its own
+independent draw, and both are counted in ε. The end-to-end trainer run is
+in tests/textcls/test_experiment.py."""
+import functools
+import math
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from dp_accounting import rdp
+
+from dpjax import gin_cli, trainer
+from dpjax.models import gpt2, gpt2_disc, trainable
+from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
+
+LENGTH = 10
+LABELS = (58, 59)
+LENGTHS = {"inputs": 3, "targets": LENGTH - 3}
+
+
+def _config(**kw):
+  lm = gpt2.GPT2Config(vocab_size=61, n_positions=16, d_model=16, num_layers=2,
+                       num_heads=2, dropout_rate=0.0)
+  return gpt2_disc.GPT2DiscConfig(lm=lm, label_token_ids=LABELS, head_hidden=8, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+  config = _config(frozen_layers=(0,))
+  params, _ = gpt2_disc.init_params(config, jax.random.PRNGKey(0), max_length=LENGTH)
+  rng = np.random.default_rng(0)
+  n = 4
+  tokens = rng.integers(0, 57, (n, LENGTH)).astype(np.int32)
+  tokens[:, 0], tokens[:, 1], tokens[:, 2] = 60, np.array(LABELS)[rng.integers(0, 2, n)], 57
+  lengths = np.array([LENGTH, 6, 8, 5])
+  mask = (np.arange(LENGTH)[None] < lengths[:, None]).astype(np.int32)
+  weights = mask * (np.arange(LENGTH)[None] >= 3)
+  batch = {"tokens": tokens, "attention_mask": mask, "loss_weights": weights.astype(np.float32),
+           "dropout_rng": jax.random.split(jax.random.PRNGKey(1), n)}
+  return config, params, batch, np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+
+
+def test_each_release_clips_its_own_loss_gradient_and_skips_frozen_leaves(model):
+  config, params, batch, mask = model
+  bounds = {"lm": 0.05, "disc": 0.01}
+  trains = gpt2_disc.trainable_mask(config, params)
+  losses = gpt2_disc.make_example_losses(config)
+  f = clipping.multi_loss_clipped_grad(losses, clip_norms=bounds, trainable=trains)
+  sums, stats = jax.jit(f)(params, batch, mask)
+  assert f.sensitivities == bounds
+
+  # Reference: an explicit loop over the real examples and the two losses,
+  # each gradient taken w.r.t. all params, frozen leaves then zeroed.
+  grads = jax.jit(jax.jacrev(losses))  # {name: gradient}, one example
+  per_example = [grads(params, jax.tree.map(lambda x: x[i], batch))
+                 for i in np.flatnonzero(mask)]
+  for name, bound in bounds.items():
+    expected = jax.tree.map(np.zeros_like, params)
+    for i in np.flatnonzero(mask):
+      g = per_example[i][name]
+      g = jax.tree.map(lambda x, t: np.asarray(x) * t, g, trains)
+      norm = math.sqrt(sum(float(np.sum(x ** 2)) for x in jax.tree.leaves(g)))
+      assert stats[name].norms[i] == pytest.approx(norm, rel=1e-4)
+      expected = jax.tree.map(lambda e, x: e + x * min(1.0, bound / norm), expected, g)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8),
+                 sums[name], expected)
+    # The frozen block's leaves are exactly zero in both sums.
+    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(sums[name]["layers_0"]))
+    assert stats[name].norms[3] == 0 and int(stats[name].num_examples) == 3
+  # The two losses differ, so do their sums (the head has no LM gradient).
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(sums["lm"]["disc_head"]))
+  assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(sums["disc"]["disc_head"]))
+
+
+def test_each_release_gets_its_own_independent_noise():
+  """Zero sums, sensitivities 1 and 3, σ = 1: independent draws add up to
+  variance 1 + 9 = 10 (the same draw reused would give (1 + 3)² = 16, one
+  release at the larger bound 9); frozen leaves get none."""
+  params = {"w": jnp.zeros(40_000), "frozen": jnp.zeros(50)}
+  trains = {"w": True, "frozen": False}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  tx = noise.privatize_releases(noise_multipliers={"lm": 1.0, "disc": 1.0},
+                                sensitivities={"lm": 1.0, "disc": 3.0}, normalizer=1.0,
+                                seed=3, trainable=trains)
+  state = tx.init(params)
+  first, state = tx.update({"lm": zeros, "disc": zeros}, state)
+  second, state = tx.update({"lm": zeros, "disc": zeros}, state)
+  assert int(state.count) == 2
+  for update in (first, second):
+    assert np.std(np.asarray(update["w"])) == pytest.approx(math.sqrt(10), rel=0.02)
+    assert np.all(np.asarray(update["frozen"]) == 0)
+  assert abs(np.corrcoef(first["w"], second["w"])[0, 1]) < 0.03  # fresh per step
+
+
+def test_frozen_leaves_are_not_updated_even_with_weight_decay():
+  params = {"w": jnp.ones(3), "frozen": jnp.ones(2)}
+  trains = {"w": True, "frozen": False}
+  tx = optimizers.dp_optimizer_releases(
+      optimizers.freeze(optax.adamw(0.1, weight_decay=0.5), trains),
+      noise_multipliers={"lm": 1.0}, sensitivities={"lm": 1.0}, normalizer=1.0, seed=0,
+      trainable=trains)
+  grads = {"lm": {"w": jnp.ones(3), "frozen": jnp.zeros(2)}}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert np.all(np.asarray(updates["frozen"]) == 0) and np.all(np.asarray(updates["w"]) != 0)
+
+
+def test_both_releases_are_counted_in_epsilon():
+  """σ is calibrated for T steps of two Gaussians on one Poisson sample; the
+  ledger's ε equals dp-accounting's for that composed mechanism, built here
+  directly, and exceeds the ε of one release with the same σ."""
+  n, batch, steps, delta = 800, 32, 10, 1 / 800
+  sampler = sampling.PoissonSampler(n, batch, seed=0)
+  ledger, plan = trainer.plan_privacy(
+      sampler, saved_meta=None, steps=steps, batch_size=batch, sampling_method="poisson",
+      clip_norm=0.1, delta=trainer.resolve_delta("1/n", n), target_epsilon=3.0,
+      noise_multiplier=None, accountant="rdp", seed=0,
+      clip_norms={"lm": 0.1, "disc": 0.1})
+  assert plan.delta == delta and plan.guarantee()["clip_norms"] == {"lm": 0.1, "disc": 0.1}
+  ledger.record_dp_steps(steps, noise_multipliers=trainer.plan_multipliers(plan))
+  sigma, q = plan.noise_multiplier, batch / n
+
+  def direct(releases):
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma)] * releases)),
+        steps)
+    return rdp.RdpAccountant(orders=accounting.RDP_ORDERS).compose(event).get_epsilon(delta)
+
+  assert ledger.epsilon_spent() == pytest.approx(direct(2), rel=1e-9)
+  assert 0.99 * 3.0 <= ledger.epsilon_spent() <= 3.0
+  assert direct(1) < 0.8 * direct(2)
+
+
+def test_single_loss_plans_are_unchanged():
+  sampler = sampling.PoissonSampler(800, 32, seed=0)
+  _, plan = trainer.plan_privacy(
+      sampler, saved_meta=None, steps=10, batch_size=32, sampling_method="poisson",
+      clip_norm=0.1, delta=trainer.resolve_delta(None, 800), target_epsilon=3.0,
+      noise_multiplier=1.5, accountant="rdp", seed=0)
+  # δ = 1/(2n) by default; the saved plan has no new field (old checkpoints
+  # stay compatible) and one release per step.
+  assert plan.delta == 1 / 1600 and "clip_norms" not in plan.guarantee()
+  assert trainer.plan_multipliers(plan) == (1.5,)
+
+
+def test_multi_loss_configuration_errors():
+  multi = trainable.trainable(_config(), LENGTHS)
+  assert multi.loss_names == ("lm", "disc") and multi.example_rng
+  head = trainable.trainable(_config(head_only=True), LENGTHS)
+  assert head.loss_names == ("disc",)
+  assert trainer.loss_clip_norms(multi, 0.1, {"disc": 0.5}) == {"lm": 0.1, "disc": 0.5}
+  build = functools.partial(trainer.build_dp_step, optimizer="adam", learning_rate=1e-3,
+                            noise_multiplier=1.0, normalizer=1.0, seed=0, clip_norm=0.1)
+  with pytest.raises(gin_cli.UsageError, match="ghost"):
+    build(multi, clipping_method="ghost")
+  with pytest.raises(gin_cli.UsageError, match="'lm', 'disc'"):
+    build(multi, clip_norms={"dsic": 0.1})
+  single = trainable.trainable(_config().lm, LENGTHS)
+  with pytest.raises(gin_cli.UsageError, match="has one"):
+    build(single, clip_norms={"lm": 0.1})
+  with pytest.raises(gin_cli.UsageError, match="1/n"):
+    trainer.resolve_delta("1/N", 800)
