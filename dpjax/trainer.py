@@ -220,11 +220,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
 
 
 def plan_multipliers(plan: Plan) -> tuple[float, ...]:
-  """The noise multipliers of one DP step's releases (one σ for all). With
-  σ = 0 (ε = ∞) one release stands for all: dp-accounting cannot compose
-  several noiseless Gaussians, and one is already non-private."""
-  if plan.noise_multiplier == 0:
-    return (0.0,)
+  """The noise multipliers of one DP step's releases (one σ for all)."""
   return (plan.noise_multiplier,) * plan.releases_per_step
 
 

@@ -115,8 +115,10 @@ class PoissonGaussian:
     object.__setattr__(self, "count", int(self.count))
 
   def to_dp_event(self) -> dp_accounting.DpEvent:
-    gaussians = [dp_accounting.GaussianDpEvent(s)
-                 for s in self.noise_multipliers]
+    # A noiseless release makes the step non-private whatever else it
+    # releases; dp-accounting cannot compose several noiseless Gaussians.
+    multipliers = (0.0,) if 0.0 in self.noise_multipliers else self.noise_multipliers
+    gaussians = [dp_accounting.GaussianDpEvent(s) for s in multipliers]
     inner = (gaussians[0] if len(gaussians) == 1
              else dp_accounting.ComposedDpEvent(gaussians))
     return dp_accounting.SelfComposedDpEvent(

@@ -151,3 +151,14 @@ def test_shuffle_accounting():
   poisson = {"method": "poisson", "sampling_rate": 0.1}
   assert accounting.training_events(poisson, (1.0, 2.0), 7) == [
       accounting.PoissonGaussian(0.1, (1.0, 2.0), 7)]
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_a_noiseless_release_makes_the_step_non_private(acc):
+  two = accounting.PoissonGaussian(0.1, (0.0, 0.0), 3)
+  mixed = accounting.PoissonGaussian(0.1, (1.0, 0.0), 3)
+  assert accounting.epsilon([two], 1e-5, acc) == math.inf
+  assert accounting.epsilon([mixed], 1e-5, acc) == math.inf
+  # The noisy release alone is private: the 0 is what makes it infinite.
+  assert accounting.epsilon(
+      [accounting.PoissonGaussian(0.1, (1.0,), 3)], 1e-5, acc) < 10
