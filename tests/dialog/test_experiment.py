@@ -34,7 +34,8 @@ ARGS = dict(modes=("domain_only", "private"), policies=("keyword",), bindings=FA
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("dialog"))
-  return out, experiment.domain_privacy_table(out, **ARGS)
+  yield out, experiment.domain_privacy_table(out, **ARGS)
+  gin.clear_config()  # the runs' bindings (two domains) must not leak
 
 
 def test_table_rows_and_files(table):

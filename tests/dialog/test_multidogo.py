@@ -7,6 +7,7 @@ import json
 import logging
 import random
 
+import gin
 import numpy as np
 import pytest
 import seqio
@@ -268,6 +269,7 @@ def test_task_chunks_and_features(hand_dir, vocabulary):
 
 
 def test_register_multidogo_tasks():
+  gin.clear_config()  # the defaults, whatever ran before
   names = [t.name for t in multidogo.register_multidogo_tasks()]
   assert names == ["multidogo_lm", "multidogo_lm_redacted_keyword",
                    "multidogo_lm_only_airline", "multidogo_lm_without_airline",
