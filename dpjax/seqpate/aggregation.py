@@ -40,13 +40,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax import decoding
+from dpjax import decoding, fileio
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.seqpate import accounting
 from dpjax.seqpate.cache import TeacherSums
@@ -166,20 +165,10 @@ class AnswerStore:
 
   def save(self, path: str) -> None:
     """Writes the store atomically (temp file, then rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".answers-",
-                               suffix=".npz")
-    try:
-      with os.fdopen(fd, "wb") as f:
-        np.savez(f, fingerprint=np.array(self.fingerprint),
-                 num_positions=np.array(self.num_positions),
-                 keys=self.keys, candidates=self.candidates, probs=self.probs)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, path)
-    except BaseException:
-      os.unlink(tmp)
-      raise
+    with fileio.open_atomic(path, "wb") as f:
+      np.savez(f, fingerprint=np.array(self.fingerprint),
+               num_positions=np.array(self.num_positions),
+               keys=self.keys, candidates=self.candidates, probs=self.probs)
 
   @classmethod
   def load(cls, path: str) -> AnswerStore:

@@ -23,9 +23,10 @@ import dataclasses
 import glob
 import hashlib
 import os
-import tempfile
 
 import numpy as np
+
+from dpjax import fileio
 
 GROUP_PATTERN = "group-{:04d}.npz"
 
@@ -63,18 +64,10 @@ def write_group(cache_dir: str, group: int, teacher_ids: np.ndarray,
   probs = (probs / np.maximum(total, 1.0)).astype(np.float32)
   os.makedirs(cache_dir, exist_ok=True)
   path = group_path(cache_dir, group)
-  fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".group-", suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, teacher_ids=teacher_ids, token_ids=token_ids, probs=probs,
-               fingerprint=np.array(pseudo_fingerprint),
-               vocab_size=np.array(vocab_size, np.int64))
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  with fileio.open_atomic(path, "wb") as f:
+    np.savez(f, teacher_ids=teacher_ids, token_ids=token_ids, probs=probs,
+             fingerprint=np.array(pseudo_fingerprint),
+             vocab_size=np.array(vocab_size, np.int64))
   return path
 
 
