@@ -464,13 +464,10 @@ def register_multidogo_tasks(
   Returns:
     The registered tasks.
   """
-  files = dict(checkpoint_tokenizer_files or {})
-  if bool(bpe_vocab_path) != bool(bpe_merges_path):
-    raise ValueError("Set both bpe_vocab_path and bpe_merges_path, or neither.")
-  if not bpe_vocab_path and "vocab" in files and "merges" in files:
-    bpe_vocab_path, bpe_merges_path = files["vocab"], files["merges"]
-  vocabulary = dialog_vocabulary(bpe_vocab_path or DEFAULT_BPE_VOCAB_PATH,
-                                 bpe_merges_path or DEFAULT_BPE_MERGES_PATH)
+  from dpjax.data import vocabularies  # pylint: disable=g-import-not-at-top
+  vocabulary = dialog_vocabulary(*vocabularies.bpe_paths(
+      bpe_vocab_path, bpe_merges_path, checkpoint_tokenizer_files,
+      default_vocab=DEFAULT_BPE_VOCAB_PATH, default_merges=DEFAULT_BPE_MERGES_PATH))
   keywords_path = keywords_path or DEFAULT_KEYWORDS_PATH
   if not os.path.isfile(keywords_path):
     raise FileNotFoundError(f"keyword file not found: {keywords_path!r}")

@@ -512,13 +512,11 @@ def register_semparse_tasks(
   Returns:
     The registered tasks.
   """
+  from dpjax.data import vocabularies  # pylint: disable=g-import-not-at-top
   files = dict(checkpoint_tokenizer_files or {})
-  if bool(bpe_vocab_path) != bool(bpe_merges_path):
-    raise ValueError("Set both bpe_vocab_path and bpe_merges_path, or neither.")
-  if not bpe_vocab_path and "vocab" in files and "merges" in files:
-    bpe_vocab_path, bpe_merges_path = files["vocab"], files["merges"]
-  bpe = _bpe_vocabulary(bpe_vocab_path or DEFAULT_BPE_VOCAB_PATH,
-                        bpe_merges_path or DEFAULT_BPE_MERGES_PATH)
+  bpe = _bpe_vocabulary(*vocabularies.bpe_paths(
+      bpe_vocab_path, bpe_merges_path, files,
+      default_vocab=DEFAULT_BPE_VOCAB_PATH, default_merges=DEFAULT_BPE_MERGES_PATH))
   spm = _sentencepiece_vocabulary(sentencepiece_path or files.get(
       "sentencepiece") or DEFAULT_SENTENCEPIECE_PATH)
   dirs = {"smcalflow": smcalflow_dir, "treedst": treedst_dir}

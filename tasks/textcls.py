@@ -384,13 +384,10 @@ def register_textcls_tasks(sst2_dir: str | None = None, ag_news_dir: str | None 
     checkpoint_tokenizer_files: `dpjax.pretrained.tokenizer_files` of the
       pretrained checkpoint, if any.
   """
-  files = dict(checkpoint_tokenizer_files or {})
-  if bool(bpe_vocab_path) != bool(bpe_merges_path):
-    raise ValueError("Set both bpe_vocab_path and bpe_merges_path, or neither.")
-  if not bpe_vocab_path and "vocab" in files and "merges" in files:
-    bpe_vocab_path, bpe_merges_path = files["vocab"], files["merges"]
-  vocabulary = conditional_vocabulary(bpe_vocab_path or DEFAULT_BPE_VOCAB_PATH,
-                                      bpe_merges_path or DEFAULT_BPE_MERGES_PATH)
+  from dpjax.data import vocabularies  # pylint: disable=g-import-not-at-top
+  vocabulary = conditional_vocabulary(*vocabularies.bpe_paths(
+      bpe_vocab_path, bpe_merges_path, checkpoint_tokenizer_files,
+      default_vocab=DEFAULT_BPE_VOCAB_PATH, default_merges=DEFAULT_BPE_MERGES_PATH))
   dirs = {"sst2": sst2_dir, "ag_news": ag_news_dir}
   return [register_textcls_task(f"{d}_conditional_lm", d, data_dir=dirs[d], source=source,
                                 tfds_data_dir=tfds_data_dir, vocabulary=vocabulary,

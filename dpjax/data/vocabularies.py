@@ -354,3 +354,19 @@ def vocabulary_from_files(files: Mapping[str, str], **kwargs) -> seqio.Vocabular
       f"Cannot make a vocabulary: {why} among the tokenizer files (found "
       f"{found}); expected {{'sentencepiece': spiece.model}} or "
       f"{{'vocab': vocab.json, 'merges': merges.txt}}{hint}.")
+
+
+def bpe_paths(vocab_path: str | None, merges_path: str | None,
+              checkpoint_files: Mapping[str, str] | None, *,
+              default_vocab: str, default_merges: str) -> tuple[str, str]:
+  """(vocab.json, merges.txt) of a GPT-2 task: the ones given (both or
+  neither), else the pretrained checkpoint's if it has them, else the
+  defaults (an embedded sample's)."""
+  if bool(vocab_path) != bool(merges_path):
+    raise ValueError("Set both bpe_vocab_path and bpe_merges_path, or neither.")
+  files = dict(checkpoint_files or {})
+  if vocab_path:
+    return vocab_path, merges_path
+  if "vocab" in files and "merges" in files:
+    return files["vocab"], files["merges"]
+  return default_vocab, default_merges

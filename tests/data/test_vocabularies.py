@@ -347,3 +347,16 @@ def test_module_docstring_states_pad_decision():
   doc = ByteLevelBPEVocabulary.__doc__
   assert "pad_id == eos_id" in doc and "lengths" in doc
   assert vocabularies.GPT2_EOS_TOKEN == EOS
+
+
+def test_bpe_paths_prefer_given_then_checkpoint_then_defaults():
+  ckpt = {"vocab": "/c/vocab.json", "merges": "/c/merges.txt"}
+  kw = dict(default_vocab="/d/vocab.json", default_merges="/d/merges.txt")
+  assert vocabularies.bpe_paths("/g/v.json", "/g/m.txt", ckpt, **kw) == (
+      "/g/v.json", "/g/m.txt")
+  assert vocabularies.bpe_paths(None, None, ckpt, **kw) == (
+      "/c/vocab.json", "/c/merges.txt")
+  assert vocabularies.bpe_paths(None, None, {"sentencepiece": "/c/s"}, **kw) == (
+      "/d/vocab.json", "/d/merges.txt")
+  with pytest.raises(ValueError, match="both bpe_vocab_path and bpe_merges_path"):
+    vocabularies.bpe_paths("/g/v.json", None, None, **kw)
