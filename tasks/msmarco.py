@@ -30,11 +30,12 @@ Two tasks, one example per relevant (query, passage) pair:
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Iterable, Iterator
 
 import gin
+
+from tasks import malformed
 
 _MODULE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,67 +53,20 @@ COLLECTION_FILE = "collection.tsv"
 # seqio split name -> MSMARCO file split name.
 SPLITS = {"train": "train", "dev": "dev", "validation": "dev"}
 
-_ON_MALFORMED = ("fail", "skip")
-
-logger = logging.getLogger(__name__)
-
-
-class MalformedLineError(ValueError):
-  """A line of an MSMARCO file cannot be used; message is `path:lineno: why`."""
-
-  def __init__(self, path: str, lineno: int, reason: str):
-    self.path, self.lineno, self.reason = path, lineno, reason
-    super().__init__(f"{path}:{lineno}: {reason}")
+_ON_MALFORMED = malformed.ON_MALFORMED
+MalformedLineError = malformed.MalformedLineError
 
 
-class _MalformedPolicy:
-  """Raises on a malformed line ("fail") or counts and skips it ("skip")."""
-
-  def __init__(self, on_malformed: str, what: str):
-    if on_malformed not in _ON_MALFORMED:
-      raise ValueError(
-          f"on_malformed must be one of {_ON_MALFORMED}, got {on_malformed!r}"
-      )
-    self.on_malformed = on_malformed
-    self.what = what
-    self.count = 0
-    self.first: str | None = None
-
-  def __call__(self, path: str, lineno: int, reason: str) -> None:
-    error = MalformedLineError(path, lineno, reason)
-    if self.on_malformed == "fail":
-      raise error
-    self.count += 1
-    if self.first is None:
-      self.first = str(error)
-
-  def report(self) -> None:
-    if self.count:
-      logger.warning(
-          "Skipped %d malformed %s (first: %s)", self.count, self.what,
-          self.first,
-      )
-
-
-def _iter_fields(path: str, policy: _MalformedPolicy, num_fields: int
+def _iter_fields(path: str, policy: malformed.MalformedPolicy, num_fields: int
                  ) -> Iterator[tuple[int, list[str]]]:
   """Yields (lineno, fields) of each non-blank line with `num_fields` fields."""
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        policy(path, lineno, f"invalid UTF-8 ({e.reason})")
-        continue
-      line = line.rstrip("\r\n")
-      if not line.strip():
-        continue  # Blank lines (e.g. a trailing one) carry no record.
-      fields = line.split("\t")
-      if len(fields) != num_fields:
-        policy(path, lineno,
-               f"expected {num_fields} tab-separated columns, got {len(fields)}")
-        continue
-      yield lineno, fields
+  for lineno, line in malformed.decoded_lines(path, policy):
+    fields = line.split("\t")
+    if len(fields) != num_fields:
+      policy(path, lineno,
+             f"expected {num_fields} tab-separated columns, got {len(fields)}")
+      continue
+    yield lineno, fields
 
 
 def _parse_id(text: str) -> int:
@@ -142,7 +96,7 @@ def read_tsv_pairs(path: str, *, on_malformed: str = "fail",
   Yields:
     `(id, text)` in file order; text is stripped of surrounding whitespace.
   """
-  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"lines in {path}")
   keep = None if keep_ids is None else set(keep_ids)
   seen: set[int] = set()
   try:
@@ -178,7 +132,7 @@ def read_qrels(path: str, *, on_malformed: str = "fail"
   `on_malformed`). Rows are yielded in file order, including non-relevant ones
   (relevance <= 0); a repeated (qid, pid) row is yielded once.
   """
-  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"lines in {path}")
   seen: set[tuple[int, int]] = set()
   try:
     for lineno, fields in _iter_fields(path, policy, 4):
@@ -282,7 +236,7 @@ def load_query_passage_pairs(data_dir: str, split: str, *,
                                 keep_ids=qids))
   passages = dict(read_tsv_pairs(paths["collection"], on_malformed=on_malformed,
                                  keep_ids={pid for _, pid, _ in qrels}))
-  policy = _MalformedPolicy(on_malformed, f"qrels rows in {paths['qrels']}")
+  policy = malformed.MalformedPolicy(on_malformed, f"qrels rows in {paths['qrels']}")
   pairs = []
   for qid, pid, lineno in qrels:
     if qid not in queries:

@@ -62,7 +62,8 @@ import gin
 import numpy as np
 
 from dpjax.dialog import redaction
-from tasks.msmarco import MalformedLineError, _MalformedPolicy  # noqa: F401
+from tasks import malformed
+from tasks.malformed import MalformedLineError  # noqa: F401  (re-exported)
 
 _DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 DEFAULT_DATA_DIR = os.path.join(_DATA_DIR, "multidogo_sample")
@@ -161,7 +162,7 @@ def read_conversations(path: str, domain: str, *, on_malformed: str = "fail"
   """
   if domain not in DOMAINS:
     raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
-  policy = _MalformedPolicy(on_malformed, f"rows in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"rows in {path}")
   bad_lines: set[int] = set()
   rows: dict[str, list[tuple[int, int, str, str]]] = {}
   lines = _decoded_lines(path, policy, bad_lines)

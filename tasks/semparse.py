@@ -49,7 +49,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import gin
 
 from dpjax.semparse import lispress
-from tasks.msmarco import MalformedLineError, _MalformedPolicy  # noqa: F401
+from tasks import malformed
+from tasks.malformed import MalformedLineError  # noqa: F401  (re-exported)
 
 _MODULE_DIR = os.path.dirname(os.path.abspath(__file__))
 _DATA_DIR = os.path.join(_MODULE_DIR, "data")
@@ -214,27 +215,19 @@ def read_turns(path: str, *, on_malformed: str = "fail",
   Yields:
     The turns with `skip` false, in file order.
   """
-  policy = _MalformedPolicy(on_malformed, f"dialogues in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"dialogues in {path}")
   seen: set[str] = set()
   try:
-    with open(path, "rb") as f:
-      for lineno, raw in enumerate(f, start=1):
-        try:
-          line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-          policy(path, lineno, f"invalid UTF-8 ({e.reason})")
-          continue
-        if not line.strip():
-          continue
-        try:
-          dialogue_id, turns = _dialogue_turns(line, with_domains, domain_types)
-          if dialogue_id in seen:
-            raise ValueError(f"duplicate dialogue_id {dialogue_id!r}")
-        except ValueError as e:
-          policy(path, lineno, str(e))
-          continue
-        seen.add(dialogue_id)
-        yield from turns
+    for lineno, line in malformed.decoded_lines(path, policy):
+      try:
+        dialogue_id, turns = _dialogue_turns(line, with_domains, domain_types)
+        if dialogue_id in seen:
+          raise ValueError(f"duplicate dialogue_id {dialogue_id!r}")
+      except ValueError as e:
+        policy(path, lineno, str(e))
+        continue
+      seen.add(dialogue_id)
+      yield from turns
   finally:
     policy.report()
 

@@ -42,7 +42,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from tasks.msmarco import MalformedLineError, _MalformedPolicy  # noqa: F401
+from tasks import malformed
+from tasks.malformed import MalformedLineError  # noqa: F401  (re-exported)
 
 _DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                          "seqpate_sample")
@@ -104,25 +105,17 @@ def read_airdialogue(path: str, *, on_malformed: str = "fail"
   has an utterance without a speaker tag; "skip" drops such a dialogue and
   logs one warning with the count and the first location.
   """
-  policy = _MalformedPolicy(on_malformed, f"dialogues in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"dialogues in {path}")
   try:
-    with open(path, "rb") as f:
-      for lineno, raw in enumerate(f, start=1):
-        try:
-          line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-          policy(path, lineno, f"invalid UTF-8 ({e.reason})")
-          continue
-        if not line.strip():
-          continue
-        try:
-          user, turns = _dialogue_sentences(line)
-        except ValueError as e:
-          policy(path, lineno, str(e))
-          continue
-        for k, (_, text) in enumerate(turns):
-          if text:
-            yield Sentence(text, user, f"{path}:{lineno}:{k}")
+    for lineno, line in malformed.decoded_lines(path, policy):
+      try:
+        user, turns = _dialogue_sentences(line)
+      except ValueError as e:
+        policy(path, lineno, str(e))
+        continue
+      for k, (_, text) in enumerate(turns):
+        if text:
+          yield Sentence(text, user, f"{path}:{lineno}:{k}")
   finally:
     policy.report()
 
@@ -134,17 +127,10 @@ def read_europarl(path: str, *, on_malformed: str = "fail"
   `on_malformed`: "fail" raises `MalformedLineError` on invalid UTF-8;
   "skip" skips such lines and logs one warning.
   """
-  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"lines in {path}")
   try:
-    with open(path, "rb") as f:
-      for lineno, raw in enumerate(f, start=1):
-        try:
-          line = raw.decode("utf-8").strip()
-        except UnicodeDecodeError as e:
-          policy(path, lineno, f"invalid UTF-8 ({e.reason})")
-          continue
-        if line:
-          yield Sentence(line, None, f"{path}:{lineno}")
+    for lineno, line in malformed.decoded_lines(path, policy):
+      yield Sentence(line.strip(), None, f"{path}:{lineno}")
   finally:
     policy.report()
 

@@ -57,7 +57,8 @@ from typing import Iterator, Mapping, Sequence
 import gin
 import numpy as np
 
-from tasks.msmarco import MalformedLineError, _MalformedPolicy  # noqa: F401
+from tasks import malformed
+from tasks.malformed import MalformedLineError  # noqa: F401  (re-exported)
 
 SAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                           "textcls_sample")
@@ -108,19 +109,6 @@ def _clean(text: str) -> str:
   return " ".join(text.split())
 
 
-def _decoded_lines(path: str, policy) -> Iterator[tuple[int, str]]:
-  """(line number, text without the line break) of each non-blank line."""
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
-      try:
-        line = raw.decode("utf-8").rstrip("\r\n")
-      except UnicodeDecodeError as e:
-        policy(path, lineno, f"invalid UTF-8 ({e.reason})")
-        continue
-      if line.strip():
-        yield lineno, line
-
-
 def read_sst2_tsv(path: str, *, on_malformed: str = "fail") -> Iterator[Example]:
   """Streams the examples of a GLUE SST-2 TSV file (header, then
   `sentence \\t label`; columns found by name).
@@ -131,8 +119,8 @@ def read_sst2_tsv(path: str, *, on_malformed: str = "fail") -> Iterator[Example]
   warning with their count and the first location. A header without
   `sentence` and `label` columns always raises.
   """
-  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
-  lines = _decoded_lines(path, policy)
+  policy = malformed.MalformedPolicy(on_malformed, f"lines in {path}")
+  lines = malformed.decoded_lines(path, policy)
   try:
     first = next(lines, None)
     header = [] if first is None else first[1].lstrip("\ufeff").split("\t")
@@ -165,10 +153,10 @@ def read_ag_news_csv(path: str, *, on_malformed: str = "fail") -> Iterator[Examp
   class index outside 1..4 or an empty title and description; "skip" drops
   such lines and logs one warning with their count and the first location.
   """
-  policy = _MalformedPolicy(on_malformed, f"lines in {path}")
+  policy = malformed.MalformedPolicy(on_malformed, f"lines in {path}")
   num_classes = len(LABELS["ag_news"])
   try:
-    for lineno, line in _decoded_lines(path, policy):
+    for lineno, line in malformed.decoded_lines(path, policy):
       try:
         fields = next(csv.reader([line], strict=True))
       except csv.Error as e:
