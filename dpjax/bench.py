@@ -349,13 +349,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   return args
 
 
+def machine_context(module: str, argv: Sequence[str]) -> dict:
+  """What every benchmark line says about where and how it ran."""
+  device = jax.devices()[0]
+  return dict(device_kind=device.device_kind, platform=device.platform,
+              num_devices=jax.device_count(), jax_version=jax.__version__,
+              command=shlex.join(["python", "-m", module, *argv]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
-  device = jax.devices()[0]
-  context = dict(device_kind=device.device_kind, platform=device.platform,
-                 num_devices=jax.device_count(), jax_version=jax.__version__,
-                 command=shlex.join(["python", "-m", "dpjax.bench", *argv]))
+  context = machine_context("dpjax.bench", argv)
   try:
     result, status = run(args), 0
   except Unavailable as e:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -126,11 +125,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
-  device = jax.devices()[0]
-  context = dict(device_kind=device.device_kind, platform=device.platform,
-                 num_devices=jax.device_count(), jax_version=jax.__version__,
-                 command=shlex.join(["python", "-m", "dpjax.seqpate.bench",
-                                     *argv]))
+  context = dpjax_bench.machine_context("dpjax.seqpate.bench", argv)
   try:
     result, status = run(args), 0
   except dpjax_bench.Unavailable as e:
