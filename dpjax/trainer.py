@@ -17,8 +17,11 @@ each step is, by a public coin flipped before training, either a DP step on
 the original task or a non-private step on the public (redacted) task, both
 updating one optimizer state. Only the DP steps are releases: σ is calibrated
 for exactly their number, and only they enter the ledger. A finished dpjax run
-directory is also a valid INITIAL_CHECKPOINT_PATH (of the same model), e.g.
-JFT: a DP run started from a run trained on redacted data.
+directory is also a valid INITIAL_CHECKPOINT_PATH, e.g. JFT: a DP run started
+from a run trained on redacted data. Its model must be this run's, or a field
+of this run's config (the GPT-2 that a GPT-2 + discriminator head extends,
+shared/papers/002's post-hoc head); the top-level param subtrees its
+checkpoint lacks (the head) are freshly initialised, and said so.
 
 A model with several named per-example losses (`Trainable.example_losses`:
 GPT-2 + discriminator head, shared/papers/002) makes one release per loss
@@ -363,6 +366,20 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
       "public_steps": int(np.count_nonzero(public))}
 
 
+def initial_tokenizer_files(initial_checkpoint_path: str | None
+                            ) -> dict[str, str] | None:
+  """The tokenizer files a run starting from `initial_checkpoint_path` registers
+  its tasks with: those the dpjax run there recorded, else the pretrained
+  checkpoint's (`pretrained.tokenizer_files`); None without a checkpoint."""
+  if not initial_checkpoint_path:
+    return None
+  run = checkpoints.read_run(os.path.expanduser(initial_checkpoint_path))
+  if run:
+    return run[2].get("tokenizer_files")
+  from dpjax import pretrained
+  return pretrained.tokenizer_files(initial_checkpoint_path)
+
+
 @gin.configurable
 def train(*, model_dir: str = gin.REQUIRED,
           model_config=gin.REQUIRED,
@@ -439,26 +456,26 @@ def train(*, model_dir: str = gin.REQUIRED,
         f"got {public_task_name!r} and {redaction_schedule!r}")
 
   # --- Data: validated before anything is written. -------------------------
-  tokenizer, init_run = None, None
-  if initial_checkpoint_path:
-    from dpjax import pretrained
-    init_run = checkpoints.read_run(os.path.expanduser(initial_checkpoint_path))
-    tokenizer = (init_run[2].get("tokenizer_files") if init_run else
-                 pretrained.tokenizer_files(initial_checkpoint_path))
+  init_run = (checkpoints.read_run(os.path.expanduser(initial_checkpoint_path))
+              if initial_checkpoint_path else None)
+  tokenizer = initial_tokenizer_files(initial_checkpoint_path)
   tasks.register_tasks(tokenizer_files=tokenizer)
   lengths = dict(task_feature_lengths)
   try:
     model = trainable_lib.trainable(model_config, lengths)
   except (TypeError, KeyError) as e:
     raise gin_cli.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
-  if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model
+  if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
+    # or the one this model extends (`init_from_run`)
     saved = init_run[2]
-    checkpoints.check_compatible(
-        {"class": saved.get("model_class") or "T5Config",
-         **saved["model_config"]},
-        {"class": type(model_config).__name__, **_config_json(model_config)},
-        "model", source="the run in INITIAL_CHECKPOINT_PATH",
-        fix="Configure the model it was trained with.")
+    saved_model = {"class": saved.get("model_class") or "T5Config",
+                   **saved["model_config"]}
+    if saved_model not in _model_and_parts(model_config):
+      checkpoints.check_compatible(
+          saved_model, _model_json(model_config), "model",
+          source="the run in INITIAL_CHECKPOINT_PATH",
+          fix="Configure the model it was trained with (or one that extends "
+              "it, e.g. GPT2DiscConfig.lm = that model).")
   data = data_arrays.load_task_arrays(mixture_or_task_name, "train", lengths,
                                       converter=model.converter)
   try:
@@ -564,12 +581,16 @@ def train(*, model_dir: str = gin.REQUIRED,
                   f"ε spent {ledger.epsilon_spent():.4f}")
   else:  # built in place on the mesh, the same on every process
     if init_run:
-      params = checkpoints.restore_params(init_run[0], init_run[1], param_sh)
+      params = init_from_run(model, init_run[0], init_run[1], param_sh, seed)
       reporting.say(f"initialised from step {init_run[1]} of the run "
                     f"{initial_checkpoint_path}")
     elif initial_checkpoint_path:
+      from dpjax import pretrained
+      # The run's init key: parts the checkpoint lacks (a discriminator
+      # head) start as they would without it.
       params = pretrained.load_pretrained(initial_checkpoint_path, model_config,
-                                          shardings=param_sh)
+                                          shardings=param_sh,
+                                          rng=jax.random.PRNGKey(seed))
       reporting.say(f"initialised from {initial_checkpoint_path}")
     else:
       params = jax.jit(lambda: model.init_params(jax.random.PRNGKey(seed))[0],
@@ -724,6 +745,45 @@ def train(*, model_dir: str = gin.REQUIRED,
 def _config_json(model_config) -> dict:
   """The config as a checkpoint's JSON meta reads back (tuples as lists)."""
   return json.loads(json.dumps(model_config.to_json()))
+
+
+def _model_json(model_config) -> dict:
+  return {"class": type(model_config).__name__, **_config_json(model_config)}
+
+
+def _model_and_parts(model_config) -> list[dict]:
+  """`_model_json` of the config and of each model config among its fields
+  (e.g. a GPT2DiscConfig's `lm`): the models whose runs can initialise it."""
+  parts = [getattr(model_config, f.name)
+           for f in dataclasses.fields(model_config)]
+  return [_model_json(c) for c in (model_config, *parts)
+          if dataclasses.is_dataclass(c) and hasattr(c, "to_json")]
+
+
+def init_from_run(model: trainable_lib.Trainable, mngr, step: int,
+                  shardings, seed: int):
+  """The params of checkpoint `step` of a run, placed by `shardings` (a
+  params-shaped tree): every top-level subtree the checkpoint holds is read
+  back; those it lacks (the head of a model extending the run's) are
+  `model.init_params(PRNGKey(seed))`'s, computed alone (jit drops the rest
+  of the init) and named on the console."""
+  saved = mngr.item_metadata(step)["state"]["params"]
+  extra = sorted(set(saved) - set(shardings))
+  if extra:
+    raise checkpoints.CheckpointMismatchError(
+        f"the run in INITIAL_CHECKPOINT_PATH has params {extra} this model "
+        "does not have")
+  params = checkpoints.restore_params(
+      mngr, step, {k: shardings[k] for k in saved})
+  missing = [k for k in shardings if k not in saved]
+  if missing:
+    params.update(jax.jit(
+        lambda: {k: model.init_params(jax.random.PRNGKey(seed))[0][k]
+                 for k in missing},
+        out_shardings={k: shardings[k] for k in missing})())
+    reporting.say(f"{missing}: not in the run's checkpoint, freshly "
+                  f"initialised (seed {seed})")
+  return params
 
 
 def _public_sampler(n: int, batch_size: int, seed: int

@@ -7,7 +7,10 @@ read from the one tensor. Names may carry the `transformer.` prefix
 (`GPT2LMHeadModel`) or not (`GPT2Model`); export writes the prefixed form.
 `lm_head.weight` is always tied to `wte` (config.json must not untie it) and
 the causal-mask buffers `attn.bias` / `attn.masked_bias` of old checkpoints
-carry no weights: all are aliases. No torch here.
+carry no weights: all are aliases. The token embedding (and so the tied LM
+head) is in `VOCAB_PARAMS`: a gin vocab_size larger than the checkpoint's
+grows it on import (`dpjax.pretrained.hf`), for tokens appended to GPT-2's
+BPE. No torch here.
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ HF_FIELD_NAMES = {"d_model": "n_embd", "num_layers": "n_layer", "num_heads": "n_
                   "d_ff": "n_inner", "dropout_rate": "resid_pdrop"}
 # "gelu_pytorch_tanh" is the same tanh-approximated GELU as "gelu_new".
 _ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+# Params whose first axis is `vocab_size`: they may grow on import.
+VOCAB_PARAMS = (("token_embedder", "embedding"),)
+# GPT-2's <|endoftext|>: the last of its BPE's tokens, before any appended ones.
+_ENDOFTEXT = 50256
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> GPT2Config:
@@ -46,7 +53,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> GPT2Config:
 
 
 def config_to_hf(config: GPT2Config) -> dict:
-  """A config.json that transformers loads as this model (GPT2LMHeadModel)."""
+  """A config.json that transformers loads as this model (GPT2LMHeadModel).
+
+  BOS/EOS are <|endoftext|>: 50256 where the vocabulary is GPT-2's, grown or
+  not; a smaller (e.g. test) vocabulary is taken to end with it, as GPT-2's does.
+  """
+  eos = min(config.vocab_size - 1, _ENDOFTEXT)
   return {
       "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
       "vocab_size": config.vocab_size, "n_positions": config.n_positions,
@@ -55,8 +67,7 @@ def config_to_hf(config: GPT2Config) -> dict:
       "resid_pdrop": config.dropout_rate, "embd_pdrop": config.dropout_rate,
       "attn_pdrop": config.dropout_rate, "layer_norm_epsilon": config.layer_norm_epsilon,
       "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
-      # GPT-2's <|endoftext|> (50256) is its last token.
-      "bos_token_id": config.vocab_size - 1, "eos_token_id": config.vocab_size - 1,
+      "bos_token_id": eos, "eos_token_id": eos,
   }
 
 

@@ -3,7 +3,10 @@
 `load_pretrained(path, config)` reads either a Hugging Face checkpoint
 directory (`hf.load_hf`: config.json + safetensors or PyTorch .bin; T5 v1.0 /
 v1.1, GPT-2, BERT encoders) or a t5x checkpoint (`t5x.load_t5x`), streaming
-one tensor at a time into (sharded) device arrays. `export_hf` writes params
+one tensor at a time into (sharded) device arrays; a GPT-2 whose gin
+vocab_size exceeds the checkpoint's gets the extra embedding rows (`hf`'s
+docstring). A GPT-2 with a discriminator head (`gpt2_disc`) takes its GPT-2
+from the checkpoint and a freshly initialised head. `export_hf` writes params
 as a Hugging Face directory. Every problem is a `CheckpointError` naming the
 tensor or config field and both shapes or values. No TensorFlow here; torch
 is imported only to read `.bin` files.
@@ -13,7 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import pathlib
-from typing import Any
+from typing import Any, Mapping
 
 from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_checkpoint,
                                  tokenizer_files)
@@ -32,16 +35,23 @@ def _t5x_module():
     return None
 
 
-def load_pretrained(path: str | os.PathLike, config, *, shardings=None) -> Any:
+def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None) -> Any:
   """Params of `config`'s model from a Hugging Face directory or a t5x checkpoint.
 
   A dual encoder takes the encoder of a T5 checkpoint (`config.encoder`
-  describes the whole T5, decoder included)."""
-  from dpjax.models import dual_encoder  # pylint: disable=g-import-not-at-top
+  describes the whole T5, decoder included). A `GPT2DiscConfig` model takes
+  its GPT-2 (`config.lm`) from a GPT-2 checkpoint and initialises the
+  discriminator head from `rng`, which it then needs (the trainer's
+  `PRNGKey(seed)`: the head is the one `gpt2_disc.init_params(config, rng)`
+  gives, as in a run without a checkpoint).
+  """
+  from dpjax.models import dual_encoder, gpt2_disc  # pylint: disable=g-import-not-at-top
   if isinstance(config, dual_encoder.DualEncoderConfig):
     import jax  # pylint: disable=g-import-not-at-top
     params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder))
     return params if shardings is None else jax.device_put(params, shardings)
+  if isinstance(config, gpt2_disc.GPT2DiscConfig):
+    return _load_gpt2_disc(path, config, shardings, rng)
   if (pathlib.Path(path) / "config.json").is_file():
     return load_hf(path, config, shardings=shardings)
   t5x = _t5x_module()
@@ -50,3 +60,26 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None) -> Any:
   raise CheckpointError(
       f"{path} is neither a Hugging Face directory (config.json) nor a t5x checkpoint"
       + ("" if t5x is not None else " (t5x support is not available)"))
+
+
+def _load_gpt2_disc(path, config, shardings, rng) -> Any:
+  """GPT-2 from the checkpoint, `disc_head` initialised from `rng`."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dpjax import reporting  # pylint: disable=g-import-not-at-top
+  from dpjax.models import gpt2_disc  # pylint: disable=g-import-not-at-top
+  if rng is None:
+    raise ValueError("a GPT2DiscConfig model needs rng= to initialise its discriminator "
+                     f"head ({gpt2_disc.HEAD}), which a GPT-2 checkpoint does not hold")
+  if isinstance(shardings, Mapping):
+    lm_shardings, head_shardings = gpt2_disc.lm_params(shardings), shardings[gpt2_disc.HEAD]
+  else:
+    lm_shardings = head_shardings = shardings
+  params = load_pretrained(path, config.lm, shardings=lm_shardings)
+  # Jitted, so XLA drops the GPT-2 init, whose output is unused.
+  head = jax.jit(lambda key: gpt2_disc.init_params(config, key, max_length=1)[0][
+      gpt2_disc.HEAD])(rng)
+  if head_shardings is not None:
+    head = jax.device_put(head, head_shardings)
+  reporting.say(f"{gpt2_disc.HEAD}: not in the checkpoint, freshly initialised from the "
+                "run's key")
+  return {**params, gpt2_disc.HEAD: head}

@@ -14,13 +14,23 @@ the model's?), then that no checkpoint tensor is left unused (aliases such as
 tied embeddings aside). Any problem raises `CheckpointError`, which names the
 field or tensor and both values or shapes; nothing half-loaded is returned.
 
+Vocabulary growth (GPT-2; a mapping opts in with `VOCAB_PARAMS`): a gin
+`vocab_size` larger than config.json's is not a mismatch but tokens appended
+to the checkpoint's tokenizer (e.g. the label or control tokens of a task),
+as with Hugging Face's `resize_token_embeddings`. Rows `0..V_ckpt-1` of those
+params are the checkpoint's, the new rows the mean of them (`grow_rows`
+says why), and one line reports how many rows were added. Every check above
+then runs against the checkpoint's vocabulary. A smaller gin `vocab_size` is
+an error: it would drop pretrained rows.
+
 Host memory: tensors are read one at a time, each straight from its file
 (safetensors: `safe_open` per tensor; `.bin`: `torch.load(mmap=True)`, so
 the file is paged in, not copied), upcast to float32 (a bf16/f16 tensor thus
 briefly takes 2-3x its stored size), transformed (transposes and slices are
 views), put on its device(s) with its sharding, waited for, and dropped
 before the next is read. Peak host memory is about one float32 tensor (the
-largest is the embedding, e.g. 128 MB for a 3B T5), never the model. On a
+largest is the embedding, e.g. 128 MB for a 3B T5; two while a vocabulary
+grows, the checkpoint's and the grown copy), never the model. On a
 CPU backend the device arrays themselves live in host memory: jax may adopt
 the loaded buffer as the array, so nothing is copied twice.
 
@@ -43,7 +53,7 @@ import jax
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (safetensors BF16)
 import numpy as np
 
-from dpjax import fileio
+from dpjax import fileio, reporting
 from dpjax.models import hf_common
 
 PyTree = Any
@@ -254,9 +264,10 @@ def _architecture(config, mapping, ignore=()) -> dict:
 
 
 def check_config(hf_config: Mapping[str, Any], config, mapping=None,
-                 ignore: tuple[str, ...] = ()) -> None:
-  """Raises CheckpointError unless config.json describes the gin model
-  (fields in `ignore` may differ)."""
+                 ignore: tuple[str, ...] = ()):
+  """The checkpoint's model config; raises CheckpointError unless config.json
+  describes the gin model (fields in `ignore` may differ, and a larger gin
+  `vocab_size` where the mapping has `VOCAB_PARAMS`: those grow)."""
   mapping = mapping or mapping_for(config)
   model_type = hf_config.get("model_type")
   if model_type not in mapping.HF_MODEL_TYPES:
@@ -270,12 +281,22 @@ def check_config(hf_config: Mapping[str, Any], config, mapping=None,
   except (ValueError, TypeError) as e:
     raise CheckpointError(f"config.json: {e}") from e
   names = getattr(mapping, "HF_FIELD_NAMES", {})
+  grows = bool(getattr(mapping, "VOCAB_PARAMS", ()))
   a = _architecture(theirs, mapping, ignore)
   b = _architecture(config, mapping, ignore)
-  diffs = [f"{k}{f' (config.json {names[k]!r})' if k in names else ''}: "
-           f"checkpoint {a[k]!r}, gin {b[k]!r}" for k in b if a.get(k) != b[k]]
+  diffs = []
+  for k in b:
+    if a.get(k) == b[k] or (grows and k == "vocab_size" and a[k] < b[k]):
+      continue
+    diff = (f"{k}{f' (config.json {names[k]!r})' if k in names else ''}: "
+            f"checkpoint {a.get(k)!r}, gin {b[k]!r}")
+    if grows and k == "vocab_size":
+      diff += (f" (a smaller gin vocabulary would drop the pretrained embedding rows "
+               f"{b[k]}..{a[k] - 1}; only growing it is supported)")
+    diffs.append(diff)
   if diffs:
     raise CheckpointError("config.json disagrees with the gin model config:" + _listing(diffs))
+  return theirs
 
 
 def _keystr(path) -> str:
@@ -292,6 +313,24 @@ def _flat_shardings(shardings, treedef, n: int) -> list:
   if tree != treedef:
     raise ValueError(f"shardings do not match the params tree: {tree} vs {treedef}")
   return leaves
+
+
+def grow_rows(table: np.ndarray, rows: int) -> np.ndarray:
+  """`table` `[V, d]` followed by `rows - V` copies of the mean of its rows.
+
+  Why the mean (Hewitt 2021, "Initializing new word embeddings for
+  pretrained language models"): under the tied LM head a new token's logit
+  is `h . mean(E) = mean(h . E)`, the average pretrained logit, so it starts
+  no likelier than an average pretrained token (exp of a mean <= mean of
+  exps): the pretrained tokens keep their logits, the softmax normaliser
+  grows by a factor of at most `rows / V`, and so KL(old || new) <=
+  log(rows / V) (1.4e-4 nats for 7 tokens on 50257). A random row could
+  instead dominate the softmax from the first step.
+  """
+  grown = np.empty((rows, *table.shape[1:]), table.dtype)
+  grown[:len(table)] = table
+  grown[len(table):] = table.mean(axis=0, dtype=np.float64)
+  return grown
 
 
 def _put(x: np.ndarray, sharding) -> jax.Array:
@@ -311,18 +350,25 @@ def load_from_reader(hf_config: Mapping[str, Any], reader: hf_common.TensorReade
   """`load_hf` on an opened checkpoint (`open_hf_checkpoint`, or a DictReader)."""
   mapping = mapping_for(config)
   options = {"encoder_only": True} if encoder_only else {}
-  check_config(hf_config, config, mapping,
-               ignore=("num_labels",) if encoder_only else ())
-  abstract = _abstract_target(config, mapping)
+  theirs = check_config(hf_config, config, mapping,
+                        ignore=("num_labels",) if encoder_only else ())
+  target = _abstract_target(config, mapping)
+  # Read and checked at the checkpoint's vocabulary; VOCAB_PARAMS grow after.
+  vocab_params = getattr(mapping, "VOCAB_PARAMS", ())
+  new_rows = config.vocab_size - theirs.vocab_size if vocab_params else 0
+  ckpt_config = dataclasses.replace(config, vocab_size=theirs.vocab_size) if new_rows else config
+  grown = {"/".join(p) for p in vocab_params} if new_rows else set()
+  abstract = _abstract_target(ckpt_config, mapping)
   is_source = lambda x: isinstance(x, hf_common.Source)
   try:
-    sources, aliases = mapping.param_sources(config, reader, **options)
-    dry_sources, _ = mapping.param_sources(config, _ShapeReader(reader),
+    sources, aliases = mapping.param_sources(ckpt_config, reader, **options)
+    dry_sources, _ = mapping.param_sources(ckpt_config, _ShapeReader(reader),
                                            **options)
   except (ValueError, TypeError) as e:  # an option this model has no use for
     raise CheckpointError(str(e)) from e
   if encoder_only:  # only the encoder's subtrees; the caller initialises the rest
     abstract = {k: abstract[k] for k in sources}
+    target = {k: target[k] for k in sources}
     if isinstance(shardings, Mapping):
       shardings = {k: shardings[k] for k in sources}
   abstract_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -362,7 +408,8 @@ def load_from_reader(hf_config: Mapping[str, Any], reader: hf_common.TensorReade
 
   shards = _flat_shardings(shardings, treedef, len(source_leaves))
   arrays = []
-  for (path, leaf), source, sharding in zip(abstract_leaves, source_leaves, shards):
+  for (path, leaf), want, source, sharding in zip(abstract_leaves, jax.tree.leaves(target),
+                                                  source_leaves, shards):
     try:
       x = source.load()
     except Exception as e:
@@ -370,8 +417,14 @@ def load_from_reader(hf_config: Mapping[str, Any], reader: hf_common.TensorReade
     if x.shape != tuple(leaf.shape):  # checked above; a reader that lied about shapes
       raise CheckpointError(f"{source.names} gave shape {x.shape} for {_keystr(path)}: "
                             f"expected {tuple(leaf.shape)}")
-    arrays.append(_put(x.astype(leaf.dtype, copy=False), sharding))
+    if _keystr(path) in grown:
+      x = grow_rows(x, want.shape[0])
+    arrays.append(_put(x.astype(want.dtype, copy=False), sharding))
     del x  # the only host copy; the next tensor is read after it is gone
+  if new_rows:
+    reporting.say(f"vocabulary grown from the checkpoint's {theirs.vocab_size} to "
+                  f"{config.vocab_size} tokens: {new_rows} embedding rows added, each the "
+                  "mean of the pretrained rows")
   return jax.tree.unflatten(treedef, arrays)
 
 
@@ -385,7 +438,9 @@ def load_hf(path: str | os.PathLike, config, *, shardings=None,
   (naming the field or tensor and both values or shapes) if config.json
   disagrees with `config` on the architecture (dropout may differ), or a
   tensor is missing, mis-shaped or unused; nothing is read before all of
-  that is checked. `encoder_only` (BERT): load only the encoder and pooler
+  that is checked. A GPT-2 whose gin `vocab_size` exceeds the checkpoint's
+  gets the extra embedding rows (module docstring); a smaller one is an
+  error. `encoder_only` (BERT): load only the encoder and pooler
   from a plain `BertModel` checkpoint (e.g. bert-base-uncased), returning
   those subtrees for the caller to merge over a freshly initialised head.
   """

@@ -3,10 +3,13 @@
   python -m dpjax.textcls table4 --output_dir=runs/textcls \\
       [--epsilons=3,8,16,256,inf] [--gin_file=textcls_sample.gin] [--gin.NAME=VALUE ...]
   python -m dpjax.textcls table1 --output_dir=runs/textcls [--step_size=0.04] \\
-      [--samples_per_class=N]
+      [--samples_per_class=N] [--head_epochs=E]
 
 Both share the multitask runs (`OUTPUT_DIR/runs/multitask_eps*`) and
-`results.jsonl`; rerunning skips what is done. Defaults run on the embedded
+`results.jsonl`; rerunning skips what is done. table1 also trains the
+baseline pipeline per ε (`runs/baseline_lm_eps*`, then the post-hoc head
+`runs/baseline_disc_eps*`, one budget over both; `--head_epochs`: the head's
+training length, default as many steps as the LM). Defaults run on the embedded
 SST-2 sample (tiny models, CPU); the paper's settings are
 `--gin_file=textcls_distilgpt2.gin` with the full data and a pretrained
 distilgpt2 (see that file).
@@ -33,6 +36,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--step_size", type=float, default=None, help="PPLM step size")
   p.add_argument("--samples_per_class", type=int, default=None,
                  help="default: as many as the training set has")
+  p.add_argument("--head_epochs", type=float, default=None,
+                 help="epochs of the baselines' post-hoc head (default: as many "
+                 "steps as the LM; both share one (ε, δ))")
 
 
 def main(argv=None):
@@ -46,7 +52,8 @@ def main(argv=None):
   if args.table == "table4":
     return experiment.table4(args.output_dir, epsilons=args.epsilons,
                              gin_files=files, bindings=bindings)
-  settings = experiment.Settings(samples_per_class=args.samples_per_class)
+  settings = experiment.Settings(samples_per_class=args.samples_per_class,
+                                 head_epochs=args.head_epochs)
   if args.step_size is not None:
     settings = dataclasses.replace(settings, step_size=args.step_size)
   return experiment.table1(args.output_dir, epsilons=args.epsilons, gin_files=files,

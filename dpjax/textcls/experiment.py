@@ -7,59 +7,89 @@ Data" (shared/papers/002), one function each, on run directories.
   step, both in the ledger), same data, steps and (ε, δ). The loss is the
   LM's mean per-example loss on the held-out split (the text tokens; the
   `BOS label SEP` prompt is masked out in both).
-* `table1`: downstream accuracy at each ε. The multitask run (shared with
-  Table 4) generates, per class, as many labelled texts as the training set
-  holds, by PPLM-steered nucleus sampling from `BOS label SEP`
-  (`pplm.pplm_generate_causal`, steered by the run's own head); a BERT
-  classifier (`text_classifier`, the same settings for every row) trained on
-  them is scored on the real held-out split. Also: the "original data" row
-  (the classifier on the real training texts), Baseline 1 (plain conditional
-  nucleus sampling, kept where the run's discriminator gives p(a|x) > 0.5),
-  and the n-gram memorisation rate of the PPLM texts (n = 3..7).
+* `table1`: downstream accuracy at each ε of three generators, each
+  producing, per class, as many labelled texts as the training set holds
+  (or `samples_per_class`) from `BOS label SEP` prompts; a BERT classifier
+  (`text_classifier`, the same settings for every column) trained on them is
+  scored on the real held-out split.
+  - ours (Sec. 5.1.3): the multitask run (shared with Table 4), PPLM-steered
+    nucleus sampling (`pplm.pplm_generate_causal`) by the run's own head;
+  - Baseline 2 (Sec. 5.1.2): the naive LM `G_tuned`, then a post-hoc
+    discriminator (the same MLP head and loss, `GPT2DiscConfig.head_only`)
+    DP-trained on the frozen `G_tuned`; PPLM steered by that head;
+  - Baseline 1 (Sec. 5.1.1): plain conditional nucleus sampling from the
+    same `G_tuned`, kept where the post-hoc head gives p(a|x) > 0.5
+    (`pplm.filter_by_classifier`); the kept count is reported. The paper
+    fine-tunes a separate LM classifier as this filter; here the baselines
+    share the one post-hoc head, so that both fit in the same budget.
+  Also the "original data" row (the classifier on the real training texts)
+  and the n-gram memorisation rate of our PPLM texts (n = 3..7).
+
+The baseline pipeline (`train_baselines`) is two runs under ONE budget, as
+shared/papers/000's two-stage pipeline: `G_tuned` for T1 DP steps (the
+gin's EPOCHS or TRAIN_STEPS, one release per step), then the head for T2
+steps at the same sampling rate and clip bound C, started from `G_tuned`'s
+params (`trainer.init_from_run`: the head is freshly initialised); σ is
+calibrated once so that the T1 + T2 releases meet (ε, δ), and the head run
+composes its ledger with the LM's (`train.prior_ledger`). T2 = T1 by
+default (`Settings.head_epochs` = None): the pipeline then makes as many LM
+releases and as many discriminator releases as ours does (T of each, each
+one Gaussian of multiplier σ on a Poisson sample), so the columns differ in
+joint versus post-hoc training, not in how many noisy gradients each kind
+of parameter gets. The baseline LM is not Table 4's naive run: its σ is
+larger, paying for the head's steps too.
 
 Everything is resumable: finished trainings (a `train_summary.json` at the
 planned step) are reused, a row already in `results.jsonl` is not redone,
 and the tables are rewritten from `results.jsonl` each time. `Settings`
-holds the generation and classifier settings; its defaults fit the embedded
-SST-2 sample (tiny models, a 2-core CPU).
+holds the generation, baseline-head and classifier settings; its defaults
+fit the embedded SST-2 sample (tiny models, a 2-core CPU).
 
 Formal guarantees: the synthetic texts, the classifiers trained on them and
-their accuracies are post-processing of the DP-trained params and carry the
-run's (ε, δ) (`privacy_ledger.json` in each run directory). The "original"
-row, the test losses and accuracies on held-out data and the memorisation
-rate read real data without DP: they are evaluation numbers, not releases.
+their accuracies are post-processing of DP-trained params. Ours carries the
+multitask run's (ε, δ) (`privacy_ledger.json` in its run directory); both
+baselines carry the baseline pipeline's, whose ledger (that of the head run,
+`runs/baseline_disc_eps*`) is one composition of the LM's T1 and the head's
+T2 releases on the same data with the same δ = 1/n, so the ε it reports,
+and that `table1` records, covers both trainings. The "original" row, the
+test losses and accuracies on held-out data and the memorisation rate read
+real data without DP: they are evaluation numbers, not releases.
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
+import inspect
 import io
 import json
 import math
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import gin
 import jax
 import numpy as np
-import tokenizers
 
 from dpjax import checkpoints, fileio, gin_cli, pplm, text_classifier, trainer
 from dpjax.eval import text_quality
 from dpjax.models import bert, trainable
+from dpjax.privacy import accounting
 from tasks import textcls
 
 EPSILONS = (3.0, 8.0, 16.0, 256.0, math.inf)
 KINDS = ("naive", "multitask")
+BASELINE_LM, BASELINE_DISC = "baseline_lm", "baseline_disc"
 DEFAULT_GIN_FILES = ("textcls_sample.gin",)
 RESULTS = "results.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """Generation and downstream-classifier settings (the same for every ε)."""
-  dataset: str = "sst2"
+  """Generation, baseline-head and downstream-classifier settings (the same
+  for every ε). The dataset is the gin task's (`TaskData`)."""
   seed: int = 0
+  # The post-hoc head's training length (None: as many steps as the LM).
+  head_epochs: float | None = None
   # PPLM (PPLM's defaults but the step size) and nucleus sampling.
   step_size: float = 0.04
   num_iterations: int = 3
@@ -78,6 +108,45 @@ class Settings:
   classifier_epochs: float = 5.0
   classifier_lr: float = 1e-3
   ngram_orders: tuple[int, ...] = (3, 4, 5, 6, 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+  """What Table 1 reads besides the runs, all from the gin task
+  (`train.mixture_or_task_name`, registered as the trainer registers it):
+  its dataset, its vocabulary (the runs' BPE + `EXTRA_TOKENS`, so prompts
+  and decoding match the runs; its tokenizer also serves the downstream
+  classifier) and the examples of its train and test splits."""
+  dataset: str
+  vocabulary: Any
+  train: list[textcls.Example]
+  test: list[textcls.Example]
+
+
+def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
+              bindings: Sequence[str] = ()) -> TaskData:
+  """`TaskData` of the gin config: the task's files (or TFDS) and BPE, the
+  pretrained checkpoint's tokenizer when INITIAL_CHECKPOINT_PATH is set."""
+  import seqio
+  import tasks
+  by_task = {f"{d}_conditional_lm": d for d in textcls.DATASETS}
+  gin.clear_config()
+  try:
+    gin_cli.configure(list(gin_files), list(bindings))
+    tasks.register_tasks(tokenizer_files=trainer.initial_tokenizer_files(
+        _train_arg("initial_checkpoint_path")))
+    name = _train_arg("mixture_or_task_name")
+    if name not in by_task:
+      raise gin_cli.UsageError(
+          f"MIXTURE_OR_TASK_NAME = {name!r}: the label-conditioned experiments "
+          f"run on {sorted(by_task)}")
+    task = seqio.get_mixture_or_task(name)
+    split = lambda s: [textcls.Example(x["targets"].decode(), int(x["label"]))
+                       for x in task.source.get_dataset(s, shuffle=False).as_numpy_iterator()]
+    return TaskData(by_task[name], task.output_features["targets"].vocabulary,
+                    split("train"), split("test"))
+  finally:
+    gin.clear_config()
 
 
 def eps_name(eps: float) -> str:
@@ -102,32 +171,116 @@ def _finished(model_dir: str) -> dict | None:
   return summary if summary.get("steps_done") == summary.get("steps") else None
 
 
+_NAIVE = ("train.model_config = @GPT2Config()", "train.clip_norms = None")
+
+
+def _train(model_dir: str, eps: float, gin_files: Sequence[str],
+           bindings: Sequence[str], extra: Sequence[str] = ()) -> dict:
+  """The train summary of the run in `model_dir`, trained (or resumed) at ε
+  unless it has finished: the gin files, the user's `bindings`, then this
+  module's (which win), then `extra`. The LM test loss is evaluated once, at
+  the end (`eval_loss`), unless `extra` says otherwise."""
+  done = _finished(model_dir)
+  if done:
+    return done
+  gin.clear_config()
+  try:
+    gin_cli.configure(list(gin_files), [
+        *bindings, f"MODEL_DIR = '{model_dir}'", f"TARGET_EPSILON = {eps_name(eps)!r}",
+        "train.eval_period = 1000000000",  # only at the last step
+        "train.eval_examples = 1000000000",  # the whole held-out split
+        "train.generate_after_training = False", *extra])
+    return trainer.train()
+  finally:
+    gin.clear_config()
+
+
 def train_run(out_dir: str, kind: str, eps: float, *,
               gin_files: Sequence[str] = DEFAULT_GIN_FILES,
               bindings: Sequence[str] = ()) -> dict:
   """The train summary of run (`kind`, ε), trained (or resumed) unless it has
   finished. Naive: the gin's GPT-2 alone (`train.model_config =
-  @GPT2Config()`), one release per step; multitask: the gin's GPT2DiscConfig.
-  The LM test loss is evaluated once, at the end (`eval_loss`)."""
+  @GPT2Config()`), one release per step; multitask: the gin's GPT2DiscConfig."""
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-  model_dir = run_dir(out_dir, kind, eps)
-  done = _finished(model_dir)
-  if done:
-    return done
-  naive = ["train.model_config = @GPT2Config()", "train.clip_norms = None"]
+  return _train(run_dir(out_dir, kind, eps), eps, gin_files, bindings,
+                _NAIVE if kind == "naive" else ())
+
+
+def _train_arg(name: str):
+  """`train.<name>` as the current gin config binds it (a macro evaluated),
+  else `trainer.train`'s default."""
+  try:
+    value = gin.query_parameter(f"train.{name}")
+  except ValueError:
+    return inspect.signature(trainer.train).parameters[name].default
+  if isinstance(value, gin.config.ConfigurableReference):
+    return value.scoped_configurable_fn()
+  return value
+
+
+def _train_size(task_name: str) -> int:
+  """Examples in the train split of a registered task (what the trainer
+  calls n)."""
+  import seqio
+  ds = seqio.get_mixture_or_task(task_name).get_dataset(None, split="train",
+                                                        shuffle=False)
+  n = int(ds.cardinality())
+  return n if n >= 0 else int(ds.reduce(0, lambda count, _: count + 1))
+
+
+def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
+                  bindings: Sequence[str] = (), head_epochs: float | None = None
+                  ) -> dict:
+  """The baseline pipeline's privacy plan at ε: n, δ, the steps (T1 of the
+  LM, T2 of the head: `head_epochs`, None for T1) and the one σ (0 for
+  ε = ∞) with which the events the two ledgers will record, T1 then T2 DP
+  steps of one release each with the gin's sampler, meet (ε, δ)."""
+  import tasks
   gin.clear_config()
   try:
-    gin_cli.configure(list(gin_files), [
-        *bindings, f"MODEL_DIR = '{model_dir}'",
-        f"TARGET_EPSILON = {eps_name(eps)!r}",
-        "train.eval_period = 1000000000",  # only at the last step
-        "train.eval_examples = 1000000000",  # the whole held-out split
-        "train.generate_after_training = False",
-        *(naive if kind == "naive" else [])])
-    return trainer.train()
+    gin_cli.configure(list(gin_files), list(bindings))
+    tasks.register_tasks()
+    n = _train_size(_train_arg("mixture_or_task_name"))
+    batch, seed = int(_train_arg("batch_size")), int(_train_arg("seed"))
+    t1 = trainer._steps(_train_arg("train_steps"), _train_arg("epochs"), n, batch)
+    t2 = t1 if head_epochs is None else trainer._steps(None, head_epochs, n, batch)
+    sampling = trainer.make_sampler(_train_arg("sampling_method"), n, batch, seed,
+                                    _train_arg("overflow_probability")).describe()
+    delta = trainer.resolve_delta(_train_arg("delta"), n)
+    accountant = _train_arg("accountant")
   finally:
     gin.clear_config()
+  events = lambda s: (accounting.training_events(sampling, (s,), t1)
+                      + accounting.training_events(sampling, (s,), t2))
+  sigma = accounting.calibrate_noise_multiplier(eps, delta, events, accountant)
+  return {"dataset_size": n, "delta": delta, "steps": (t1, t2), "noise_multiplier": sigma}
+
+
+def train_baselines(out_dir: str, eps: float, *,
+                    gin_files: Sequence[str] = DEFAULT_GIN_FILES,
+                    bindings: Sequence[str] = (), head_epochs: float | None = None
+                    ) -> dict:
+  """The summary of the baseline pipeline's head run at ε (its `epsilon_spent`
+  is the pipeline's), after training what has not finished: `G_tuned`
+  (`runs/baseline_lm_eps*`: the naive GPT-2, T1 steps), then the post-hoc
+  head on it frozen (`runs/baseline_disc_eps*`: GPT2DiscConfig with
+  `head_only`, the "disc" release alone, T2 steps, initialised from and
+  composed after `G_tuned`'s run), both with `baseline_plan`'s σ."""
+  lm_dir, disc_dir = (run_dir(out_dir, k, eps) for k in (BASELINE_LM, BASELINE_DISC))
+  done = _finished(disc_dir)
+  if done:
+    return done
+  plan = baseline_plan(eps, gin_files=gin_files, bindings=bindings,
+                       head_epochs=head_epochs)
+  t1, t2 = plan["steps"]
+  fixed = ["train.eval_period = 0", "train.epochs = None",
+           f"train.noise_multiplier = {plan['noise_multiplier']!r}"]
+  _train(lm_dir, eps, gin_files, bindings, [*_NAIVE, *fixed, f"train.train_steps = {t1}"])
+  return _train(disc_dir, eps, gin_files, bindings, [
+      *fixed, f"train.train_steps = {t2}", "GPT2DiscConfig.head_only = True",
+      "train.clip_norms = None",  # the "disc" release alone, at train.clip_norm
+      f"train.initial_checkpoint_path = {lm_dir!r}", f"train.prior_ledger = {lm_dir!r}"])
 
 
 # ----------------------------------------------------------------------------
@@ -207,23 +360,24 @@ def table4(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
 # ----------------------------------------------------------------------------
 
 
-def _classifier_accuracy(settings: Settings, train_texts, train_labels, test) -> float:
+def _classifier_accuracy(settings: Settings, data: TaskData, train_texts,
+                         train_labels) -> float:
+  """Accuracy on `data.test` of the downstream classifier trained on the texts."""
   if len(set(train_labels)) < 2:  # nothing to learn a decision from
     return math.nan
-  tokenizer = tokenizers.ByteLevelBPETokenizer(textcls.DEFAULT_BPE_VOCAB_PATH,
-                                               textcls.DEFAULT_BPE_MERGES_PATH)
+  tokenizer = data.vocabulary.tokenizer
   config = bert.BertConfig(
       vocab_size=tokenizer.get_vocab_size(),
       max_position_embeddings=settings.classifier_max_tokens,
       d_model=settings.classifier_width, num_layers=settings.classifier_layers,
       num_heads=4, d_ff=2 * settings.classifier_width, dropout_rate=0.0,
-      num_labels=len(textcls.LABELS[settings.dataset]), pooling="mean")
+      num_labels=len(textcls.LABELS[data.dataset]), pooling="mean")
   model = text_classifier.train_classifier(
       train_texts, train_labels, config=config, tokenizer=tokenizer,
       max_tokens=settings.classifier_max_tokens, batch_size=settings.classifier_batch,
       epochs=settings.classifier_epochs, learning_rate=settings.classifier_lr,
       seed=settings.seed)
-  return model.accuracy([e.text for e in test], [e.label for e in test])
+  return model.accuracy([e.text for e in data.test], [e.label for e in data.test])
 
 
 def _load_run(model_dir: str):
@@ -232,12 +386,12 @@ def _load_run(model_dir: str):
   return config, checkpoints.restore_params(mngr, step)
 
 
-def generate(model_dir: str, labels: np.ndarray, settings: Settings, *,
-             step_size: float) -> tuple[list[str], np.ndarray]:
+def generate(model_dir: str, labels: np.ndarray, settings: Settings, data: TaskData,
+             *, step_size: float) -> tuple[list[str], np.ndarray]:
   """(texts, [n, C] discriminator probabilities) of one sample per label
   from the run's `BOS label SEP` prompts; `step_size = 0` is plain
   conditional nucleus sampling."""
-  vocab = textcls.conditional_vocabulary()  # the task's (data layer)
+  vocab = data.vocabulary
   config, params = _load_run(model_dir)
   eos = vocab.eos_id
   banned = [textcls.token_id(vocab, t) for t in textcls.EXTRA_TOKENS]
@@ -246,7 +400,7 @@ def generate(model_dir: str, labels: np.ndarray, settings: Settings, *,
   for start in range(0, len(labels), b):
     chunk = np.asarray(labels[start:start + b])
     padded = np.concatenate([chunk, np.zeros(b - len(chunk), chunk.dtype)])
-    prompts = textcls.prompt_tokens(vocab, settings.dataset, padded)
+    prompts = textcls.prompt_tokens(vocab, data.dataset, padded)
     lengths = np.full(b, prompts.shape[1], np.int32)
     rng = jax.random.fold_in(jax.random.PRNGKey(settings.seed), start)
     out = np.asarray(pplm.pplm_generate_causal(
@@ -273,57 +427,82 @@ def _write_synthetic(out_dir: str, name: str, texts, labels) -> None:
   fileio.write_atomic(os.path.join(out_dir, "synthetic", f"{name}.tsv"), buf.getvalue())
 
 
+def _ours_row(out_dir, eps, labels, counts, settings, data, gin_files, bindings):
+  """Ours at ε: the multitask run, PPLM by its head, accuracy, memorisation."""
+  summary = train_run(out_dir, "multitask", eps, gin_files=gin_files, bindings=bindings)
+  texts, probs = generate(run_dir(out_dir, "multitask", eps), labels, settings, data,
+                          step_size=settings.step_size)
+  _write_synthetic(out_dir, f"pplm_eps{eps_name(eps)}", texts, labels)
+  memo = text_quality.ngram_memorization(texts, (e.text for e in data.train),
+                                         settings.ngram_orders)
+  return {"variant": f"synthetic ε={eps_name(eps)}", "epsilon": eps_name(eps),
+          "epsilon_spent": summary["epsilon_spent"], "delta": summary["delta"],
+          "num_per_class": counts.tolist(),
+          "accuracy": _classifier_accuracy(settings, data, texts, labels),
+          "pplm_disc_agreement": float(np.mean(probs.argmax(1) == labels)),
+          "ngram_memorization": {str(n): r for n, r in memo.items()},
+          "ngram_memorization_mean": float(np.nanmean(list(memo.values())))}
+
+
+def _baselines_row(out_dir, eps, labels, settings, data, gin_files, bindings):
+  """Baselines 2 and 1 at ε, both from the baseline pipeline's head run."""
+  summary = train_baselines(out_dir, eps, gin_files=gin_files, bindings=bindings,
+                            head_epochs=settings.head_epochs)
+  disc_dir = run_dir(out_dir, BASELINE_DISC, eps)
+  steered, steered_probs = generate(disc_dir, labels, settings, data,
+                                    step_size=settings.step_size)
+  _write_synthetic(out_dir, f"posthoc_pplm_eps{eps_name(eps)}", steered, labels)
+  plain, plain_probs = generate(disc_dir, labels, settings, data, step_size=0.0)
+  keep = pplm.filter_by_classifier(plain_probs, labels)
+  kept = [t for t, k in zip(plain, keep) if k]
+  _write_synthetic(out_dir, f"filtered_eps{eps_name(eps)}", kept, labels[keep])
+  return {"epsilon": eps_name(eps), "epsilon_spent": summary["epsilon_spent"],
+          "delta": summary["delta"], "noise_multiplier": summary["noise_multiplier"],
+          "steps": [_finished(run_dir(out_dir, BASELINE_LM, eps))["steps"],
+                    summary["steps"]],
+          "run_dir": disc_dir,
+          "baseline2_accuracy": _classifier_accuracy(settings, data, steered, labels),
+          "baseline2_disc_agreement": float(np.mean(steered_probs.argmax(1) == labels)),
+          "baseline1_kept": int(keep.sum()),
+          # NaN when the filter keeps fewer than two classes
+          "baseline1_accuracy": _classifier_accuracy(settings, data, kept, labels[keep])}
+
+
 def table1(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
            gin_files: Sequence[str] = DEFAULT_GIN_FILES, bindings: Sequence[str] = (),
            settings: Settings = Settings()) -> list[dict]:
-  """Downstream accuracy per ε (multitask + PPLM), the original-data row,
-  Baseline 1 and memorisation: table1.md / table1.csv."""
+  """Downstream accuracy per ε of ours (multitask + PPLM), Baseline 2
+  (post-hoc head + PPLM) and Baseline 1 (filtered), the original-data row
+  and memorisation: table1.md / table1.csv. Returns the original row, then
+  per ε ours (key `table1/ε`) and the baselines (key `table1/baselines/ε`)."""
   os.makedirs(out_dir, exist_ok=True)
-  train = textcls.load_examples(settings.dataset, "train")
-  test = textcls.load_examples(settings.dataset, "test")
-  train_labels = np.asarray([e.label for e in train])
+  data = task_data(gin_files, bindings)
+  train_labels = np.asarray([e.label for e in data.train])
   if "original" not in _read_results(out_dir):
     _append_result(out_dir, {"key": "original", "table": "table1", "variant": "original",
                              "accuracy": _classifier_accuracy(
-                                 settings, [e.text for e in train], train_labels, test)})
-  counts = np.bincount(train_labels, minlength=len(textcls.LABELS[settings.dataset]))
+                                 settings, data, [e.text for e in data.train], train_labels)})
+  counts = np.bincount(train_labels, minlength=len(textcls.LABELS[data.dataset]))
   if settings.samples_per_class:
     counts = np.full_like(counts, settings.samples_per_class)
   labels = np.repeat(np.arange(len(counts)), counts)
   for eps in epsilons:
-    key = f"table1/{eps_name(eps)}"
-    if key in _read_results(out_dir):
-      continue
-    summary = train_run(out_dir, "multitask", eps, gin_files=gin_files, bindings=bindings)
-    model_dir = run_dir(out_dir, "multitask", eps)
-    row = {"key": key, "table": "table1", "variant": f"synthetic ε={eps_name(eps)}",
-           "epsilon": eps_name(eps), "epsilon_spent": summary["epsilon_spent"],
-           "delta": summary["delta"], "num_per_class": counts.tolist()}
-    texts, probs = generate(model_dir, labels, settings, step_size=settings.step_size)
-    _write_synthetic(out_dir, f"pplm_eps{eps_name(eps)}", texts, labels)
-    row["accuracy"] = _classifier_accuracy(settings, texts, labels, test)
-    row["pplm_disc_agreement"] = float(np.mean(probs.argmax(1) == labels))
-    memo = text_quality.ngram_memorization(texts, (e.text for e in train),
-                                           settings.ngram_orders)
-    row["ngram_memorization"] = {str(n): r for n, r in memo.items()}
-    row["ngram_memorization_mean"] = float(np.nanmean(list(memo.values())))
-    plain, plain_probs = generate(model_dir, labels, settings, step_size=0.0)
-    keep = pplm.filter_by_classifier(plain_probs, labels)
-    _write_synthetic(out_dir, f"filtered_eps{eps_name(eps)}",
-                     [t for t, k in zip(plain, keep) if k], labels[keep])
-    row["baseline1_kept"] = int(keep.sum())
-    row["baseline1_accuracy"] = (_classifier_accuracy(
-        settings, [t for t, k in zip(plain, keep) if k], labels[keep], test)
-        if keep.any() else math.nan)
-    _append_result(out_dir, row)
+    ours, baselines = (f"table1/{eps_name(eps)}", f"table1/baselines/{eps_name(eps)}")
+    if ours not in _read_results(out_dir):
+      _append_result(out_dir, {"key": ours, "table": "table1", **_ours_row(
+          out_dir, eps, labels, counts, settings, data, gin_files, bindings)})
+    if baselines not in _read_results(out_dir):
+      _append_result(out_dir, {"key": baselines, "table": "table1", **_baselines_row(
+          out_dir, eps, labels, settings, data, gin_files, bindings)})
   results = _read_results(out_dir)
-  rows = [results["original"], *(results[f"table1/{eps_name(e)}"] for e in epsilons)]
+  per_eps = [(results[f"table1/{eps_name(e)}"], results[f"table1/baselines/{eps_name(e)}"])
+             for e in epsilons]
   _write_table(
       out_dir, "table1",
-      ["variant", "accuracy (multitask + PPLM)", "baseline 1 accuracy (filtered)",
-       "baseline 1 kept", "n-gram memorisation (mean n=3..7)"],
-      [["original", results["original"]["accuracy"], "", "", ""],
-       *[[r["variant"], r["accuracy"], r["baseline1_accuracy"], r["baseline1_kept"],
-          r["ngram_memorization_mean"]] for r in rows[1:]]],
-      f"Table 1: downstream accuracy on the real {settings.dataset} test split")
-  return rows
+      ["variant", "ours (multitask + PPLM)", "baseline 2 (post-hoc disc + PPLM)",
+       "baseline 1 (filtered)", "baseline 1 kept", "n-gram memorisation (ours, mean n=3..7)"],
+      [["original", results["original"]["accuracy"], "", "", "", ""],
+       *[[o["variant"], o["accuracy"], b["baseline2_accuracy"], b["baseline1_accuracy"],
+          b["baseline1_kept"], o["ngram_memorization_mean"]] for o, b in per_eps]],
+      f"Table 1: downstream accuracy on the real {data.dataset} test split")
+  return [results["original"], *(r for pair in per_eps for r in pair)]
