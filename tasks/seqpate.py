@@ -30,8 +30,18 @@ like", "I am Janet Miller.") are 4 words each and not 4 GPT-2 BPE tokens. These
 rules therefore count words here too; the model sees the BPE tokens of the
 same text (`encode_completions`).
 
-Readers are pure Python; TensorFlow (through `dpjax.data.vocabularies`) is
-imported only by `sample_vocabulary`.
+Splits (`completion_splits`, the table's and the seqio task's): AirDialogue's
+users of `train_data.json` split into public (a fraction of them) and
+private, so no private user's sentence is public, the test set being
+`dev_data.json`; Europarl (no users) split by sentence into private /
+public / test.
+
+`register_private_lm_task` registers the seqio task of one seed's private
+split for dpjax's trainer (the NoisySGD baselines): the same sentences the
+teachers see, as the same rows `encode_completions` makes.
+
+Readers are pure Python; TensorFlow (through `dpjax.data.vocabularies` and
+seqio) is imported only by `sample_vocabulary` and `register_private_lm_task`.
 """
 from __future__ import annotations
 
@@ -236,6 +246,79 @@ def encode_completions(examples: Sequence[Completion], vocabulary,
           "prefix_lengths": prefix_lengths}
 
 
+DATASETS = ("airdialogue", "europarl")
+PRIVATE_LM_TASK = "seqpate_private_lm"
+
+
+def completion_splits(dataset: str, seed: int, *, public_fraction: float,
+                      test_fraction: float) -> dict[str, list[Completion]]:
+  """{"private", "public", "test"}: the completion examples of the embedded
+  sample's `dataset` split by `seed` (module docstring); `test_fraction` is
+  Europarl's only."""
+  if dataset == "airdialogue":
+    train = completion_examples(load_airdialogue("train"))
+    users = sorted({e.user_id for e in train})
+    order = np.random.default_rng(seed).permutation(len(users))
+    public = {users[i] for i in order[:round(public_fraction * len(users))]}
+    return {"private": [e for e in train if e.user_id not in public],
+            "public": [e for e in train if e.user_id in public],
+            "test": completion_examples(load_airdialogue("dev"))}
+  if dataset == "europarl":
+    return split_examples(
+        completion_examples(load_europarl()),
+        {"public": public_fraction, "test": test_fraction,
+         "private": 1 - public_fraction - test_fraction}, seed)
+  raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+
+
+def register_private_lm_task(dataset: str, seed: int, *,
+                             public_fraction: float, test_fraction: float,
+                             max_examples: int | None = None,
+                             vocabulary=None, name: str = PRIVATE_LM_TASK):
+  """Registers (or re-registers) the decoder-only LM task of a private split.
+
+  Splits: "train", the private examples of `completion_splits(dataset, seed,
+  ...)` (the first `max_examples` of them, as the table caps them), and
+  "test". An example is `inputs` empty and `targets` = the BPE ids of its
+  text + EOS; with task feature lengths `{"targets": L - 1}` the trainer's
+  decoder-only rows are `encode_completions(examples, vocabulary, L)`'s
+  (BOS, text, EOS, cut at L, loss on every token after BOS).
+  `vocabulary`: a seqio vocabulary; None means `sample_vocabulary()`.
+  """
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  vocabulary = vocabulary or sample_vocabulary()
+  splits = completion_splits(dataset, seed, public_fraction=public_fraction,
+                             test_fraction=test_fraction)
+  examples = {"train": splits["private"][:max_examples],
+              "test": splits["test"]}
+
+  def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None):
+    rows = examples[split]
+    if shuffle_files:
+      rows = [rows[i] for i in np.random.default_rng(seed).permutation(
+          len(rows))]
+    ids = [np.asarray(list(vocabulary.encode(e.text)) + [vocabulary.eos_id],
+                      np.int32) for e in rows]
+    return tf.data.Dataset.from_tensor_slices({
+        "inputs": tf.zeros([len(ids), 0], tf.int32),
+        "targets": tf.RaggedTensor.from_row_lengths(
+            np.concatenate(ids), [len(i) for i in ids])})
+
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  return seqio.TaskRegistry.add(
+      name,
+      source=seqio.FunctionDataSource(dataset_fn=dataset_fn,
+                                      splits=tuple(examples)),
+      preprocessors=[],
+      output_features={
+          "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=False),
+          "targets": seqio.Feature(vocabulary=vocabulary, add_eos=False)},
+      metric_fns=[])
+
+
 def sample_vocabulary():
   """The embedded sample's byte-level BPE (GPT-2 format, EOS last)."""
   from dpjax.data import vocabularies  # pylint: disable=g-import-not-at-top
@@ -246,9 +329,11 @@ def sample_vocabulary():
 
 
 __all__ = [
-    "AIRDIALOGUE_FILES", "DEFAULT_AIRDIALOGUE_DIR", "DEFAULT_EUROPARL_PATH",
-    "DEFAULT_VOCAB_DIR", "MAX_WORDS", "MIN_WORDS", "PREFIX_WORDS", "SPEAKERS",
-    "Completion", "MalformedLineError", "Sentence", "completion_examples",
-    "encode_completions", "load_airdialogue", "load_europarl",
-    "read_airdialogue", "read_europarl", "sample_vocabulary", "split_examples",
+    "AIRDIALOGUE_FILES", "DATASETS", "DEFAULT_AIRDIALOGUE_DIR",
+    "DEFAULT_EUROPARL_PATH", "DEFAULT_VOCAB_DIR", "MAX_WORDS", "MIN_WORDS",
+    "PREFIX_WORDS", "PRIVATE_LM_TASK", "SPEAKERS", "Completion",
+    "MalformedLineError", "Sentence", "completion_examples",
+    "completion_splits", "encode_completions", "load_airdialogue",
+    "load_europarl", "read_airdialogue", "read_europarl",
+    "register_private_lm_task", "sample_vocabulary", "split_examples",
 ]

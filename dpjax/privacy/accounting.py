@@ -3,8 +3,8 @@
 An event record is a small frozen dataclass describing `count` repetitions of
 one mechanism, convertible to a `dp_accounting.DpEvent`. A run's privacy cost
 is the composition (`ComposedDpEvent`) of all its records, whatever their
-kinds: DP-SGD steps, shuffled epochs, PATE-style Gaussian queries, several
-trainings sharing one budget.
+kinds: DP-SGD steps, shuffled epochs, PATE-style Gaussian or Laplace queries,
+several trainings sharing one budget.
 
 Formal guarantees
 -----------------
@@ -17,6 +17,11 @@ Formal guarantees
 * `Gaussian(s, T)`: T unamplified Gaussian mechanisms with noise multiplier s
   (noise std / L2 sensitivity). Its guarantee holds under whichever adjacency
   the sensitivity was computed for; `shuffle_epochs_event` uses replace-one.
+* `Laplace(s, T)`: T unamplified Laplace mechanisms with noise multiplier s
+  (Laplace scale b / L1 sensitivity), i.e. pure (1/s)-DP each; composed by
+  dp-accounting (RDP: Mironov 2017, Prop. 6; PLD: the exact Laplace PLD)
+  under the adjacency of the sensitivity, like `Gaussian`. s = 0 (no noise)
+  is non-private.
 * `epsilon` returns an upper bound on epsilon at the given delta (RDP
   conversion, or PLD with pessimistic discretization); `calibrate_*` return a
   noise multiplier whose epsilon is <= the target (and within 1% of it).
@@ -154,8 +159,36 @@ class Gaussian:
             "count": self.count}
 
 
-Event = Union[PoissonGaussian, Gaussian]
-_EVENT_TYPES = {cls.TYPE: cls for cls in (PoissonGaussian, Gaussian)}
+@dataclasses.dataclass(frozen=True)
+class Laplace:
+  """`count` unamplified Laplace mechanisms with noise multiplier s (the
+  Laplace scale b divided by the L1 sensitivity)."""
+
+  noise_multiplier: float
+  count: int = 1
+  TYPE: ClassVar[str] = "laplace"
+
+  def __post_init__(self):
+    _check_noise_multiplier(self.noise_multiplier)
+    _check_count("count", self.count)
+    object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+    object.__setattr__(self, "count", int(self.count))
+
+  def to_dp_event(self) -> dp_accounting.DpEvent:
+    # dp-accounting's RDP of a Laplace event divides by its multiplier.
+    if self.noise_multiplier == 0:
+      inner = dp_accounting.NonPrivateDpEvent()
+    else:
+      inner = dp_accounting.LaplaceDpEvent(self.noise_multiplier)
+    return dp_accounting.SelfComposedDpEvent(inner, self.count)
+
+  def to_json(self) -> dict:
+    return {"type": self.TYPE, "noise_multiplier": self.noise_multiplier,
+            "count": self.count}
+
+
+Event = Union[PoissonGaussian, Gaussian, Laplace]
+_EVENT_TYPES = {cls.TYPE: cls for cls in (PoissonGaussian, Gaussian, Laplace)}
 
 
 def event_from_json(d: dict) -> Event:

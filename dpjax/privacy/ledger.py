@@ -44,7 +44,8 @@ class PrivacyLedger:
     accountant: "rdp" or "pld".
     sampling: The sampler's `describe()` dict.
     noise_multiplier: The run's noise multiplier.
-    clip_norm: The L2 sensitivity of the clipped sum.
+    clip_norm: The L2 sensitivity of the clipped sum (L1 for a run of
+      `accounting.Laplace` events).
     dataset_size: Number of training examples.
     delta: Target delta.
     target_epsilon: Budget; may be inf.

@@ -6,8 +6,11 @@ distributions on the public pseudo-data (`teachers`, `cache`; pseudo-data
 from `pseudo_data`). The student's queries are answered by the noisy
 aggregation (`aggregation`), each (sentence, position) noised once and
 stored, and charged to a `PrivacyLedger` (`accounting`).
-`python -m dpjax.seqpate.bench` times vmapped against one-at-a-time teacher
-training.
+`noisysgd` runs the paper's DP-SGD baseline through dpjax's trainer, and
+`experiment` (`python -m dpjax.seqpate table1`) the Table 1 and ablation
+rows. `python -m dpjax.seqpate.bench` times vmapped against one-at-a-time
+teacher training.
 
-Nothing here imports TensorFlow.
+Nothing here imports TensorFlow (the trainer imports the data layer when the
+NoisySGD baseline runs).
 """

@@ -3,9 +3,10 @@
   python -m dpjax.seqpate table1 --output_dir=runs/seqpate \\
       [--dataset=airdialogue|europarl] [--epsilon=3] [--seeds=0,1,2] \\
       [--partition=sample|user] [--num_teachers=64] [--max_queries=500] \\
-      [--rows=SeqPATE,Pub-GPT,...]
+      [--rows=SeqPATE,Pub-GPT,...] [--noisysgd_binding='EPOCHS = 10' ...]
 
-Writes OUTPUT_DIR/DATASET/{results.jsonl,table1.md,table1.csv}; rerunning
+Writes OUTPUT_DIR/DATASET/{results.jsonl,table1.md,table1.csv}
+(OUTPUT_DIR/DATASET-user/ with --partition=user); rerunning
 resumes (finished rows and trained models are reused). Defaults run the
 embedded samples on a CPU (`dpjax.seqpate.experiment.Settings`).
 """
@@ -32,12 +33,16 @@ def main(argv=None) -> dict:
   p.add_argument("--max_queries", type=int, default=None)
   p.add_argument("--rows", default=None, type=lambda s: s.split(","),
                  help="comma-separated row names (default: all)")
+  p.add_argument("--noisysgd_binding", action="append", default=[],
+                 help="a gin binding for the NoisySGD trainer run over "
+                      "gin/seqpate_noisysgd.gin (repeatable)")
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   settings = experiment.Settings()
   settings = dataclasses.replace(
       settings, epsilon=args.epsilon, partition=args.partition,
       num_teachers=args.num_teachers or settings.num_teachers,
-      max_queries=args.max_queries or settings.max_queries)
+      max_queries=args.max_queries or settings.max_queries,
+      noisysgd_bindings=tuple(args.noisysgd_binding))
   result = experiment.table1(args.output_dir, dataset=args.dataset,
                              seeds=args.seeds, settings=settings,
                              rows=args.rows)

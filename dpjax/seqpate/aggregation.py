@@ -6,34 +6,39 @@ student's candidate set there (its top-p 0.95 or top-k tokens,
 Sec. 4.2, with the noise on the sum as in its Sec. 5.2 analysis; the
 paper's 1/M factor cancels in the renormalisation):
 
-    noisy_v = sum_m p_m(v | s, j) + sigma * Z(s, j, v)   for each candidate v
-    answer  = max(noisy, 0) / sum(max(noisy, 0))          over the candidates
+    noisy_v = a(v | s, j) + scale * Z(s, j, v)   for each candidate v
+    answer  = max(noisy, 0) / sum(max(noisy, 0))  over the candidates
 
-where p_m is teacher m's top-k distribution (0 outside its top-k, see
-`dpjax.seqpate.cache`). If every candidate is clipped to 0, the answer is
-uniform over the candidates. `Aggregator.answer` handles many queries at once
-(vectorised, no loop per query) and keeps every answer in an `AnswerStore`:
-asking again for an (s, j) returns the stored answer bit-for-bit, with the
-candidate set it was first answered for, never a fresh draw.
+where the aggregate a is the teachers' summed top-k distributions (p_m is 0
+outside teacher m's top-k, see `dpjax.seqpate.cache`) or, for the paper's
+-Merge_P ablation, the histogram of their top-1 votes; Z is N(0, 1) (scale
+sigma) or, for the paper's -Gaussian ablation, standard Laplace (density
+exp(-|z|) / 2, scale b). Which aggregate, noise and scale: the ledger's
+(`accounting.make_ledger`). If every candidate is clipped to 0, the answer
+is uniform over the candidates. `Aggregator.answer` handles many queries at
+once (vectorised, no loop per query) and keeps every answer in an
+`AnswerStore`: asking again for an (s, j) returns the stored answer
+bit-for-bit, with the candidate set it was first answered for, never a fresh
+draw.
 
 Formal guarantees
 -----------------
-* Z(s, j, v) ~ N(0, 1) comes from a counter-based PRNG keyed by (seed, s, j,
-  v), independent across distinct triples. Every answer ever computed at
-  (s, j), whatever its candidate set, is therefore a function of one
-  Gaussian mechanism over the whole vocabulary, `sum + sigma Z(s, j, .)`,
-  with L2 sensitivity sqrt(2) (`dpjax.seqpate.accounting`); restricting it
-  to candidates chosen before the draw (from public data and earlier
-  answers) is post-processing. Storing answers additionally makes each
-  (s, j) a single release the student can reuse for free.
+* Z(s, j, v) comes from a counter-based PRNG keyed by (seed, s, j, v),
+  independent across distinct triples. Every answer ever computed at (s, j),
+  whatever its candidate set, is therefore a function of one Gaussian (or
+  Laplace) mechanism over the whole vocabulary, `a + scale Z(s, j, .)`, with
+  L2 sensitivity sqrt(2) (L1 sensitivity 2; `dpjax.seqpate.accounting`);
+  restricting it to candidates chosen before the draw (from public data and
+  earlier answers) is post-processing. Storing answers additionally makes
+  each (s, j) a single release the student can reuse for free.
 * Clipping negatives, renormalising and the uniform fallback read only the
   noisy values and the candidate set: post-processing.
 * Before drawing noise, `answer` refuses with `BudgetExceededError` a request
   whose new (s, j) would take the recorded queries past the ledger's
   `max_queries` or its epsilon past the target; new answers are recorded in
-  the ledger as `Gaussian(sigma / sqrt(2), new)` before they are returned.
+  the ledger (`accounting.query_event`) before they are returned.
 * As with all of dpjax's noise, the seed must be secret, and PRNG floats are
-  treated as exact Gaussians.
+  treated as exact Gaussian / Laplace draws.
 """
 from __future__ import annotations
 
@@ -55,14 +60,15 @@ NOISE_STREAM_CONSTANT = 0x70617465  # "pate"
 ANSWERS_FILENAME = "teacher_answers.npz"
 
 
-@jax.jit
-def _normals(seed, sentences, positions, candidates):
+@functools.partial(jax.jit, static_argnames=("mechanism",))
+def _noise(seed, sentences, positions, candidates, *, mechanism):
   root = jax.random.fold_in(jax.random.PRNGKey(seed), NOISE_STREAM_CONSTANT)
+  draw = jax.random.laplace if mechanism == "laplace" else jax.random.normal
 
   def one(s, j, v):
     key = jax.random.fold_in(jax.random.fold_in(
         jax.random.fold_in(root, s), j), v)
-    return jax.random.normal(key, (), jnp.float32)
+    return draw(key, (), jnp.float32)
 
   return jax.vmap(jax.vmap(one, (None, None, 0)))(sentences, positions,
                                                   candidates)
@@ -96,19 +102,24 @@ def candidate_sets(student_logits, *, max_candidates: int, top_p: float = 1.0,
       use_top_p=top_p < 1.0))
 
 
-def standard_normals(seed: int, sentences: np.ndarray, positions: np.ndarray,
-                     candidates: np.ndarray) -> np.ndarray:
-  """`[Q, C]` N(0, 1) draws Z(seed, s, j, v); 0 where a candidate is -1.
+def standard_noise(seed: int, sentences: np.ndarray, positions: np.ndarray,
+                   candidates: np.ndarray,
+                   mechanism: str = "gaussian") -> np.ndarray:
+  """`[Q, C]` draws Z(seed, s, j, v), N(0, 1) ("gaussian") or standard
+  Laplace, density exp(-|z|) / 2 ("laplace"); 0 where a candidate is -1.
 
   Q is padded to a power of two, so few shapes are ever compiled.
   """
+  if mechanism not in accounting.MECHANISMS:
+    raise ValueError(f"mechanism must be one of {accounting.MECHANISMS}, got "
+                     f"{mechanism!r}.")
   q = len(sentences)
   padded = max(16, 1 << (q - 1).bit_length())
   pad = lambda x: np.concatenate(
       [np.asarray(x, np.int32), np.zeros((padded - q,) + np.shape(x)[1:],
                                          np.int32)])
-  z = _normals(seed, pad(sentences), pad(positions),
-               pad(np.maximum(candidates, 0)))
+  z = _noise(seed, pad(sentences), pad(positions),
+             pad(np.maximum(candidates, 0)), mechanism=mechanism)
   return np.where(np.asarray(candidates) >= 0, np.asarray(z)[:q], 0.0)
 
 
@@ -199,12 +210,16 @@ class Aggregator:
                store: AnswerStore | None = None):
     self.sums = sums
     self.ledger = ledger
-    self.sigma = accounting.ledger_sigma(ledger)
-    self.max_queries = int(ledger.sampling["max_queries"])
+    self.setup = accounting.ledger_setup(ledger)
+    self.scale = self.setup.scale
+    self.max_queries = self.setup.max_queries
     self.seed = seed
-    if ledger.sampling["num_teachers"] != sums.num_teachers:
-      raise ValueError(f"ledger is for {ledger.sampling['num_teachers']} "
-                       f"teachers, the cache holds {sums.num_teachers}.")
+    if self.setup.num_teachers != sums.num_teachers:
+      raise ValueError(f"ledger is for {self.setup.num_teachers} teachers, "
+                       f"the cache holds {sums.num_teachers}.")
+    if self.setup.aggregate != sums.aggregate:
+      raise ValueError(f"ledger is for the teachers' {self.setup.aggregate}, "
+                       f"the sums are of their {sums.aggregate}.")
     self.store = store or AnswerStore.empty(sums.fingerprint,
                                             sums.num_positions, max_candidates)
     if (self.store.fingerprint, self.store.width) != (sums.fingerprint,
@@ -265,14 +280,16 @@ class Aggregator:
         raise ledger_lib.BudgetExceededError(
             f"{len(new_keys)} new teacher queries but only {self.remaining} "
             f"of the budget of {self.max_queries} are left.")
-      event = accounting.query_event(self.sigma, len(new_keys),
-                                     self.ledger.sampling["teachers_per_phrase"])
+      event = accounting.query_event(self.scale, len(new_keys),
+                                     self.setup.teachers_per_phrase,
+                                     self.setup.mechanism)
       self.ledger.check_budget([event])
       rows = np.flatnonzero(new)[first]
       cand = candidates[rows]
       noisy = self.sums.restricted(sentences[rows], positions[rows], cand) + (
-          self.sigma * standard_normals(self.seed, sentences[rows],
-                                        positions[rows], cand))
+          self.scale * standard_noise(self.seed, sentences[rows],
+                                      positions[rows], cand,
+                                      self.setup.mechanism))
       probs = normalize(noisy, cand >= 0)
       self.ledger.record(event)
       self.store.add(new_keys, cand.astype(np.int32), probs)

@@ -15,7 +15,11 @@ its sum above 1). That is the premise of the sqrt(2) sensitivity
 (`dpjax.seqpate.accounting`).
 
 `TeacherSums.from_cache` merges the groups into the sparse sum over all
-teachers, so the noisy aggregation only looks up the candidates it needs.
+teachers, so the noisy aggregation only looks up the candidates it needs:
+the sum of the distributions, or (`aggregate="votes"`) the histogram of the
+teachers' top-1 tokens, i.e. the sum of point masses at each teacher's most
+likely token (the first of its top-k list on a tie), itself a
+sub-probability vector.
 """
 from __future__ import annotations
 
@@ -77,11 +81,12 @@ def group_paths(cache_dir: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class TeacherSums:
-  """The sum over all teachers of their top-k distributions, sparse.
+  """The sum over all teachers of their top-k distributions (or of their
+  top-1 votes: `aggregate`), sparse.
 
   `keys` (sorted, unique) encode (sentence s, position j, token v) as
-  `(s * L + j) * vocab_size + v`; `values` are the summed probabilities
-  (float64). Tokens in no teacher's top-k have sum 0.
+  `(s * L + j) * vocab_size + v`; `values` are the summed probabilities or
+  vote counts (float64). Tokens in no teacher's top-k (no vote) have sum 0.
   """
   keys: np.ndarray
   values: np.ndarray
@@ -90,12 +95,19 @@ class TeacherSums:
   vocab_size: int
   num_teachers: int
   fingerprint: str
+  aggregate: str = "distribution"
 
   @classmethod
   def from_cache(cls, cache_dir: str, num_teachers: int, *,
-                 pseudo_fingerprint: str | None = None) -> TeacherSums:
+                 pseudo_fingerprint: str | None = None,
+                 aggregate: str = "distribution") -> TeacherSums:
     """Merges every group file; checks that teachers 0..num_teachers-1 each
-    appear exactly once and that all groups saw the same pseudo-data."""
+    appear exactly once and that all groups saw the same pseudo-data.
+    `aggregate`: "distribution" sums the top-k probabilities, "votes" counts
+    each teacher's top-1 token."""
+    if aggregate not in ("distribution", "votes"):
+      raise ValueError(f"aggregate must be 'distribution' or 'votes', got "
+                       f"{aggregate!r}")
     paths = group_paths(cache_dir)
     if not paths:
       raise FileNotFoundError(f"no teacher cache files in {cache_dir!r}")
@@ -114,6 +126,10 @@ class TeacherSums:
           raise ValueError(f"{path}: pseudo-data, top_k or vocabulary differ "
                            f"from {paths[0]}")
         seen.append(group["teacher_ids"])
+      if aggregate == "votes":  # a point mass at each teacher's top-1
+        top = np.argmax(probs, -1)[..., None]
+        ids = np.take_along_axis(ids, top, -1)
+        probs = np.ones(ids.shape, np.float32)
       num_sentences, num_positions = shape[0], shape[1]
       rows = np.arange(num_sentences * num_positions, dtype=np.int64)
       group_keys = (rows[None, :, None] * vocab
@@ -132,7 +148,7 @@ class TeacherSums:
                        f"{num_teachers - 1} once each; missing {missing[:10]}, "
                        f"{len(teachers)} entries.")
     return cls(keys, values, num_sentences, num_positions, vocab, num_teachers,
-               fp)
+               fp, aggregate)
 
   def restricted(self, sentences: np.ndarray, positions: np.ndarray,
                  candidates: np.ndarray) -> np.ndarray:

@@ -1,12 +1,14 @@
 """SeqPATE's Table 1 and ablation rows (shared/papers/001, Tables 1, 3, 4,
-App. O) on AirDialogue or Europarl: perplexity, BLEU-3/4 and name leakage.
+6, App. O) on AirDialogue or Europarl: perplexity, BLEU-3/4 and name
+leakage.
 
 Steps, each skipped when its output exists (rerunning resumes):
 
-1. Splits. AirDialogue: the users of `train_data.json` split into public
-   (`public_fraction` of them) and private, so no private user's sentence is
-   public; the private test set is `dev_data.json`. Europarl (no users): a
-   seeded random split of the sentences into private / public / test.
+1. Splits (`tasks.seqpate.completion_splits`). AirDialogue: the users of
+   `train_data.json` split into public (`public_fraction` of them) and
+   private, so no private user's sentence is public; the private test set is
+   `dev_data.json`. Europarl (no users): a seeded random split of the
+   sentences into private / public / test.
 2. Pub-GPT: the public pre-trained model. The samples have no pre-trained
    GPT-2, so a tiny one is trained (plain Adam) on the public sentences.
 3. Pseudo-data: the public prefixes completed by Pub-GPT
@@ -14,20 +16,36 @@ Steps, each skipped when its output exists (rerunning resumes):
 4. Teachers: Pub-GPT fine-tuned on the private partitions (sample-level by
    default, `partition="user"` for by-user), top-k cached on the pseudo-data
    (`teachers.train_and_cache`).
-5. Rows. Pub-GPT; Pub-GPT+D^pub (warm-up on the pseudo-data only: the
-   student without any teacher, i.e. "pseudo loss only"); Pri-GPT (Pub-GPT
-   fine-tuned on the private training set, no privacy: the leakage
-   reference); SeqPATE (warm-up, then distillation with top-p 0.95
-   candidates, `student`); and its ablations:
-   * -Merge_P: no candidate filtering, the whole vocabulary is queried.
-     (The paper's -Merge_P instead aggregates by teacher votes.)
-   * -KL: cross-entropy with the teachers' top-1 instead of the KL (paper
-     Sec. 6.3), same queries.
-   * -Gaussian: noise-free aggregation, recorded as epsilon = inf. (The
-     paper's -Gaussian uses the Laplace mechanism.)
-   * top-k=K: the student's top-K tokens as candidates (paper Table 4).
+5. Rows (paper Tables 1, 3 and 4):
+   * Pub-GPT; Pub-GPT+D^pub (warm-up on the pseudo-data only: the student
+     without any teacher, i.e. "pseudo loss only"); Pri-GPT (Pub-GPT
+     fine-tuned on the private training set, no privacy: the leakage
+     reference).
+   * NoisySGD: Pub-GPT fine-tuned on the private training set with DP-SGD at
+     the same (ε, δ) by dpjax's trainer (`noisysgd`, gin/seqpate_noisysgd.gin:
+     batch 32, Adam, Poisson sampling, σ calibrated by dp-accounting);
+     NoisySGD+D^pub: then fine-tuned without privacy on the pseudo-data
+     (as the warm-up). ε spent is the trainer's ledger's.
+   * SeqPATE: warm-up, then distillation with top-p 0.95 candidates
+     (`student`) from the summed teacher distributions + Gaussian noise.
+   * -Merge_P (teacher votes): the teachers' votes aggregated instead of
+     their distributions: each teacher votes for its most likely token over
+     the whole vocabulary (PATE's vote), the vote histogram restricted to
+     the candidates + Gaussian noise, clipped, renormalised (sensitivity
+     sqrt(2), as for distributions). Voting over the vocabulary rather than
+     for a teacher's best candidate keeps the histogram independent of the
+     candidate set, so restricting it stays post-processing of one
+     mechanism per (sentence, position), as for SeqPATE's answers.
+   * -KL (teacher top-1 CE): cross-entropy with the aggregate's top-1
+     instead of the KL (paper Sec. 6.3), same queries.
+   * -Gaussian (Laplace): the Laplace mechanism of the original PATE on the
+     summed distributions (L1 sensitivity 2, scale b calibrated for ε with
+     dp-accounting).
+   * filter top-k=K: the student's top-K tokens as candidates (Table 4).
+   * Not in the paper: -filter (whole vocabulary): no candidate filtering;
+     no noise (eps=inf): noise-free aggregation, epsilon infinite.
    Every teacher-supervised row has its own ledger and answer store (budget
-   `max_queries`, sigma calibrated for epsilon); epsilon spent is read from
+   `max_queries`, noise calibrated for epsilon); epsilon spent is read from
    it.
 
 Evaluation on the private test set:
@@ -39,9 +57,17 @@ Evaluation on the private test set:
 * Name leakage (AirDialogue; paper App. O's R_name): the fraction of test
   completions whose generated text contains, as whole words, the full name
   of a user of the private training set.
+* Per-phrase epsilon (`partition="user"`, AirDialogue; paper Sec. 5.3,
+  Table 6): the secret phrases are the private users' full names; each
+  teacher-supervised row's ledger gives every name's epsilon from the number
+  of teachers holding it (`accounting.phrase_epsilons`); the table shows
+  min / avg / max over the names that occur in the private data. The noise
+  is calibrated at sample level (a name held by one teacher gets the row's
+  epsilon).
 
-Outputs in `output_dir/dataset/`: results.jsonl (one line per row and
-seed), table1.md, table1.csv.
+Outputs in `output_dir/dataset/` (`output_dir/dataset-user/` for the
+user-level partition): results.jsonl (one line per row and seed),
+table1.md, table1.csv.
 """
 from __future__ import annotations
 
@@ -58,18 +84,17 @@ from typing import Callable, Sequence
 
 import flax.serialization
 import jax
-import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 import tokenizers
 
 from dpjax import decoding, fileio
 from dpjax.models import gpt2, losses
-from dpjax.seqpate import (accounting, aggregation, cache, partition,
-                           pseudo_data, student, teachers)
+from dpjax.seqpate import (accounting, aggregation, cache, noisysgd,
+                           partition, pseudo_data, student, teachers)
 from tasks import seqpate as data
 
-DATASETS = ("airdialogue", "europarl")
+DATASETS = data.DATASETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +124,10 @@ class Settings:
   top_k_rows: tuple[int, ...] = (10,)
   max_examples: int | None = None  # caps private and public (smoke tests)
   max_test: int | None = None
+  # The NoisySGD rows' trainer configuration (model, ε, δ, seed and data
+  # are bound from these settings).
+  noisysgd_gin_files: tuple[str, ...] = noisysgd.GIN_FILES
+  noisysgd_bindings: tuple[str, ...] = ()
 
 
 class Tokenizer:
@@ -118,22 +147,14 @@ class Tokenizer:
 
 
 def load_splits(dataset: str, settings: Settings, seed: int) -> dict:
-  """{"private", "public", "test"}: lists of `tasks.seqpate.Completion`."""
-  if dataset == "airdialogue":
-    train = data.completion_examples(data.load_airdialogue("train"))
-    users = sorted({e.user_id for e in train})
-    order = np.random.default_rng(seed).permutation(len(users))
-    public = {users[i] for i in
-              order[:round(settings.public_fraction * len(users))]}
-    return {"private": [e for e in train if e.user_id not in public],
-            "public": [e for e in train if e.user_id in public],
-            "test": data.completion_examples(data.load_airdialogue("dev"))}
-  if dataset == "europarl":
-    f = settings.public_fraction, settings.test_fraction
-    return data.split_examples(
-        data.completion_examples(data.load_europarl()),
-        {"public": f[0], "test": f[1], "private": 1 - f[0] - f[1]}, seed)
-  raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+  """{"private", "public", "test"}: lists of `tasks.seqpate.Completion`,
+  private and public capped at `max_examples`."""
+  splits = data.completion_splits(
+      dataset, seed, public_fraction=settings.public_fraction,
+      test_fraction=settings.test_fraction)
+  for name in ("private", "public"):
+    splits[name] = splits[name][:settings.max_examples]
+  return splits
 
 
 def save_params(path: str, params) -> None:
@@ -246,16 +267,19 @@ def table_rows(settings: Settings) -> dict[str, tuple[str, dict]]:
   rows = {"Pub-GPT": ("public", {}),
           "Pub-GPT+D^pub": ("warmup", {}),
           "Pri-GPT (no DP)": ("private", {}),
+          "NoisySGD": ("noisysgd", {}),
+          "NoisySGD+D^pub": ("noisysgd+dpub", {}),
           "SeqPATE": ("student", {}),
-          "-Merge_P (no candidate filter)": (
-              "student", {"top_p": 1.0, "max_candidates":
-                          settings.model.vocab_size}),
+          "-Merge_P (teacher votes)": ("student", {"aggregate": "votes"}),
           "-KL (teacher top-1 CE)": ("student", {"distill": "top1"}),
-          "-Gaussian (no noise, eps=inf)": ("student", {"noise": False})}
+          "-Gaussian (Laplace)": ("student", {"mechanism": "laplace"})}
   for k in settings.top_k_rows:
     rows[f"filter top-k={k}"] = ("student", {"top_p": 1.0, "top_k": k,
                                              "max_candidates": max(
                                                  k, settings.max_candidates)})
+  rows["-filter (whole vocabulary)"] = (
+      "student", {"top_p": 1.0, "max_candidates": settings.model.vocab_size})
+  rows["no noise (eps=inf)"] = ("student", {"noise": False})
   return rows
 
 
@@ -277,7 +301,9 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
            rows: Sequence[str] | None = None,
            log: Callable[[str], None] = print) -> dict:
   """Runs the table (resumable); returns {"rows": [...], "table_md": path}."""
-  root = os.path.join(os.path.abspath(output_dir), dataset)
+  # The user-level table apart: its teacher rows differ, same names.
+  root = os.path.join(os.path.abspath(output_dir), dataset + (
+      "" if settings.partition == "sample" else f"-{settings.partition}"))
   os.makedirs(root, exist_ok=True)
   tokenizer = Tokenizer()
   config, length = settings.model, settings.length
@@ -291,8 +317,6 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
     run_dir = os.path.join(root, f"seed{seed}")
     os.makedirs(run_dir, exist_ok=True)
     splits = load_splits(dataset, settings, seed)
-    splits["private"] = splits["private"][:settings.max_examples]
-    splits["public"] = splits["public"][:settings.max_examples]
     arrays = {k: data.encode_completions(v, tokenizer, length)
               for k, v in splits.items()}
     test_examples = splits["test"][:settings.max_test]
@@ -330,11 +354,32 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
         np.savez(f, **generated)
     with np.load(pseudo_path) as f:
       pseudo = {k: f[k] for k in f.files}
-    warm = model("warmup", lambda: train_lm(
-        config, public, pseudo, epochs=settings.student.warmup_epochs,
-        learning_rate=settings.student.learning_rate,
-        batch_size=settings.student.batch_size, seed=seed, log=log))
-    sums = None
+
+    def on_pseudo(name, params):  # the "+D^pub" fine-tuning, no privacy
+      return model(name, lambda: train_lm(
+          config, params, pseudo, epochs=settings.student.warmup_epochs,
+          learning_rate=settings.student.learning_rate,
+          batch_size=settings.student.batch_size, seed=seed, log=log))
+
+    @functools.cache
+    def noisy_sgd():
+      params, ledger = noisysgd.train_noisysgd(
+          os.path.join(run_dir, "noisysgd_trainer"), config=config,
+          init_params=public, dataset=dataset, split_seed=seed,
+          public_fraction=settings.public_fraction,
+          test_fraction=settings.test_fraction,
+          max_examples=settings.max_examples, length=length,
+          epsilon=settings.epsilon, delta=accounting.DELTA, seed=seed,
+          gin_files=settings.noisysgd_gin_files,
+          bindings=settings.noisysgd_bindings)
+      return params, {"epsilon_spent": ledger.epsilon_spent(),
+                      "delta": ledger.delta,
+                      "noise_multiplier": ledger.noise_multiplier,
+                      "queries": 0, "dp_steps": ledger.steps}
+
+    teacher_cache = _TeacherCache(run_dir, settings, public,
+                                  arrays["private"], splits["private"],
+                                  pseudo, seed, log)
     for name in chosen:
       kind, options = all_rows[name]
       row_dir = os.path.join(run_dir, _slug(name))
@@ -348,21 +393,23 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
       if kind == "public":
         params = public
       elif kind == "warmup":
-        params = warm
+        params = on_pseudo("warmup", public)
       elif kind == "private":
         params = model("pri_gpt", lambda: train_lm(
             config, public, arrays["private"], epochs=settings.private_epochs,
             learning_rate=settings.private_learning_rate,
             batch_size=settings.batch_size, seed=seed, log=log))
         privacy = {"epsilon_spent": math.inf, "queries": 0}
+      elif kind in ("noisysgd", "noisysgd+dpub"):
+        params, privacy = noisy_sgd()
+        if kind == "noisysgd+dpub":
+          params = on_pseudo("noisysgd_dpub", params)
       else:
-        if sums is None:
-          sums = _teacher_sums(run_dir, settings, config, public,
-                               arrays["private"], splits["private"], pseudo,
-                               seed, log)
-        params, privacy = _distill(row_dir, settings, config, warm, pseudo,
-                                   sums, len(splits["private"]), options,
-                                   seed, log)
+        params, privacy = _distill(
+            row_dir, settings, config, on_pseudo("warmup", public), pseudo,
+            teacher_cache, len(splits["private"]), options, seed, log,
+            phrase_counts=teacher_cache.phrase_counts(names)
+            if settings.partition == "user" and names else None)
       row = {"row": name, "dataset": dataset, "seed": seed, **privacy,
              **evaluate(config, params, test, tokenizer, names),
              "seconds": round(time.time() - t, 1)}
@@ -374,43 +421,69 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
   return _write_table(root, results, dataset, settings)
 
 
-def _teacher_sums(run_dir, settings, config, public, private_arrays,
-                  private_examples, pseudo, seed, log):
-  n = len(private_examples)
-  if settings.partition == "sample":
-    assignment = partition.sample_partition(n, settings.num_teachers, seed)
-  elif settings.partition == "user":
-    assignment = partition.user_partition(
-        [e.user_id for e in private_examples], settings.num_teachers, seed)
-  else:
+class _TeacherCache:
+  """One seed's teachers, trained (or read from their cache) on first use;
+  their sums per aggregate, and the teachers holding each secret phrase."""
+
+  def __init__(self, run_dir, settings, public, private_arrays,
+               private_examples, pseudo, seed, log):
+    self.settings, self.seed, self.log = settings, seed, log
+    self.public, self.private_arrays = public, private_arrays
+    self.private_examples, self.pseudo = private_examples, pseudo
+    self.cache_dir = os.path.join(run_dir, f"teachers_{settings.partition}")
+    self._sums = {}
+
+  @functools.cached_property
+  def assignment(self) -> np.ndarray:
+    settings, n = self.settings, len(self.private_examples)
+    if settings.partition == "sample":
+      return partition.sample_partition(n, settings.num_teachers, self.seed)
+    if settings.partition == "user":
+      return partition.user_partition(
+          [e.user_id for e in self.private_examples], settings.num_teachers,
+          self.seed)
     raise ValueError(f"partition must be 'sample' or 'user', got "
                      f"{settings.partition!r}")
-  cache_dir = os.path.join(run_dir, f"teachers_{settings.partition}")
-  t = time.time()
-  setup = dataclasses.replace(settings.teacher, seed=seed)
-  mesh = teachers.teacher_mesh(jax.devices()[:1]) if (
-      setup.group_size % len(jax.devices())) else None
-  teachers.train_and_cache(config, public, private_arrays["tokens"],
-                           private_arrays["loss_weights"], assignment,
-                           pseudo["tokens"], cache_dir, setup, mesh=mesh,
-                           log=log)
-  sums = cache.TeacherSums.from_cache(
-      cache_dir, settings.num_teachers,
-      pseudo_fingerprint=cache.fingerprint(pseudo["tokens"]))
-  log(f"teachers ({settings.num_teachers}, {settings.partition}-level): "
-      f"{time.time() - t:.0f}s")
-  return sums
+
+  def __getitem__(self, aggregate: str) -> cache.TeacherSums:
+    if not self._sums:
+      t = time.time()
+      setup = dataclasses.replace(self.settings.teacher, seed=self.seed)
+      mesh = teachers.teacher_mesh(jax.devices()[:1]) if (
+          setup.group_size % len(jax.devices())) else None
+      teachers.train_and_cache(
+          self.settings.model, self.public, self.private_arrays["tokens"],
+          self.private_arrays["loss_weights"], self.assignment,
+          self.pseudo["tokens"], self.cache_dir, setup, mesh=mesh,
+          log=self.log)
+      self.log(f"teachers ({self.settings.num_teachers}, "
+               f"{self.settings.partition}-level): {time.time() - t:.0f}s")
+    if aggregate not in self._sums:
+      self._sums[aggregate] = cache.TeacherSums.from_cache(
+          self.cache_dir, self.settings.num_teachers,
+          pseudo_fingerprint=cache.fingerprint(self.pseudo["tokens"]),
+          aggregate=aggregate)
+    return self._sums[aggregate]
+
+  def phrase_counts(self, phrases: Sequence[str]) -> np.ndarray:
+    """Teachers whose private texts contain each phrase."""
+    return partition.phrase_teacher_counts(
+        phrases, [e.text for e in self.private_examples], self.assignment)
 
 
-def _distill(row_dir, settings, config, warm, pseudo, sums, n_private,
-             options, seed, log):
+def _distill(row_dir, settings, config, warm, pseudo, teacher_cache,
+             n_private, options, seed, log, phrase_counts=None):
   """The KD phase of one row from the warm-up student; returns (params,
-  privacy)."""
+  privacy), with the per-phrase epsilons' summary given the teachers holding
+  each phrase (`phrase_counts`)."""
   options = dict(options)
   noise = options.pop("noise", True)
+  mechanism = options.pop("mechanism", "gaussian")
+  aggregate = options.pop("aggregate", "distribution")
   width = options.pop("max_candidates", settings.max_candidates)
   setup = dataclasses.replace(settings.student, warmup_epochs=0, seed=seed,
                               **options)
+  sums = teacher_cache[aggregate]
   if os.path.isfile(os.path.join(row_dir, aggregation.ANSWERS_FILENAME)):
     agg = aggregation.Aggregator.restore(row_dir, sums, seed=seed,
                                          max_candidates=width)
@@ -418,24 +491,46 @@ def _distill(row_dir, settings, config, warm, pseudo, sums, n_private,
     ledger = accounting.make_ledger(
         settings.epsilon if noise else math.inf, settings.max_queries,
         num_teachers=settings.num_teachers, dataset_size=n_private,
-        sigma=None if noise else 0.0)
+        scale=None if noise else 0.0, mechanism=mechanism,
+        aggregate=aggregate)
     agg = aggregation.Aggregator(sums, ledger, seed=seed,
                                  max_candidates=width)
   kd = student.Student(config, warm, pseudo, setup)
   stats = kd.distill(agg, log)
   agg.save(row_dir)
-  return kd.params, {
+  privacy = {
       "epsilon_spent": agg.ledger.epsilon_spent(),
-      "delta": agg.ledger.delta, "sigma": agg.sigma,
+      "delta": agg.ledger.delta, "mechanism": mechanism,
+      "aggregate": aggregate, "noise_scale": agg.scale,
       "queries": int(sum(e.count for e in agg.ledger.events)),
       "max_queries": agg.max_queries,
       "distilled_positions": stats.distilled_positions}
+  if phrase_counts is not None:
+    privacy["phrase_epsilon"] = accounting.summarize_phrase_epsilons(
+        accounting.phrase_epsilons(agg.ledger, phrase_counts), phrase_counts)
+  return kd.params, privacy
 
 
 def _cell(values: list[float], digits: int = 2) -> str:
   if len(values) == 1:
     return f"{values[0]:.{digits}f}"
   return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+
+
+def _epsilon(value: float, digits: int = 3) -> str:
+  return f"{value:.{digits}f}" if math.isfinite(value) else "∞"
+
+
+def _phrase_cells(group: list[dict]) -> list[str]:
+  """min / avg / max phrase epsilon (the largest over seeds)."""
+  if all("phrase_epsilon" in g for g in group):
+    return [_epsilon(max(g["phrase_epsilon"][f"epsilon_{k}"] for g in group),
+                     2) for k in ("min", "avg", "max")]
+  spent = max(g["epsilon_spent"] for g in group)
+  # No private data: 0 for every phrase; non-private: ∞; DP-SGD: not
+  # computed (its per-phrase ε needs group privacy over the phrase's count).
+  known = spent == 0 or math.isinf(spent)
+  return [_epsilon(spent, 2) if known else "—"] * 3
 
 
 def _write_table(root: str, rows: list[dict], dataset: str,
@@ -447,9 +542,11 @@ def _write_table(root: str, rows: list[dict], dataset: str,
     groups.setdefault(r["row"], []).append(r)
   metrics = ["ppl", "bleu3", "bleu4"] + (
       ["name_leakage"] if "name_leakage" in rows[0] else [])
+  phrases = settings.partition == "user" and "name_leakage" in metrics
   header = ["method", "PPL", "BLEU-3", "BLEU-4"] + (
       ["name leakage %"] if "name_leakage" in metrics else []) + [
-          "ε spent", "queries", "seeds"]
+          "ε spent"] + (["phrase ε min", "phrase ε avg", "phrase ε max"]
+                        if phrases else []) + ["queries", "seeds"]
   lines = [f"# SeqPATE on {dataset}: Table 1 and ablations (target ε = "
            f"{settings.epsilon:g}, δ = {accounting.DELTA:g}, "
            f"{settings.num_teachers} teachers, {settings.partition}-level, "
@@ -459,8 +556,11 @@ def _write_table(root: str, rows: list[dict], dataset: str,
   for name, group in groups.items():
     cells = [name] + [_cell([g[m] * (100 if m == "name_leakage" else 1)
                              for g in group]) for m in metrics]
-    spent = max(g["epsilon_spent"] for g in group)
-    cells += [f"{spent:.3f}" if math.isfinite(spent) else "∞",
+    cells.append(_epsilon(max(g["epsilon_spent"] for g in group)))
+    if phrases:
+      cells += _phrase_cells(group)
+    steps = max(g.get("dp_steps", 0) for g in group)
+    cells += [f"{steps} DP-SGD steps" if steps else
               str(max(g["queries"] for g in group)), str(len(group))]
     lines.append("| " + " | ".join(cells) + " |")
     table.append(dict(zip(header, cells)))
@@ -468,7 +568,16 @@ def _write_table(root: str, rows: list[dict], dataset: str,
             "0-100) of greedy completions of the test prefixes; name leakage: "
             "completions naming a private training user. mean ± std over "
             "seeds. Pub-GPT and Pub-GPT+D^pub use no private data (ε 0); "
-            "Pri-GPT is trained on it without privacy (ε ∞)."]
+            "Pri-GPT is trained on it without privacy (ε ∞). NoisySGD: "
+            "DP-SGD (add-or-remove-one adjacency); teacher queries: "
+            "replace-one adjacency, as in the paper compared at the same "
+            "nominal ε. -Merge_P: teacher votes; -Gaussian: Laplace noise; "
+            "-filter and no noise are not rows of the paper."]
+  if phrases:
+    lines.append("Phrase ε: per private user's full name, from the teachers "
+                 "holding it (the noise is calibrated for a name on one "
+                 "teacher); min / avg / max over the names in the private "
+                 "data; — where not computed (DP-SGD).")
   md = os.path.join(root, "table1.md")
   fileio.write_atomic(md, "\n".join(lines) + "\n")
   with fileio.open_atomic(os.path.join(root, "table1.csv")) as f:

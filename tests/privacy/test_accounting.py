@@ -137,7 +137,7 @@ def test_events_round_trip_through_json_and_merge():
   assert merged == accounting.PoissonGaussian(0.01, (1.0, 2.0), 8)
   assert accounting.merge(events[0], events[1]) is None
   with pytest.raises(ValueError):
-    accounting.event_from_json({"type": "laplace"})
+    accounting.event_from_json({"type": "exponential"})
 
 
 def test_shuffle_accounting():
@@ -162,3 +162,40 @@ def test_a_noiseless_release_makes_the_step_non_private(acc):
   # The noisy release alone is private: the 0 is what makes it infinite.
   assert accounting.epsilon(
       [accounting.PoissonGaussian(0.1, (1.0,), 3)], 1e-5, acc) < 10
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_laplace_event_matches_dp_accounting_and_pure_dp(acc):
+  event = accounting.Laplace(20.0, 300)
+  assert event.to_dp_event() == dpa.SelfComposedDpEvent(
+      dpa.LaplaceDpEvent(20.0), 300)
+  assert accounting.epsilon([event], DELTA, acc) == pytest.approx(
+      direct_epsilon(event.to_dp_event(), acc), rel=1e-9)
+  # One Laplace mechanism with multiplier s is pure (1/s)-DP: at delta > 0
+  # its epsilon is at most 1/s (RDP's conversion adds up to
+  # log(1/delta) / (largest order - 1)), and close to it at a small delta.
+  one = accounting.epsilon([accounting.Laplace(4.0)], 1e-9, acc)
+  slack = (math.log(1e9) / (max(accounting.RDP_ORDERS) - 1) if acc == "rdp"
+           else 1e-3 / 4.0)
+  assert 0.9 / 4.0 <= one <= 1 / 4.0 + slack
+  no_noise = accounting.Laplace(0.0, 2)
+  assert accounting.epsilon([no_noise], DELTA, acc) == math.inf
+  # Composed with other kinds, and calibrated like any event.
+  mixed = [event, accounting.Gaussian(3.0, 4)]
+  assert accounting.epsilon(mixed, DELTA, acc) == pytest.approx(
+      direct_epsilon(dpa.ComposedDpEvent(
+          [e.to_dp_event() for e in mixed]), acc), rel=1e-9)
+  s = accounting.calibrate_noise_multiplier(
+      3.0, DELTA, lambda s: [accounting.Laplace(s, 300)], acc)
+  assert 0.99 * 3.0 <= accounting.epsilon(
+      [accounting.Laplace(s, 300)], DELTA, acc) <= 3.0
+
+
+def test_laplace_event_round_trips_and_merges():
+  event = accounting.Laplace(2.5, 3)
+  assert accounting.event_from_json(event.to_json()) == event
+  assert accounting.merge(event, accounting.Laplace(2.5, 4)) == \
+      accounting.Laplace(2.5, 7)
+  assert accounting.merge(event, accounting.Gaussian(2.5, 4)) is None
+  with pytest.raises(ValueError):
+    accounting.Laplace(-1.0)

@@ -1,5 +1,6 @@
-"""Teacher cache, noisy aggregation and query accounting, against explicit
-dense computations, dp_accounting and the analytic Gaussian mechanism."""
+"""Teacher cache, noisy aggregation (distributions or votes, Gaussian or
+Laplace noise) and query accounting, against explicit dense computations,
+dp_accounting and the analytic Gaussian mechanism."""
 import math
 
 import dp_accounting as dpa
@@ -23,14 +24,16 @@ def random_top_k(rng, shape=(P, L)):
   return ids.astype(np.int32), probs.astype(np.float32)
 
 
-def write_cache(directory, per_teacher, group_size=2):
+def write_cache(directory, per_teacher, group_size=2,
+                aggregate="distribution"):
   for g, first in enumerate(range(0, len(per_teacher), group_size)):
     members = per_teacher[first:first + group_size]
     cache.write_group(str(directory), g, list(range(first, first + len(members))),
                       np.stack([i for i, _ in members]),
                       np.stack([p for _, p in members]),
                       pseudo_fingerprint=FP, vocab_size=V)
-  return cache.TeacherSums.from_cache(str(directory), len(per_teacher))
+  return cache.TeacherSums.from_cache(str(directory), len(per_teacher),
+                                      aggregate=aggregate)
 
 
 def dense_sum(per_teacher):
@@ -44,6 +47,18 @@ def dense_sum(per_teacher):
   return total
 
 
+def dense_votes(per_teacher):
+  """[P, L, V]: how many teachers have each token as their most likely."""
+  total = np.zeros((P, L, V))
+  for ids, probs in per_teacher:
+    for s in range(P):
+      for j in range(L):
+        best = max(range(K), key=lambda i: (probs[s, j, i], -i))
+        total[s, j, ids[s, j, best]] += 1
+  return total
+
+
+DENSE = {"distribution": dense_sum, "votes": dense_votes}
 ALL_TOKENS = np.tile(np.arange(V), (P * L, 1))
 ALL_S, ALL_J = np.divmod(np.arange(P * L), L)
 
@@ -55,8 +70,21 @@ def teachers():
 
 
 @pytest.fixture(scope="module")
-def sums(teachers, tmp_path_factory):
-  return write_cache(tmp_path_factory.mktemp("cache"), teachers)
+def cache_dir(teachers, tmp_path_factory):
+  directory = tmp_path_factory.mktemp("cache")
+  write_cache(directory, teachers)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def sums(cache_dir):
+  return cache.TeacherSums.from_cache(str(cache_dir), M)
+
+
+@pytest.fixture(scope="module")
+def all_sums(cache_dir):
+  return {a: cache.TeacherSums.from_cache(str(cache_dir), M, aggregate=a)
+          for a in accounting.AGGREGATES}
 
 
 def test_restricted_sums_equal_dense_sum(teachers, sums):
@@ -115,6 +143,45 @@ def test_disjoint_point_masses_reach_sqrt2(teachers, tmp_path):
                              rtol=1e-6)
 
 
+def test_votes_equal_explicit_top1_histogram(teachers, all_sums):
+  got = all_sums["votes"].restricted(ALL_S, ALL_J, ALL_TOKENS)
+  np.testing.assert_array_equal(got.reshape(P, L, V), dense_votes(teachers))
+  assert (got.sum(-1) == M).all()  # one vote per teacher
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_teacher_changed_moves_votes_by_at_most_sqrt2(teachers, tmp_path,
+                                                          seed):
+  rng = np.random.default_rng(200 + seed)
+  changed = list(teachers)
+  changed[seed % M] = random_top_k(rng)
+  before = write_cache(tmp_path / "a", teachers, aggregate="votes")
+  after = write_cache(tmp_path / "b", changed, aggregate="votes")
+  diff = (before.restricted(ALL_S, ALL_J, ALL_TOKENS)
+          - after.restricted(ALL_S, ALL_J, ALL_TOKENS))
+  assert np.linalg.norm(diff, axis=-1).max() <= math.sqrt(2) + 1e-12
+  assert np.abs(diff).sum(-1).max() <= 2  # the Laplace (L1) bound
+
+
+def test_a_flipped_vote_moves_the_histogram_by_exactly_sqrt2(teachers,
+                                                             tmp_path):
+  # Teacher 0's top-1 moves from its old top-1 to its old second choice.
+  ids, probs = teachers[0]
+  order = np.argsort(-probs, -1, kind="stable")
+  flipped = probs.copy()
+  first = np.take_along_axis(probs, order[..., :1], -1)
+  second = np.take_along_axis(probs, order[..., 1:2], -1)
+  np.put_along_axis(flipped, order[..., :1], second, -1)
+  np.put_along_axis(flipped, order[..., 1:2], first, -1)
+  before = write_cache(tmp_path / "a", teachers, aggregate="votes")
+  after = write_cache(tmp_path / "b", [(ids, flipped)] + teachers[1:],
+                      aggregate="votes")
+  diff = (before.restricted(ALL_S, ALL_J, ALL_TOKENS)
+          - after.restricted(ALL_S, ALL_J, ALL_TOKENS))
+  np.testing.assert_allclose(np.linalg.norm(diff, axis=-1), math.sqrt(2))
+  np.testing.assert_array_equal(np.abs(diff).sum(-1), 2)
+
+
 def test_write_group_keeps_sub_probability_vectors(tmp_path):
   ids = np.tile(np.arange(3, dtype=np.int32), (1, 1, 1, 1))
   probs = np.array([[[[0.5, 0.4, 0.2]]]], np.float32)  # sums to 1.1
@@ -143,7 +210,7 @@ def test_noise_scale_before_clipping(sums):
   queries = (np.arange(n) * 7919) % 10**6  # distinct pseudo sentences ids
   cand = np.tile(np.arange(V), (n, 1))
   noiseless = sums.restricted(s, j, cand)
-  noisy = noiseless + sigma * aggregation.standard_normals(
+  noisy = noiseless + sigma * aggregation.standard_noise(
       11, queries, j, cand)
   z = ((noisy - noiseless) / sigma).ravel()
   assert z.size == 12000
@@ -153,9 +220,22 @@ def test_noise_scale_before_clipping(sums):
   # Distinct tokens of one query get independent draws.
   assert abs(np.corrcoef(z.reshape(n, V)[:, 0], z.reshape(n, V)[:, 1])[0, 1]) < 0.15
   # Padding candidates get no noise.
-  padded = aggregation.standard_normals(11, queries[:2], j[:2],
+  padded = aggregation.standard_noise(11, queries[:2], j[:2],
                                         np.array([[1, -1], [-1, 2]]))
   assert padded[0, 1] == 0 and padded[1, 0] == 0
+
+
+def test_laplace_noise_has_scale_b():
+  b, n = 1.7, 12000
+  q = np.arange(n) // V
+  cand = (np.arange(n) % V).reshape(-1, V)
+  noise = b * aggregation.standard_noise(3, q[::V], q[::V] % L, cand,
+                                         "laplace").ravel()
+  assert np.mean(np.abs(noise)) == pytest.approx(b, rel=0.03)  # E|X| = b
+  assert abs(np.mean(noise)) < 0.05 * b
+  assert stats.kstest(noise, stats.laplace(scale=b).cdf).pvalue > 1e-3
+  # Not the Gaussian stream rescaled: another distribution.
+  assert stats.kstest(noise / np.std(noise), "norm").pvalue < 1e-6
 
 
 def test_normalize_clips_renormalises_and_falls_back_to_uniform():
@@ -172,10 +252,13 @@ def test_normalize_clips_renormalises_and_falls_back_to_uniform():
 Q = 12
 
 
-def make_aggregator(sums, seed=0, max_queries=Q, sigma=None):
-  ledger = accounting.make_ledger(3.0 if sigma is None else math.inf,
+def make_aggregator(sums, seed=0, max_queries=Q, scale=None,
+                    mechanism="gaussian"):
+  ledger = accounting.make_ledger(3.0 if scale is None else math.inf,
                                   max_queries, num_teachers=M,
-                                  dataset_size=1000, sigma=sigma)
+                                  dataset_size=1000, scale=scale,
+                                  mechanism=mechanism,
+                                  aggregate=sums.aggregate)
   return aggregation.Aggregator(sums, ledger, seed=seed, max_candidates=6)
 
 
@@ -183,19 +266,27 @@ def candidate_sets(rng, n):
   return np.stack([rng.permutation(V)[:6] for _ in range(n)])
 
 
-def test_answers_equal_explicit_computation(teachers, sums):
-  agg = make_aggregator(sums, sigma=0.3)
+SETUPS = [("gaussian", "distribution"), ("laplace", "distribution"),
+          ("gaussian", "votes")]
+
+
+@pytest.mark.parametrize("mechanism,aggregate", SETUPS)
+def test_answers_equal_explicit_computation(teachers, all_sums, mechanism,
+                                            aggregate):
+  agg = make_aggregator(all_sums[aggregate], scale=0.3, mechanism=mechanism)
   rng = np.random.default_rng(5)
   s, j = np.array([0, 0, 3, 5]), np.array([0, 1, 2, 3])
   cand = candidate_sets(rng, 4)
   cand[2, 4:] = -1
   got = agg.answer(s, j, cand)
-  dense = dense_sum(teachers)
+  dense = DENSE[aggregate](teachers)
   for q in range(4):
     valid = cand[q] >= 0
-    noisy = dense[s[q], j[q], cand[q][valid]] + 0.3 * aggregation.standard_normals(
-        0, s[q:q + 1], j[q:q + 1], cand[q:q + 1, valid])[0]
-    expected = np.maximum(noisy, 0) / np.maximum(noisy, 0).sum()
+    noisy = dense[s[q], j[q], cand[q][valid]] + 0.3 * aggregation.standard_noise(
+        0, s[q:q + 1], j[q:q + 1], cand[q:q + 1, valid], mechanism)[0]
+    kept = np.maximum(noisy, 0)
+    expected = (kept / kept.sum() if kept.sum() > 0
+                else np.full(len(kept), 1 / len(kept)))
     np.testing.assert_allclose(got.probs[q][valid], expected, rtol=1e-5)
     assert (got.probs[q][~valid] == 0).all()
     np.testing.assert_array_equal(got.candidates[q], cand[q])
@@ -203,8 +294,19 @@ def test_answers_equal_explicit_computation(teachers, sums):
   assert got.fresh.all() and agg.remaining == Q - 4
 
 
-def test_answers_are_stored_and_reused_bit_for_bit(sums, tmp_path):
-  agg = make_aggregator(sums)
+def test_aggregator_refuses_sums_of_another_aggregate(all_sums):
+  ledger = accounting.make_ledger(3.0, Q, num_teachers=M, dataset_size=1000,
+                                  aggregate="votes")
+  with pytest.raises(ValueError, match="votes"):
+    aggregation.Aggregator(all_sums["distribution"], ledger, seed=0,
+                           max_candidates=6)
+
+
+@pytest.mark.parametrize("mechanism,aggregate", SETUPS)
+def test_answers_are_stored_and_reused_bit_for_bit(all_sums, tmp_path,
+                                                   mechanism, aggregate):
+  sums = all_sums[aggregate]
+  agg = make_aggregator(sums, mechanism=mechanism)
   rng = np.random.default_rng(6)
   s, j = np.array([0, 1, 2]), np.array([3, 3, 0])
   first = agg.answer(s, j, candidate_sets(rng, 3))
@@ -232,9 +334,9 @@ def test_answers_are_stored_and_reused_bit_for_bit(sums, tmp_path):
 def test_noise_is_keyed_by_seed_sentence_position_token(sums):
   cand = np.tile(np.arange(6), (3, 1))
   s, j = np.array([0, 1, 2]), np.array([1, 1, 1])
-  a = make_aggregator(sums, seed=1, sigma=1.0).answer(s, j, cand)
-  b = make_aggregator(sums, seed=1, sigma=1.0).answer(s, j, cand)
-  c = make_aggregator(sums, seed=2, sigma=1.0).answer(s, j, cand)
+  a = make_aggregator(sums, seed=1, scale=1.0).answer(s, j, cand)
+  b = make_aggregator(sums, seed=1, scale=1.0).answer(s, j, cand)
+  c = make_aggregator(sums, seed=2, scale=1.0).answer(s, j, cand)
   assert a.probs.tobytes() == b.probs.tobytes()
   assert not np.allclose(a.probs, c.probs)
 
@@ -280,13 +382,32 @@ def test_ledger_epsilon_equals_dp_accounting(sums):
   s, j = np.divmod(rng.permutation(P * L)[:Q], L)
   agg.answer(s[:5], j[:5], candidate_sets(rng, 5))
   agg.answer(s[5:], j[5:], candidate_sets(rng, Q - 5))
-  sigma = accounting.ledger_sigma(agg.ledger)
+  sigma = agg.scale
   direct = rdp.RdpAccountant(orders=privacy_accounting.RDP_ORDERS).compose(
       dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma / math.sqrt(2)), Q)
   ).get_epsilon(DELTA)
   assert agg.ledger.epsilon_spent() == pytest.approx(direct, rel=1e-12)
   # Calibrated to the target: at most 3, within 1%.
   assert 3.0 * 0.99 <= direct <= 3.0 * (1 + 1e-9)
+
+
+def test_laplace_ledger_equals_dp_accounting_and_refuses_query_q_plus_one(
+    sums):
+  agg = make_aggregator(sums, mechanism="laplace")
+  rng = np.random.default_rng(10)
+  s, j = np.divmod(rng.permutation(P * L)[:Q + 1], L)
+  agg.answer(s[:5], j[:5], candidate_sets(rng, 5))
+  agg.answer(s[5:Q], j[5:Q], candidate_sets(rng, Q - 5))
+  b = agg.scale  # Laplace scale on the sum; L1 sensitivity 2
+  direct = rdp.RdpAccountant(orders=privacy_accounting.RDP_ORDERS).compose(
+      dpa.SelfComposedDpEvent(dpa.LaplaceDpEvent(b / 2), Q)).get_epsilon(DELTA)
+  assert agg.ledger.epsilon_spent() == pytest.approx(direct, rel=1e-12)
+  assert 3.0 * 0.99 <= direct <= 3.0 * (1 + 1e-9)
+  assert agg.ledger.to_json()["events"] == [
+      {"type": "laplace", "noise_multiplier": b / 2, "count": Q}]
+  with pytest.raises(BudgetExceededError):
+    agg.answer(s[Q:], j[Q:], candidate_sets(rng, 1))
+  assert agg.remaining == 0 and len(agg.store) == Q
 
 
 def analytic_gaussian_epsilon(multiplier, delta):
@@ -302,7 +423,7 @@ def test_pld_ledger_matches_analytic_gaussian_composition():
   # Q Gaussians with multiplier s compose exactly to one with s / sqrt(Q).
   queries, sigma = 400, 30.0
   ledger = accounting.make_ledger(math.inf, queries, num_teachers=10,
-                                  dataset_size=100, sigma=sigma,
+                                  dataset_size=100, scale=sigma,
                                   accountant="pld")
   ledger.record(accounting.query_event(sigma, queries))
   exact = analytic_gaussian_epsilon(sigma / math.sqrt(2) / math.sqrt(queries),
@@ -311,22 +432,31 @@ def test_pld_ledger_matches_analytic_gaussian_composition():
 
 
 def test_calibrated_ledger_refuses_a_sigma_below_the_budget():
-  sigma = accounting.calibrate_sigma(3.0, 100)
+  sigma = accounting.calibrate_noise(3.0, 100)
   with pytest.raises(BudgetExceededError):
     accounting.make_ledger(3.0, 100, num_teachers=4, dataset_size=10,
-                           sigma=0.9 * sigma)
+                           scale=0.9 * sigma)
 
 
-def test_phrase_epsilons_scale_sensitivity_with_teachers():
-  sigma, queries = 20.0, 300
+@pytest.mark.parametrize("mechanism", accounting.MECHANISMS)
+def test_phrase_epsilons_scale_sensitivity_with_teachers(mechanism):
+  scale, queries = 20.0, 300
+  ledger = accounting.make_ledger(math.inf, queries, num_teachers=10,
+                                  dataset_size=100, scale=scale,
+                                  mechanism=mechanism)
+  ledger.record(accounting.query_event(scale, 120, mechanism=mechanism))
+  ledger.record(accounting.query_event(scale, 180, mechanism=mechanism))
   counts = np.array([1, 2, 1, 0, 3, 1])
-  eps = accounting.phrase_epsilons(sigma, queries, counts)
+  eps = accounting.phrase_epsilons(ledger, counts)
   for n_s in (1, 2, 3):
+    # n_s teachers changed: L2 sensitivity sqrt(2) n_s, L1 sensitivity 2 n_s.
+    event = (dpa.GaussianDpEvent(scale / (math.sqrt(2) * n_s))
+             if mechanism == "gaussian"
+             else dpa.LaplaceDpEvent(scale / (2 * n_s)))
     direct = rdp.RdpAccountant(orders=privacy_accounting.RDP_ORDERS).compose(
-        dpa.SelfComposedDpEvent(
-            dpa.GaussianDpEvent(sigma / (math.sqrt(2) * n_s)), queries)
-    ).get_epsilon(DELTA)
+        dpa.SelfComposedDpEvent(event, queries)).get_epsilon(DELTA)
     np.testing.assert_allclose(eps[counts == n_s], direct, rtol=1e-12)
+  assert eps[0] == ledger.epsilon_spent()
   assert eps[3] == 0 and eps[0] < eps[1] < eps[4]
   summary = accounting.summarize_phrase_epsilons(eps, counts)
   held = eps[counts > 0]

@@ -122,6 +122,41 @@ def test_encode_completions_layout():
     seqpate.encode_completions(examples, vocab, 4)
 
 
+def test_completion_splits_keep_users_apart():
+  splits = seqpate.completion_splits("airdialogue", 3, public_fraction=0.2,
+                                     test_fraction=0.1)
+  train = seqpate.completion_examples(seqpate.load_airdialogue("train"))
+  private_users = {e.user_id for e in splits["private"]}
+  public_users = {e.user_id for e in splits["public"]}
+  assert not private_users & public_users
+  assert len(splits["private"]) + len(splits["public"]) == len(train)
+  users = len(private_users | public_users)
+  assert len(public_users) == round(0.2 * users)
+  assert splits["test"] == seqpate.completion_examples(
+      seqpate.load_airdialogue("dev"))
+  europarl = seqpate.completion_splits("europarl", 3, public_fraction=0.2,
+                                       test_fraction=0.1)
+  assert sum(map(len, europarl.values())) == len(
+      seqpate.completion_examples(seqpate.load_europarl()))
+
+
+def test_private_lm_task_rows_equal_encode_completions():
+  # The trainer's rows (seqio task -> decoder-only features) against the
+  # table's own encoding of the same private examples.
+  from dpjax.data import arrays  # pylint: disable=g-import-not-at-top
+
+  task = seqpate.register_private_lm_task(
+      "airdialogue", 1, public_fraction=0.2, test_fraction=0.1,
+      max_examples=64)
+  got = arrays.load_task_arrays(task.name, "train", {"targets": 23},
+                                converter="decoder_only")
+  private = seqpate.completion_splits(
+      "airdialogue", 1, public_fraction=0.2, test_fraction=0.1)["private"]
+  want = seqpate.encode_completions(private[:64], _SampleBPE(), 24)
+  np.testing.assert_array_equal(got["tokens"], want["tokens"])
+  np.testing.assert_array_equal(got["loss_weights"], want["loss_weights"])
+
+
 def _sha(path):
   with open(path, "rb") as f:
     return hashlib.sha256(f.read()).hexdigest()

@@ -1,17 +1,24 @@
 """The SeqPATE Table 1 driver on a shrunken setting: the table's files agree
-with each row's ledger, and a rerun trains nothing; the name-leakage metric
-against a hand count."""
+with each row's ledger, NoisySGD's ledger with dp-accounting for its steps,
+the user-level phrase epsilons with an explicit count, and a rerun trains
+nothing; the name-leakage metric against a hand count."""
 import csv
 import dataclasses
 import json
 import math
 import os
+import re
 
+import dp_accounting as dpa
+from dp_accounting import rdp
+import numpy as np
 import pytest
 
+from dpjax import trainer
 from dpjax.models import gpt2
+from dpjax.privacy import accounting as privacy_accounting
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.seqpate import experiment, student, teachers
+from dpjax.seqpate import accounting, experiment, partition, student, teachers
 
 SETTINGS = experiment.Settings(
     model=gpt2.GPT2Config(vocab_size=1255, n_positions=48, d_model=16,
@@ -24,8 +31,13 @@ SETTINGS = experiment.Settings(
                                   group_size=2, top_k=5, inference_chunk=16),
     student=student.StudentSetup(batch_size=16, warmup_epochs=1, kd_epochs=1,
                                  learning_rate=1e-3),
-    max_queries=40, max_examples=48, max_test=16)
-ROWS = ["Pub-GPT", "SeqPATE", "-Gaussian (no noise, eps=inf)"]
+    max_queries=40, max_examples=48, max_test=16,
+    noisysgd_bindings=("BATCH_SIZE = 4", "EPOCHS = 1"))
+ROWS = ["Pub-GPT", "NoisySGD", "SeqPATE", "-Merge_P (teacher votes)",
+        "-Gaussian (Laplace)", "no noise (eps=inf)"]
+TEACHER_ROWS = {"SeqPATE": ("gaussian", "distribution"),
+                "-Merge_P (teacher votes)": ("gaussian", "votes"),
+                "-Gaussian (Laplace)": ("laplace", "distribution")}
 
 
 def test_name_leakage_counts_whole_names():
@@ -42,28 +54,91 @@ def first_run(tmp_path_factory):
                                 log=lambda _: None)
 
 
+def _lines_and_table(root):
+  with open(os.path.join(root, "results.jsonl")) as f:
+    lines = [json.loads(line) for line in f]
+  with open(os.path.join(root, "table1.csv")) as f:
+    return lines, list(csv.DictReader(f))
+
+
 def test_table_rows_and_their_ledgers(first_run):
   out, result = first_run
   root = os.path.join(out, "airdialogue")
-  with open(os.path.join(root, "results.jsonl")) as f:
-    lines = [json.loads(line) for line in f]
+  lines, table = _lines_and_table(root)
   assert [r["row"] for r in lines] == ROWS
-  with open(os.path.join(root, "table1.csv")) as f:
-    table = list(csv.DictReader(f))
   assert [r["method"] for r in table] == ROWS
   for row, line in zip(table, lines):
     assert float(row["PPL"]) == pytest.approx(line["ppl"], abs=0.006)
     assert 0 <= line["bleu4"] <= line["bleu3"] <= 100
     assert 0 <= line["name_leakage"] <= 1
-  for name, line in zip(ROWS[1:], lines[1:]):
+  by_name = dict(zip(ROWS, lines))
+  for name, (mechanism, aggregate) in TEACHER_ROWS.items():
     ledger = ledger_lib.PrivacyLedger.load(os.path.join(
         root, "seed0", experiment._slug(name), ledger_lib.LEDGER_FILENAME))
     queries = sum(e.count for e in ledger.events)
+    line = by_name[name]
     assert line["queries"] == queries <= SETTINGS.max_queries
     assert line["epsilon_spent"] == ledger.epsilon_spent()
-  assert lines[1]["epsilon_spent"] <= SETTINGS.epsilon * 1.01
-  assert math.isinf(lines[2]["epsilon_spent"]) and lines[2]["sigma"] == 0
+    assert line["epsilon_spent"] <= SETTINGS.epsilon * 1.01
+    setup = accounting.ledger_setup(ledger)
+    assert (setup.mechanism, setup.aggregate) == (mechanism, aggregate)
+    assert {e.TYPE for e in ledger.events} == {mechanism}
+  no_noise = by_name["no noise (eps=inf)"]
+  assert math.isinf(no_noise["epsilon_spent"]) and no_noise["noise_scale"] == 0
   assert "∞" in open(result["table_md"]).read()
+
+
+def test_noisysgd_ledger_equals_dp_accounting_for_its_steps(first_run):
+  out, _ = first_run
+  line = next(r for r in first_run[1]["rows"] if r["row"] == "NoisySGD")
+  ledger = ledger_lib.PrivacyLedger.load(os.path.join(
+      out, "airdialogue", "seed0", "noisysgd_trainer",
+      ledger_lib.LEDGER_FILENAME))
+  n = SETTINGS.max_examples
+  q, steps = 4 / n, math.ceil(n / 4)  # BATCH_SIZE 4, one epoch
+  assert ledger.sampling["method"] == "poisson"
+  assert ledger.sampling["sampling_rate"] == pytest.approx(q)
+  assert ledger.steps == steps == line["dp_steps"]
+  assert ledger.delta == accounting.DELTA
+  sigma = ledger.noise_multiplier
+  direct = rdp.RdpAccountant(orders=privacy_accounting.RDP_ORDERS).compose(
+      dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(
+          q, dpa.GaussianDpEvent(sigma)), steps)).get_epsilon(accounting.DELTA)
+  assert line["epsilon_spent"] == ledger.epsilon_spent()
+  assert line["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
+  assert line["epsilon_spent"] == pytest.approx(
+      privacy_accounting.dpsgd_epsilon(sigma, q, steps, accounting.DELTA),
+      rel=1e-12)
+  assert 0.99 * SETTINGS.epsilon <= direct <= SETTINGS.epsilon * (1 + 1e-9)
+
+
+def test_user_level_phrase_epsilons_equal_an_explicit_count(tmp_path):
+  settings = dataclasses.replace(SETTINGS, partition="user", num_teachers=4)
+  result = experiment.table1(str(tmp_path), seeds=(0,), settings=settings,
+                             rows=["SeqPATE"], log=lambda _: None)
+  (line,) = result["rows"]
+  private = experiment.load_splits("airdialogue", settings, 0)["private"]
+  assignment = partition.user_partition([e.user_id for e in private], 4, 0)
+  names = sorted({e.user_id for e in private})
+  # Teachers holding a text with the full name as whole words.
+  counts = np.array([len({t for e, t in zip(private, assignment) if re.search(
+      rf"(?<!\w){re.escape(name)}(?!\w)", e.text)}) for name in names])
+  assert counts.max() > 1  # the scaling with n_s is exercised
+  ledger = ledger_lib.PrivacyLedger.load(os.path.join(
+      tmp_path, "airdialogue-user", "seed0", "seqpate",
+      ledger_lib.LEDGER_FILENAME))
+  sigma, queries = accounting.ledger_setup(ledger).scale, line["queries"]
+  eps = [rdp.RdpAccountant(orders=privacy_accounting.RDP_ORDERS).compose(
+      dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(
+          sigma / (math.sqrt(2) * c)), queries)).get_epsilon(accounting.DELTA)
+         for c in counts if c]
+  summary = line["phrase_epsilon"]
+  assert summary["phrases"] == len(eps)
+  assert summary["epsilon_min"] == pytest.approx(min(eps), rel=1e-9)
+  assert summary["epsilon_avg"] == pytest.approx(np.mean(eps), rel=1e-9)
+  assert summary["epsilon_max"] == pytest.approx(max(eps), rel=1e-9)
+  header = open(result["table_md"]).read()
+  assert "phrase ε avg" in header and f"{max(eps):.2f}" in header
 
 
 def test_rerun_trains_nothing(first_run, monkeypatch):
@@ -75,6 +150,7 @@ def test_rerun_trains_nothing(first_run, monkeypatch):
   monkeypatch.setattr(experiment, "train_lm", refuse)
   monkeypatch.setattr(teachers, "train_and_cache", refuse)
   monkeypatch.setattr(student.Student, "distill", refuse)
+  monkeypatch.setattr(trainer, "train", refuse)
   again = experiment.table1(out, seeds=(0,), settings=SETTINGS, rows=ROWS,
                             log=lambda _: None)
   assert again["rows"] == json.loads(json.dumps(result["rows"]))

@@ -140,7 +140,7 @@ def run(params, world, *, max_queries, epsilon, sigma=None, epochs=1,
   pseudo, sums, _ = world
   ledger = accounting.make_ledger(epsilon, max_queries,
                                   num_teachers=TEACHERS, dataset_size=30,
-                                  sigma=sigma)
+                                  scale=sigma)
   agg = Recording(sums, ledger, seed=7, max_candidates=WIDTH)
   setup = student.StudentSetup(batch_size=4, warmup_epochs=1,
                                kd_epochs=epochs, learning_rate=1e-2,
