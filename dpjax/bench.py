@@ -26,7 +26,13 @@ the parameter count and tokens all input and target tokens (the usual
 estimate: attention is ignored and, for T5, every parameter is counted for
 every token); null where the device's peak is not in `PEAK_BF16_FLOPS`.
 `--memory_only` compiles the step for abstract inputs and reports XLA's
-memory analysis without allocating or running anything.
+memory analysis without allocating or running anything, and
+`residual_bytes`: what the backward pass of one microbatch's loss keeps from
+its forward pass (JAX's residuals, params and their compute-dtype copies
+included), whatever the mode. It is the compiler-independent view of
+`--remat=layer` (every transformer layer rematerialised, the config's
+`remat`; not with ghost clipping): XLA's CPU scheduler is free to run the
+recomputation early, and its memory analysis shows little of the saving.
 
 Failures that are the setup's, not a bug (an unknown model, a mode that is
 not available, out of device memory), are one JSON line with an "error"
@@ -88,8 +94,10 @@ def mfu(num_params: int, tokens_per_second: float,
   return 6 * num_params * tokens_per_second / (peak_per_device * num_devices)
 
 
-def model_config(name: str, *, dtype: str, vocab_size: int | None = None):
-  """The config of gin/models/{name}.gin with compute `dtype`, dropout off."""
+def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
+                 remat: str = "none"):
+  """The config of gin/models/{name}.gin with compute `dtype`, dropout off
+  and rematerialisation `remat`."""
   path = os.path.join(MODEL_DIR, f"{name}.gin")
   family = name.split("_")[0]
   if family not in CONFIGS or not os.path.isfile(path):
@@ -103,7 +111,8 @@ def model_config(name: str, *, dtype: str, vocab_size: int | None = None):
   finally:
     gin.clear_config()
   overrides = {"vocab_size": vocab_size} if vocab_size else {}
-  return dataclasses.replace(config, dtype=dtype, dropout_rate=0.0, **overrides)
+  return dataclasses.replace(config, dtype=dtype, dropout_rate=0.0,
+                             remat=remat, **overrides)
 
 
 def synthetic_batch(converter: str, vocab_size: int, lengths: dict,
@@ -211,9 +220,21 @@ def _memory_analysis(compiled) -> dict:
   return out
 
 
+def residual_bytes(loss: Callable, params, microbatch) -> int:
+  """Bytes of the residuals `jax.vjp(loss)` keeps (abstract: runs nothing)."""
+  vjp_fn = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1],
+                          params, microbatch)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp_fn))
+
+
 def run(args: argparse.Namespace) -> dict:
   """Builds, compiles and (unless --memory_only) times the step."""
-  config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab)
+  if args.mode == "ghost" and args.remat != "none":
+    raise Unavailable(f"--mode=ghost cannot be combined with --remat="
+                      f"{args.remat}: ghost clipping cannot see inside "
+                      "rematerialised layers")
+  config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab,
+                        remat=args.remat)
   if isinstance(config, t5.T5Config):
     lengths = {"inputs": args.input_length or args.seq,
                "targets": args.target_length or args.seq}
@@ -264,12 +285,16 @@ def run(args: argparse.Namespace) -> dict:
   tokens_per_step = args.batch * sum(lengths.values())
   device = jax.devices()[0]
   result = dict(
-      model=args.model, mode=args.mode, dtype=args.dtype, batch=args.batch,
-      microbatch=m, lengths=lengths, tokens_per_step=tokens_per_step,
+      model=args.model, mode=args.mode, dtype=args.dtype, remat=args.remat,
+      batch=args.batch, microbatch=m, lengths=lengths,
+      tokens_per_step=tokens_per_step,
       params=num_params, mesh=dict(mesh.shape), rules=args.rules,
       compile_s=round(compile_s, 3))
   if args.memory_only:
     result["memory_analysis"] = _memory_analysis(compiled)
+    microbatch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], batch))
+    result["residual_bytes"] = residual_bytes(
+        lambda p, b: model.batch_loss(p, b).sum(), abstract_params, microbatch)
     return result
 
   params, _ = model.init_params(jax.random.PRNGKey(args.seed))
@@ -324,6 +349,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  help="examples per step (one logical batch)")
   p.add_argument("--microbatch", type=int,
                  help="examples per microbatch (default: --batch)")
+  p.add_argument("--remat", choices=t5.REMATS, default="none",
+                 help="'layer': recompute each layer's activations in the "
+                 "backward pass")
   p.add_argument("--dtype", choices=("bfloat16", "float32"),
                  default="bfloat16", help="compute dtype; params are float32")
   p.add_argument("--steps", type=int, default=10, help="timed steps")

@@ -306,11 +306,24 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   book-keeping: no per-example weight gradients) or 'auto' (ghost when the
   model has intercepted layers); all give the same clipped sum and bound.
   A multi-loss model (`loss_clip_norms`) clips by vmap only ('auto' is vmap):
-  one clipped sum per loss, noised separately with the one σ.
+  one clipped sum per loss, noised separately with the one σ. A model with
+  rematerialised layers (its config's or a part's `remat`) cannot use
+  ghost clipping, which cannot see inside them ('auto' included).
   """
   if clipping_method not in ("vmap", "ghost", "auto"):
     raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
                              f"'auto', got {clipping_method!r}")
+  configs = [model.config, *(getattr(model.config, f.name)
+                             for f in dataclasses.fields(model.config))]
+  remat = [c for c in configs if getattr(c, "remat", "none") != "none"]
+  if remat and (clipping_method == "ghost" or (
+      clipping_method == "auto" and model.example_losses is None)):
+    raise gin_cli.UsageError(
+        f"train.clipping_method = {clipping_method!r} cannot be combined with "
+        f"{type(remat[0]).__name__}.remat = {remat[0].remat!r}: ghost clipping "
+        "records each layer's inputs from outside the layer, which "
+        "rematerialisation hides; use train.clipping_method = 'vmap' or "
+        "remat = 'none'")
   base = _model_base(model, optimizer, learning_rate)
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
   if bounds is None:
@@ -468,11 +481,11 @@ def train(*, model_dir: str = gin.REQUIRED,
   if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
     # or the one this model extends (`init_from_run`)
     saved = init_run[2]
-    saved_model = {"class": saved.get("model_class") or "T5Config",
-                   **saved["model_config"]}
+    saved_model = _architecture({"class": saved.get("model_class") or "T5Config",
+                                 **saved["model_config"]})
     if saved_model not in _model_and_parts(model_config):
       checkpoints.check_compatible(
-          saved_model, _model_json(model_config), "model",
+          saved_model, _architecture(_model_json(model_config)), "model",
           source="the run in INITIAL_CHECKPOINT_PATH",
           fix="Configure the model it was trained with (or one that extends "
               "it, e.g. GPT2DiscConfig.lm = that model).")
@@ -525,8 +538,8 @@ def train(*, model_dir: str = gin.REQUIRED,
       prior=prior, redaction=redaction, clip_norms=bounds)
   ledger, plan = plan_from(resume[1] if resume else None)
   if resume:
-    checkpoints.check_compatible(resume[1]["model_config"],
-                                 _config_json(model_config), "model")
+    checkpoints.check_compatible(_architecture(resume[1]["model_config"]),
+                                 _architecture(_config_json(model_config)), "model")
   sigma = ledger.noise_multiplier
   multipliers = plan_multipliers(plan)
   planned_eps = accounting.epsilon(
@@ -747,6 +760,17 @@ def _config_json(model_config) -> dict:
   return json.loads(json.dumps(model_config.to_json()))
 
 
+# Model settings that change how a step computes, not the params: a run may
+# resume, or start from another run, with a different value.
+_COMPUTE_ONLY = ("remat",)
+
+
+def _architecture(config_json: dict) -> dict:
+  """A model config's JSON without `_COMPUTE_ONLY` keys, nested configs too."""
+  return {k: _architecture(v) if isinstance(v, dict) else v
+          for k, v in config_json.items() if k not in _COMPUTE_ONLY}
+
+
 def _model_json(model_config) -> dict:
   return {"class": type(model_config).__name__, **_config_json(model_config)}
 
@@ -756,7 +780,7 @@ def _model_and_parts(model_config) -> list[dict]:
   (e.g. a GPT2DiscConfig's `lm`): the models whose runs can initialise it."""
   parts = [getattr(model_config, f.name)
            for f in dataclasses.fields(model_config)]
-  return [_model_json(c) for c in (model_config, *parts)
+  return [_architecture(_model_json(c)) for c in (model_config, *parts)
           if dataclasses.is_dataclass(c) and hasattr(c, "to_json")]
 
 

@@ -77,10 +77,27 @@ def test_memory_only_compiles_t5_without_running(capsys):
       3 * 4 * result["params"])
 
 
+def test_memory_only_with_remat(capsys):
+  assert bench.main(["--model=t5_tiny", "--vocab=64", "--seq=16", "--batch=2",
+                     "--mode=nodp", "--remat=layer", "--memory_only"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["remat"] == "layer"
+  assert result["residual_bytes"] > 0 and "memory_analysis" in result
+
+
+def test_residual_bytes_by_hand():
+  """The VJP of w -> w.x w.r.t. w keeps x alone: 4 bytes per float32."""
+  x = jax.ShapeDtypeStruct((3, 5), jnp.float32)
+  w = jax.ShapeDtypeStruct((5,), jnp.float32)
+  assert bench.residual_bytes(lambda w, x: jnp.sum(x @ w), w, x) == 4 * 15
+
+
 def test_unavailable_setups_are_json_errors(capsys):
   assert bench.main(["--model=no_such_model"]) == 1
   assert "unknown model 'no_such_model'" in json.loads(
       capsys.readouterr().out)["error"]
+  assert bench.main(TINY + ["--mode=ghost", "--remat=layer"]) == 1
+  assert "--remat=layer" in json.loads(capsys.readouterr().out)["error"]
   try:
     import jax_privacy  # noqa: F401
   except ImportError:

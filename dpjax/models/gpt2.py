@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.models import common, losses
+from dpjax.models import common, losses, t5
 
 Array = jax.Array
 PyTree = Any
@@ -58,9 +58,14 @@ class GPT2Config(common.ModelConfig):
   dropout_rate: float = 0.1
   layer_norm_epsilon: float = 1e-5
   dtype: str = "float32"  # compute dtype; params are always float32
+  # "layer": recompute each block's activations in the backward pass
+  # (`t5.remat_layer`); same params and results, less memory.
+  remat: str = "none"
 
   def __post_init__(self):
     self.check_dtype()
+    if self.remat not in t5.REMATS:
+      raise ValueError(f"remat must be one of {t5.REMATS}, got {self.remat!r}")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model {self.d_model} is not a multiple of num_heads "
                        f"{self.num_heads}")
@@ -189,11 +194,14 @@ class MlpBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm causal self-attention + MLP, dropout on each residual branch."""
+  """Pre-norm causal self-attention + MLP, dropout on each residual branch.
+
+  Flags are positional (not keyword-only): `t5.remat_layer` marks them static.
+  """
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, x: Array, bias: Array, *, deterministic: bool, decode: bool,
+  def __call__(self, x: Array, bias: Array, deterministic: bool, decode: bool,
                cache_index: Array | None) -> Array:
     cfg = self.config
     norm = functools.partial(LayerNorm, cfg.layer_norm_epsilon, cfg.compute_dtype)
@@ -271,9 +279,9 @@ class GPT2(nn.Module):
     wpe = Embed(cfg.n_positions, cfg.d_model, ("abspos", "embed"), name="position_embedder")
     x = (wte(tokens) + wpe(positions)).astype(cfg.compute_dtype)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    layer = t5.remat_layer(DecoderLayer, cfg.remat, static_argnums=(3, 4))
     for i in range(cfg.num_layers):
-      x = DecoderLayer(cfg, name=f"layers_{i}")(
-          x, bias, deterministic=deterministic, decode=decode, cache_index=cache_index)
+      x = layer(cfg, name=f"layers_{i}")(x, bias, deterministic, decode, cache_index)
     x = LayerNorm(cfg.layer_norm_epsilon, jnp.float32, name="decoder_norm")(x)
     return x if return_hidden else wte.attend(x)
 

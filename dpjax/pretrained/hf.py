@@ -73,7 +73,7 @@ _MODELS = (
 )
 # Config fields that are training choices, not architecture: config.json may
 # disagree with the gin config on them. A mapping may set NON_ARCH_FIELDS.
-_NON_ARCH_FIELDS = ("dropout_rate", "dtype")
+_NON_ARCH_FIELDS = ("dropout_rate", "dtype", "remat")
 _MAX_LISTED = 20
 
 

@@ -62,6 +62,11 @@ every site's input and output gradient for the whole batch: the activations
 backprop keeps anyway plus, for the tied projection, the `[T, vocab]` logits
 gradient. Norms and sums run in float32 at HIGHEST matmul precision,
 whatever the compute dtype: the clip bound rests on them.
+
+Rematerialisation (`jax.checkpoint`, e.g. `T5Config.remat = 'layer'`) is
+refused: the factors are recorded from outside the calls, and inside a
+rematerialised layer the parameters are no longer the leaves of `params`,
+so its weight matrices would silently fall back to per-example gradients.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
+from jax.extend import core as jax_core
+from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
 
@@ -130,6 +137,9 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
 
   Returns:
     The sites; empty if the loss makes no intercepted call.
+
+  Raises:
+    ValueError: if the loss rematerialises (see the module docstring).
   """
   if norm not in _NORMS:
     raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
@@ -165,6 +175,12 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
 
   jaxpr = jax.make_jaxpr(
       lambda p, e: _run(example_loss, p, e, cut))(params, example).jaxpr
+  if _rematerialises(jaxpr):
+    raise ValueError(
+        "ghost clipping cannot see inside rematerialised layers "
+        "(jax.checkpoint / nn.remat, e.g. T5Config.remat or GPT2Config.remat "
+        "= 'layer'): their weight matrices would get per-example gradients. "
+        "Use remat = 'none' with ghost clipping, or vmap clipping with remat.")
   used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
   used |= {id(v) for v in jaxpr.outvars}
   leaves_with_path = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -282,6 +298,12 @@ def _interceptor(on_site: Callable) -> Callable:
 def _run(example_loss, params, example, on_site):
   with nn.intercept_methods(_interceptor(on_site)):
     return example_loss(params, example)
+
+
+def _rematerialises(jaxpr) -> bool:
+  """Whether the program (or any program nested in it) has a jax.checkpoint."""
+  return (any(e.primitive is primitives.remat_p for e in jaxpr.eqns)
+          or any(map(_rematerialises, jax_core.subjaxprs(jaxpr))))
 
 
 def _cheaper(length: int, rows: int, cols: int) -> str:

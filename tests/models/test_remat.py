@@ -1,0 +1,195 @@
+"""Layer rematerialisation (`remat='layer'`) of T5 and GPT-2 against the same
+models without it: same params tree, loss, clipped gradient sum and decoded
+tokens; ghost clipping refuses it early.
+
+Every remat-vs-plain comparison runs both programs on the same params and
+inputs; the plain model is the independent computation.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import primitives
+
+from dpjax import decoding, gin_cli, trainer
+from dpjax.models import gpt2, t5
+from dpjax.models import trainable as trainable_lib
+from dpjax.privacy import clipping, ghost
+
+VOCAB = 97
+N = 4
+# XLA's CPU optimisations dominate the compile time of these tiny programs
+# and change no compared result beyond float rounding.
+jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def t5_config(remat):
+  return t5.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
+                     num_heads=4, num_encoder_layers=1, num_decoder_layers=1,
+                     dropout_rate=0.1, remat=remat)
+
+
+def gpt2_config(remat):
+  return gpt2.GPT2Config(vocab_size=VOCAB, n_positions=32, d_model=32,
+                         num_layers=2, num_heads=4, dropout_rate=0.1,
+                         remat=remat)
+
+
+def t5_batch(rng):
+  tok = lambda n: rng.integers(1, VOCAB, (N, n)).astype(np.int32)
+  enc, dec = tok(10), tok(8)
+  enc[1, 6:] = 0
+  return {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+          "decoder_target_tokens": tok(8),
+          "decoder_loss_weights": np.ones((N, 8), np.float32)}
+
+
+def gpt2_batch(rng):
+  weights = np.ones((N, 12), np.float32)
+  weights[:, :3] = 0  # prompt
+  return {"tokens": rng.integers(1, VOCAB, (N, 12)).astype(np.int32),
+          "loss_weights": weights}
+
+
+MODELS = {
+    "t5": (t5_config, t5_batch,
+           lambda c: t5.init_params(c, jax.random.PRNGKey(0), input_length=10,
+                                    target_length=8)),
+    "gpt2": (gpt2_config, gpt2_batch,
+             lambda c: gpt2.init_params(c, jax.random.PRNGKey(0),
+                                        max_length=12)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+  """(name, {remat: config}, {remat: params}, batch with dropout keys)."""
+  make_config, make_batch, init = MODELS[request.param]
+  configs = {r: make_config(r) for r in t5.REMATS}
+  params = {r: init(c)[0] for r, c in configs.items()}
+  batch = make_batch(np.random.default_rng(0))
+  batch["dropout_rng"] = jax.random.split(jax.random.PRNGKey(3), N)
+  return request.param, configs, params, batch
+
+
+def make_example_loss(name, config):
+  return (t5 if name == "t5" else gpt2).make_example_loss(config)
+
+
+def test_params_tree_is_unchanged(model):
+  _, _, params, _ = model
+  plain, remat = params["none"], params["layer"]
+  assert (jax.tree_util.tree_structure(remat)
+          == jax.tree_util.tree_structure(plain))
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_loss_and_clipped_grad_sum_match(model):
+  """With dropout on: remat must recompute the same dropout masks."""
+  name, configs, params, batch = model
+  mask = np.array([1, 1, 0, 1], np.float32)
+  results = {}
+  for r, config in configs.items():
+    clipped = clipping.clipped_grad(make_example_loss(name, config),
+                                    clip_norm=0.5)
+    results[r] = jit(clipped)(params["none"], batch, mask)
+  (plain, plain_stats), (remat, remat_stats) = results["none"], results["layer"]
+  np.testing.assert_allclose(remat_stats.losses, plain_stats.losses,
+                             rtol=1e-5)
+  np.testing.assert_allclose(remat_stats.norms, plain_stats.norms, rtol=1e-5)
+  assert int(plain_stats.num_clipped) > 0  # the clip is exercised
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_rematerialises_every_layer(model):
+  """The backward pass of the remat model holds one jax.checkpoint per layer
+  (so remat is in effect, not only accepted); the plain one none."""
+  name, configs, params, batch = model
+  example = jax.tree.map(lambda x: x[0], batch)
+
+  def count(jaxpr):
+    return sum(e.primitive is primitives.remat_p for e in jaxpr.eqns) + sum(
+        count(j) for j in jax.extend.core.subjaxprs(jaxpr))
+
+  layers = (configs["none"].num_encoder_layers
+            + configs["none"].num_decoder_layers if name == "t5"
+            else configs["none"].num_layers)
+  for r, expected in (("none", 0), ("layer", layers)):
+    grad = jax.grad(make_example_loss(name, configs[r]))
+    assert count(jax.make_jaxpr(grad)(params["none"], example).jaxpr) == (
+        expected)
+
+
+def test_decoding_matches(model):
+  name, configs, params, batch = model
+  p = params["none"]
+  out = {}
+  for r, config in configs.items():
+    config = dataclasses.replace(config, dropout_rate=0.0)
+    if name == "t5":
+      out[r] = decoding.generate(config, p, batch["encoder_input_tokens"],
+                                 max_length=6, rng=jax.random.PRNGKey(1),
+                                 top_k=5)
+    else:
+      out[r] = decoding.generate_causal(
+          config, p, batch["tokens"][:, :5], np.array([5, 3, 4, 1]),
+          max_new_tokens=6, rng=jax.random.PRNGKey(1), top_k=5)
+  np.testing.assert_array_equal(out["layer"], out["none"])
+  assert len(np.unique(np.asarray(out["none"]))) > 2  # not a degenerate run
+
+
+def test_ghost_refuses_remat(model):
+  name, configs, params, batch = model
+  example = jax.tree.map(lambda x: x[0], batch)
+  # Without remat the layers' kernels are ghost sites ...
+  sites = ghost.find_sites(make_example_loss(name, configs["none"]),
+                           params["none"], example)
+  assert any("layers_0" in s.param for s in sites)
+  # ... with it they would silently not be: refused.
+  with pytest.raises(ValueError, match="rematerialised"):
+    ghost.find_sites(make_example_loss(name, configs["layer"]),
+                     params["none"], example)
+
+
+@pytest.mark.parametrize("method", ["ghost", "auto"])
+def test_trainer_refuses_ghost_with_remat_early(method):
+  model = trainable_lib.trainable(gpt2_config("layer"), {"targets": 12})
+  kw = dict(clip_norm=1.0, optimizer="sgd", learning_rate=0.1,
+            noise_multiplier=1.0, normalizer=4.0, seed=0)
+  with pytest.raises(gin_cli.UsageError,
+                     match=rf"'{method}'.*GPT2Config.remat = 'layer'"):
+    trainer.build_dp_step(model, clipping_method=method, **kw)
+  trainer.build_dp_step(model, clipping_method="vmap", **kw)  # vmap is fine
+
+
+def test_config_field():
+  cfg = t5_config("layer")
+  assert t5.T5Config.from_json(cfg.to_json()) == cfg
+  # Checkpoints written before the field existed read back without remat.
+  old = {k: v for k, v in cfg.to_json().items() if k != "remat"}
+  assert t5.T5Config.from_json(old).remat == "none"
+  for make in (t5_config, gpt2_config):
+    with pytest.raises(ValueError, match="remat"):
+      make("full")
+
+
+def test_runs_resume_and_initialise_across_remat_settings():
+  """The trainer's model comparison (resume, INITIAL_CHECKPOINT_PATH) ignores
+  remat, including a checkpoint written before the field existed, but not
+  an architecture change."""
+  from dpjax import checkpoints
+  saved_before_field = {k: v for k, v in trainer._model_json(gpt2_config("none")).items()
+                        if k != "remat"}
+  now = trainer._architecture(trainer._model_json(gpt2_config("layer")))
+  checkpoints.check_compatible(trainer._architecture(saved_before_field), now, "model")
+  assert trainer._architecture(saved_before_field) in trainer._model_and_parts(
+      gpt2_config("layer"))
+  wider = trainer._model_json(dataclasses.replace(gpt2_config("none"), d_model=64))
+  with pytest.raises(checkpoints.CheckpointMismatchError, match="d_model"):
+    checkpoints.check_compatible(trainer._architecture(wider), now, "model")
