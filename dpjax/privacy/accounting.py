@@ -137,12 +137,11 @@ class PoissonGaussian:
 
 
 @dataclasses.dataclass(frozen=True)
-class Gaussian:
-  """`count` unamplified Gaussian mechanisms with noise multiplier s."""
+class _SelfComposed:
+  """`count` unamplified mechanisms with noise multiplier s (`_one`)."""
 
   noise_multiplier: float
   count: int = 1
-  TYPE: ClassVar[str] = "gaussian"
 
   def __post_init__(self):
     _check_noise_multiplier(self.noise_multiplier)
@@ -151,8 +150,7 @@ class Gaussian:
     object.__setattr__(self, "count", int(self.count))
 
   def to_dp_event(self) -> dp_accounting.DpEvent:
-    return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.GaussianDpEvent(self.noise_multiplier), self.count)
+    return dp_accounting.SelfComposedDpEvent(self._one(), self.count)
 
   def to_json(self) -> dict:
     return {"type": self.TYPE, "noise_multiplier": self.noise_multiplier,
@@ -160,31 +158,27 @@ class Gaussian:
 
 
 @dataclasses.dataclass(frozen=True)
-class Laplace:
+class Gaussian(_SelfComposed):
+  """`count` unamplified Gaussian mechanisms with noise multiplier s."""
+
+  TYPE: ClassVar[str] = "gaussian"
+
+  def _one(self) -> dp_accounting.DpEvent:
+    return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+
+
+@dataclasses.dataclass(frozen=True)
+class Laplace(_SelfComposed):
   """`count` unamplified Laplace mechanisms with noise multiplier s (the
   Laplace scale b divided by the L1 sensitivity)."""
 
-  noise_multiplier: float
-  count: int = 1
   TYPE: ClassVar[str] = "laplace"
 
-  def __post_init__(self):
-    _check_noise_multiplier(self.noise_multiplier)
-    _check_count("count", self.count)
-    object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
-    object.__setattr__(self, "count", int(self.count))
-
-  def to_dp_event(self) -> dp_accounting.DpEvent:
+  def _one(self) -> dp_accounting.DpEvent:
     # dp-accounting's RDP of a Laplace event divides by its multiplier.
     if self.noise_multiplier == 0:
-      inner = dp_accounting.NonPrivateDpEvent()
-    else:
-      inner = dp_accounting.LaplaceDpEvent(self.noise_multiplier)
-    return dp_accounting.SelfComposedDpEvent(inner, self.count)
-
-  def to_json(self) -> dict:
-    return {"type": self.TYPE, "noise_multiplier": self.noise_multiplier,
-            "count": self.count}
+      return dp_accounting.NonPrivateDpEvent()
+    return dp_accounting.LaplaceDpEvent(self.noise_multiplier)
 
 
 Event = Union[PoissonGaussian, Gaussian, Laplace]
