@@ -154,3 +154,13 @@ def test_rerun_trains_nothing(first_run, monkeypatch):
   again = experiment.table1(out, seeds=(0,), settings=SETTINGS, rows=ROWS,
                             log=lambda _: None)
   assert again["rows"] == json.loads(json.dumps(result["rows"]))
+
+
+def test_a_table_refuses_other_settings(first_run):
+  """Rerunning into a table's directory with another ε (or any setting) is
+  refused, naming the field, before anything is trained or reused."""
+  from dpjax import checkpoints
+  out, _ = first_run
+  other = dataclasses.replace(SETTINGS, epsilon=SETTINGS.epsilon + 1)
+  with pytest.raises(checkpoints.CheckpointMismatchError, match="epsilon"):
+    experiment.table1(out, seeds=(0,), settings=other, rows=ROWS, log=lambda _: None)
