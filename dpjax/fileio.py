@@ -1,10 +1,12 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half."""
+"""Atomic file writes: a reader sees the old file or the new one, never half;
+and the result tables every experiment writes (markdown lines, CSV)."""
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator, Sequence
 
 
 @contextlib.contextmanager
@@ -39,3 +41,18 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
   """Writes `text` to `path` atomically (see `open_atomic`)."""
   with open_atomic(path) as f:
     f.write(text)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+  """The lines of a markdown table of string cells."""
+  return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+          *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def write_csv(path: str | os.PathLike, header: Sequence[str],
+              rows: Iterable[Sequence[str]]) -> None:
+  """`header`, then `rows`, as a CSV file (csv's default dialect), atomically."""
+  with open_atomic(path) as f:
+    writer = csv.writer(f)
+    writer.writerow(header)
+    writer.writerows(rows)

@@ -40,7 +40,6 @@ classifier and each target's attack are skipped when rerun. Writes, under
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -341,18 +340,14 @@ def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
             "test PPL (all)", "success rate", top,
             *[f"success rate ({j})" for j in others], "non-empty / generations",
             "ε", "DP / public steps"]
-  table = []
-  for r in rows:
-    table.append(dict(zip(header, [
-        r["mode"], POLICY_LABELS[r["attack_policy"]],
-        _fmt(r[f"test_ppl_{prompt_domain}"], 2), _fmt(r["test_ppl_all"], 2),
-        _fmt(r["success_rate"]), _fmt(r["top_success_rate"]),
-        *[_fmt(r[f"success_rate_{j}"]) for j in others],
-        f"{r['non_empty']} / {r['generations']}", _fmt(r["epsilon"], 2),
-        f"{r['dp_steps']} / {r['public_steps']}"])))
+  table = [[r["mode"], POLICY_LABELS[r["attack_policy"]],
+            _fmt(r[f"test_ppl_{prompt_domain}"], 2), _fmt(r["test_ppl_all"], 2),
+            _fmt(r["success_rate"]), _fmt(r["top_success_rate"]),
+            *[_fmt(r[f"success_rate_{j}"]) for j in others],
+            f"{r['non_empty']} / {r['generations']}", _fmt(r["epsilon"], 2),
+            f"{r['dp_steps']} / {r['public_steps']}"] for r in rows]
   lines = [f"# Domain privacy: {prompt_domain} prompts (paper 004, Figure 1)", "",
-           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(t[h] for h in header) + " |" for t in table]
+           *fileio.markdown_table(header, table)]
   lines += ["", "Success rate: generations flagged by the attack policy for "
             f"another domain ({', '.join(others)}) / non-empty generations "
             "(lower is better); the top rate counts the generations ranked "
@@ -362,10 +357,7 @@ def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
             "non-private training on original text."]
   md = os.path.join(root, "table.md")
   fileio.write_atomic(md, "\n".join(lines) + "\n")
-  with open(os.path.join(root, "table.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=header)
-    writer.writeheader()
-    writer.writerows(table)
+  fileio.write_csv(os.path.join(root, "table.csv"), header, table)
   plot = os.path.join(root, "success_vs_ppl.png")
   _plot(rows, prompt_domain, plot)
   print("\n".join(lines), flush=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import json
 import math
 import os
@@ -238,13 +237,6 @@ def _mean_std(values: list[float]) -> str:
   return f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}"
 
 
-def _write_csv(path: str, header: list[str], rows: list[list[str]]) -> None:
-  with fileio.open_atomic(path) as f:
-    writer = csv.writer(f)
-    writer.writerow(header)
-    writer.writerows(rows)
-
-
 def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
   """results.jsonl, table.md, table.csv, canaries.csv, ndcg_vs_epsilon.png."""
   fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
@@ -266,9 +258,7 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
                   "∞" if math.isinf(spent) else f"{spent:.3f}",
                   str(len(group))])
   lines = ["# Retrieval on DP synthetic queries vs direct DP training "
-           "(paper Tables 3, 4, 6)", "", "| " + " | ".join(header) + " |",
-           "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(t) + " |" for t in table]
+           "(paper Tables 3, 4, 6)", "", *fileio.markdown_table(header, table)]
   lines += ["", "NDCG@10 / Recall@10 / MRR@10 on the dev split; BLEU "
             "(sacrebleu, 0-100) and MAUVE of the synthetic queries against "
             "the original ones; mem@4: fraction of synthetic 4-grams found in "
@@ -285,9 +275,7 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
                   for r in audit_rows]
   if audit_rows:
     lines += ["", "# Canary exposure (paper Table 7)", "",
-              "| " + " | ".join(canary_header) + " |",
-              "|" + "---|" * len(canary_header)]
-    lines += ["| " + " | ".join(t) + " |" for t in canary_table]
+              *fileio.markdown_table(canary_header, canary_table)]
     lines += ["", "Secret at the end of the canary query; rank among the "
               "true secret and R random 10-digit secrets by the generator's "
               "log-likelihood; exposure = log2(1e10) - log2(estimated rank); "
@@ -296,9 +284,9 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
               "repetitions add/remove steps; dpjax/experiments/canaries.py)."]
   md = os.path.join(root, "table.md")
   fileio.write_atomic(md, "\n".join(lines) + "\n")
-  _write_csv(os.path.join(root, "table.csv"), header, table)
+  fileio.write_csv(os.path.join(root, "table.csv"), header, table)
   if audit_rows:
-    _write_csv(os.path.join(root, "canaries.csv"), canary_header, canary_table)
+    fileio.write_csv(os.path.join(root, "canaries.csv"), canary_header, canary_table)
   plot = _plot(root, groups)
   print("\n".join(lines), flush=True)
   return {"rows": rows, "canaries": audit_rows, "table_md": md, "plot": plot}

@@ -24,7 +24,6 @@ same command skips finished trainings, generations and scores.
 from __future__ import annotations
 
 import collections
-import csv
 import json
 import math
 import os
@@ -253,25 +252,20 @@ def _write_table(root: str, rows: list[dict], dataset: str) -> dict:
   coverage = sorted((k for k in rows[0] if k.startswith("top")),
                     key=lambda k: int(k[3:].split("_")[0]))
   header = ["ε", "method", *METRICS, *coverage, "ε spent", "seeds"]
-  lines = [f"# {dataset}: DP synthetic utterances (paper Table 1 / Table 6)",
-           "", "| " + " | ".join(header) + " |",
-           "|" + "---|" * len(header)]
   table = []
   for (method, eps), group in groups.items():
     cells = [("–" if eps is None else _eps_name(eps)), method]
     cells += [_mean_std([g[m] for g in group]) for m in (*METRICS, *coverage)]
     spent = [g["epsilon_spent"] for g in group if "epsilon_spent" in g]
     cells += [f"{max(spent):.3f}" if spent else "–", str(len(group))]
-    lines.append("| " + " | ".join(cells) + " |")
-    table.append(dict(zip(header, cells)))
+    table.append(cells)
+  lines = [f"# {dataset}: DP synthetic utterances (paper Table 1 / Table 6)",
+           "", *fileio.markdown_table(header, table)]
   lines += ["", "Word and function overlap, MAUVE and top-k coverage: higher "
             "is better; χ² distance: lower is better. mean ± std over seeds."]
   md = os.path.join(root, "table1.md")
   fileio.write_atomic(md, "\n".join(lines) + "\n")
-  with open(os.path.join(root, "table1.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=header)
-    writer.writeheader()
-    writer.writerows(table)
+  fileio.write_csv(os.path.join(root, "table1.csv"), header, table)
   print("\n".join(lines), flush=True)
   return {"table_md": md, "rows": rows}
 
@@ -422,14 +416,12 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   cols = ["exact_match", "api_precision", "api_recall"]
   header = ["parser training data", *[f"{missing} {c}" for c in cols],
             *[f"all {c}" for c in cols], "ε spent"]
+  table = [[name, *(f"{r['focus_' + c]:.3f}" for c in cols),
+            *(f"{r[c]:.3f}" for c in cols),
+            f"{r['epsilon_spent']:.3f}" if "epsilon_spent" in r else "–"]
+           for name, r in rows.items()]
   lines = [f"# {dataset}: adding '{missing}' from DP synthetic data "
-           "(paper Table 3)", "", "| " + " | ".join(header) + " |",
-           "|" + "---|" * len(header)]
-  for name, r in rows.items():
-    cells = [name] + [f"{r['focus_' + c]:.3f}" for c in cols] + \
-        [f"{r[c]:.3f}" for c in cols] + \
-        [f"{r['epsilon_spent']:.3f}" if "epsilon_spent" in r else "–"]
-    lines.append("| " + " | ".join(cells) + " |")
+           "(paper Table 3)", "", *fileio.markdown_table(header, table)]
   lines += ["", f"Test: {len(test)} utterances of the validation file "
             f"({rows['D_pub (p0)']['focus_examples']} use '{missing}'). "
             f"D_pub: {len(public)} examples; D_priv: {len(private)} "

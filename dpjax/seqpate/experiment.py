@@ -72,7 +72,6 @@ table1.md, table1.csv.
 from __future__ import annotations
 
 import collections
-import csv
 import dataclasses
 import functools
 import json
@@ -567,8 +566,7 @@ def _write_table(root: str, rows: list[dict], dataset: str,
   lines = [f"# SeqPATE on {dataset}: Table 1 and ablations (target ε = "
            f"{settings.epsilon:g}, δ = {accounting.DELTA:g}, "
            f"{settings.num_teachers} teachers, {settings.partition}-level, "
-           f"budget {settings.max_queries} queries)", "",
-           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+           f"budget {settings.max_queries} queries)", ""]
   table = []
   for name, group in groups.items():
     cells = [name] + [_cell([g[m] * (100 if m == "name_leakage" else 1)
@@ -579,8 +577,8 @@ def _write_table(root: str, rows: list[dict], dataset: str,
     steps = max(g.get("dp_steps", 0) for g in group)
     cells += [f"{steps} DP-SGD steps" if steps else
               str(max(g["queries"] for g in group)), str(len(group))]
-    lines.append("| " + " | ".join(cells) + " |")
-    table.append(dict(zip(header, cells)))
+    table.append(cells)
+  lines += fileio.markdown_table(header, table)
   lines += ["", "PPL on the private test sentences; BLEU-n (sacrebleu, "
             "0-100) of greedy completions of the test prefixes; name leakage: "
             "completions naming a private training user. mean ± std over "
@@ -597,8 +595,5 @@ def _write_table(root: str, rows: list[dict], dataset: str,
                  "data; — where not computed (DP-SGD).")
   md = os.path.join(root, "table1.md")
   fileio.write_atomic(md, "\n".join(lines) + "\n")
-  with fileio.open_atomic(os.path.join(root, "table1.csv")) as f:
-    writer = csv.DictWriter(f, fieldnames=header)
-    writer.writeheader()
-    writer.writerows(table)
+  fileio.write_csv(os.path.join(root, "table1.csv"), header, table)
   return {"table_md": md, "rows": rows}

@@ -311,13 +311,9 @@ def _write_table(out_dir: str, name: str, header: Sequence[str],
                  rows: Sequence[Sequence], title: str) -> None:
   fmt = lambda v: (f"{v:.4f}" if isinstance(v, float) and math.isfinite(v)
                    else ("n/a" if isinstance(v, float) else str(v)))
-  buf = io.StringIO()
-  csv.writer(buf, lineterminator="\n").writerows(
-      [header, *[[fmt(v) for v in r] for r in rows]])
-  fileio.write_atomic(os.path.join(out_dir, f"{name}.csv"), buf.getvalue())
-  lines = [f"# {title}", "", "| " + " | ".join(header) + " |",
-           "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+  cells = [[fmt(v) for v in r] for r in rows]
+  fileio.write_csv(os.path.join(out_dir, f"{name}.csv"), header, cells)
+  lines = [f"# {title}", "", *fileio.markdown_table(header, cells)]
   fileio.write_atomic(os.path.join(out_dir, f"{name}.md"), "\n".join(lines) + "\n")
 
 
