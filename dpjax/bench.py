@@ -31,8 +31,9 @@ memory analysis without allocating or running anything, and
 its forward pass (JAX's residuals, params and their compute-dtype copies
 included), whatever the mode. It is the compiler-independent view of
 `--remat=layer` (every transformer layer rematerialised, the config's
-`remat`; not with ghost clipping): XLA's CPU scheduler is free to run the
-recomputation early, and its memory analysis shows little of the saving.
+`remat`; ghost clipping then sums by a second backward pass): XLA's CPU
+scheduler is free to run the recomputation early, and its memory analysis
+shows little of the saving.
 
 Failures that are the setup's, not a bug (an unknown model, a mode that is
 not available, out of device memory), are one JSON line with an "error"
@@ -229,10 +230,6 @@ def residual_bytes(loss: Callable, params, microbatch) -> int:
 
 def run(args: argparse.Namespace) -> dict:
   """Builds, compiles and (unless --memory_only) times the step."""
-  if args.mode == "ghost" and args.remat != "none":
-    raise Unavailable(f"--mode=ghost cannot be combined with --remat="
-                      f"{args.remat}: ghost clipping cannot see inside "
-                      "rematerialised layers")
   config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab,
                         remat=args.remat)
   if isinstance(config, t5.T5Config):

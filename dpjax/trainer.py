@@ -302,28 +302,17 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                   clip_norms: Mapping[str, float] | None = None):
   """(DP optimizer, accumulate, apply) for a model: the un-jitted DP step.
 
-  `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms +
-  book-keeping: no per-example weight gradients) or 'auto' (ghost when the
+  `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms:
+  no per-example weight gradients) or 'auto' (ghost when the
   model has intercepted layers); all give the same clipped sum and bound.
   A multi-loss model (`loss_clip_norms`) clips by vmap only ('auto' is vmap):
-  one clipped sum per loss, noised separately with the one σ. A model with
-  rematerialised layers (its config's or a part's `remat`) cannot use
-  ghost clipping, which cannot see inside them ('auto' included).
+  one clipped sum per loss, noised separately with the one σ. With
+  rematerialised layers (a config's `remat`) ghost clipping takes its sum
+  from a second backward pass instead of book-keeping (`ghost.py`).
   """
   if clipping_method not in ("vmap", "ghost", "auto"):
     raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
                              f"'auto', got {clipping_method!r}")
-  configs = [model.config, *(getattr(model.config, f.name)
-                             for f in dataclasses.fields(model.config))]
-  remat = [c for c in configs if getattr(c, "remat", "none") != "none"]
-  if remat and (clipping_method == "ghost" or (
-      clipping_method == "auto" and model.example_losses is None)):
-    raise gin_cli.UsageError(
-        f"train.clipping_method = {clipping_method!r} cannot be combined with "
-        f"{type(remat[0]).__name__}.remat = {remat[0].remat!r}: ghost clipping "
-        "records each layer's inputs from outside the layer, which "
-        "rematerialisation hides; use train.clipping_method = 'vmap' or "
-        "remat = 'none'")
   base = _model_base(model, optimizer, learning_rate)
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
   if bounds is None:

@@ -10,8 +10,9 @@ The privacy contract of a DP training step, module by module:
    per-example gradients each clipped to L2 norm <= C (padding and non-finite
    examples contribute zero), so one example changes the sum by at most
    `sensitivity` (add/remove) or `2 * sensitivity` (replace).
-   `ghost.ghost_clipped_grad` computes the same sum with ghost norms and
-   book-keeping (no per-example gradients of the weight matrices);
+   `ghost.ghost_clipped_grad` computes the same sum with ghost norms (no
+   per-example gradients of the weight matrices; book-keeping, or a second
+   backward pass through rematerialised layers);
    `make_clipped_grad(method='vmap'|'ghost'|'auto')` picks one.
 3. `noise` / `optimizers`: `privatize` adds N(0, (sigma * sensitivity)^2) to
    that sum exactly once per logical batch, keyed by (seed, step), and divides

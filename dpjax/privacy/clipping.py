@@ -306,8 +306,9 @@ def make_clipped_grad(
     clip_norm: As in `clipped_grad`.
     method: 'vmap' (`clipped_grad`: per-example gradients of every
       parameter); 'ghost' (`dpjax.privacy.ghost.ghost_clipped_grad`: ghost
-      norms and book-keeping for the weight matrices and embeddings of the
-      dpjax models); 'auto': ghost if the loss has ghost sites (decided when
+      norms for the weight matrices and embeddings of the dpjax models,
+      summed by book-keeping or, through rematerialised layers, a second
+      backward pass); 'auto': ghost if the loss has ghost sites (decided when
       the callable is traced), vmap otherwise.
     microbatch_size: As in `clipped_grad`.
 

@@ -25,10 +25,25 @@ for one-hot rows `A.A` is an id comparison and `onehot . A` a gather. Where
 that costs more, a site's `A^T B` is formed per example instead (the direct
 path). Parameters used anywhere else (norm scales, biases, relative position
 tables) are small and get per-example gradients by `vmap(grad)`, the large
-ones being constants there. Given the clip weights `w_i`, the clipped sum of
-a large parameter is `sum_i w_i A_i^T B_i` over its sites, one einsum (a
-`segment_sum` for lookups) over batch and positions: no second backward pass
-("book-keeping").
+ones being constants there. Given the clip weights `w_i`, the clipped sum is formed one of two ways
+(`summation`):
+
+* book-keeping: `sum_i w_i A_i^T B_i` over a parameter's sites, one einsum
+  (a `segment_sum` for lookups) over batch and positions from the recorded
+  factors; no second backward pass, but every site's factors are kept for
+  the whole batch;
+* second pass: the norms come from *taps* (an identity on a site's output
+  whose backward pass returns that example's `||A^T B||^2` as the cotangent
+  of a per-example zero, so nothing is recorded), and the sum from one more
+  backward pass of `sum_i w_i L_i` through the model as it is. One more
+  backward pass, no stored factors; it is the only way through
+  rematerialised layers (`jax.checkpoint`, e.g. `T5Config.remat = 'layer'`),
+  whose activations exist only while their backward pass runs.
+
+A parameter with several sites (a tied embedding) needs the cross terms of
+the identity, so its factors are recorded, which a rematerialised site
+cannot be: such a parameter must be used outside `jax.checkpoint` (the dpjax
+models' embeddings are); inside, it is refused.
 
 Formal guarantees
 -----------------
@@ -39,12 +54,16 @@ Those of `clipping.clipped_grad`, for the same call contract: for ANY
 * every example with `mask[i] == 1` contributes `w_i g_i` with
   `w_i = min(1, C / ||g_i||)`, of L2 norm `<= C`, or zero if its loss or
   squared norm is non-finite; `g_i` is its gradient, whose large blocks are
-  `sum_k A_k^T B_k` from the very factors the norm is computed from. Up to
-  float32 rounding, which for the identity is relative to its (possibly
-  cancelling) terms rather than to the norm; a sum rounded below zero is
-  taken as zero;
+  `sum_k A_k^T B_k`. Up to float rounding: the identity's is relative to its
+  (possibly cancelling) terms rather than to the norm (a sum rounded below
+  zero is taken as zero); book-keeping forms the sum from the very factors
+  the norm is computed from, in float32; the second pass forms it in the
+  model's backward pass, in its compute dtype (bfloat16 under mixed
+  precision, as any mixed-precision backward pass rounds its weight
+  gradients);
 * factors and gradients of dropped examples are selected away with
-  `jnp.where`, so NaN/inf cannot leak through `0 * NaN`;
+  `jnp.where`, so NaN/inf cannot leak through `0 * NaN`; in the second pass
+  a dropped example is replaced by a kept one at weight 0;
 * `example_loss` sees one example at a time (it is `vmap`ped).
 
 So `f.sensitivity == C` bounds the L2 change of the sum when one example is
@@ -60,24 +79,24 @@ either, and the ghost path elsewhere (long sequences against small matrices
 go direct; embeddings and wide layers stay ghost). The book-keeping keeps
 every site's input and output gradient for the whole batch: the activations
 backprop keeps anyway plus, for the tied projection, the `[T, vocab]` logits
-gradient. Norms and sums run in float32 at HIGHEST matmul precision,
+gradient. The second pass keeps what the model's own backward pass keeps
+(with remat, a layer's input), and costs one forward and backward pass more.
+Norms and book-kept sums run in float32 at HIGHEST matmul precision,
 whatever the compute dtype: the clip bound rests on them.
-
-Rematerialisation (`jax.checkpoint`, e.g. `T5Config.remat = 'layer'`) is
-refused: the factors are recorded from outside the calls, and inside a
-rematerialised layer the parameters are no longer the leaves of `params`,
-so its weight matrices would silently fall back to per-example gradients.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
+from jax._src.interpreters import partial_eval  # dce_jaxpr; jax is pinned
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jax_core
 from jax.extend.core import primitives
 import jax.numpy as jnp
@@ -100,7 +119,14 @@ _KINDS = {
 }
 _PARAM_NAMES = {"dense": "kernel", "lookup": "embedding", "attend": "embedding"}
 _NORMS = ("auto", "ghost", "direct")
+_SUMMATIONS = ("auto", "book_keeping", "second_pass")
 _HIGHEST = jax.lax.Precision.HIGHEST
+# Calls whose body sees its operands unchanged, so a parameter passed in is
+# still that parameter inside (a scan slices, a custom_vjp redefines the
+# gradient: sites under those stay ordinary calls).
+_TRANSPARENT = (primitives.remat_p, primitives.jit_p, primitives.closed_call_p,
+                primitives.call_p)
+_MARK = "dpjax.ghost.site."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +141,7 @@ class Site:
   length: int  # T: positions one example sends through the call
   output: jax.ShapeDtypeStruct  # the call's output for one example
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
+  remat: bool = False  # inside a jax.checkpoint: tapped, never recorded
 
 
 def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
@@ -122,11 +149,12 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   """The sites of `example_loss`, in call order, each with its norm path.
 
   A call of an intercepted method is a site when its parameter is a leaf of
-  `params` used by the loss ONLY through such calls (checked on the traced
-  program, with the sites' outputs cut off); otherwise it is left alone and
-  the parameter is small. Traces `example_loss` twice, runs nothing; so
-  `example_loss` must not be `jax.jit`-wrapped itself (a cached trace would
-  hide its flax calls, and a jitted call reads every parameter).
+  `params`, passed to it unchanged (through `jax.checkpoint` and `jax.jit`
+  too), and used by the loss ONLY through such calls (both checked on the
+  traced program, the latter with the sites' outputs cut off); otherwise it
+  is left alone and the parameter is small. Traces `example_loss` twice,
+  runs nothing; so `example_loss` must not be `jax.jit`-wrapped itself (a
+  cached trace would hide its flax calls).
 
   Args:
     example_loss: As in `clipping.clipped_grad`.
@@ -139,57 +167,49 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
     The sites; empty if the loss makes no intercepted call.
 
   Raises:
-    ValueError: if the loss rematerialises (see the module docstring).
+    ValueError: if a parameter with several sites has one inside a
+      `jax.checkpoint` (see the module docstring).
   """
   if norm not in _NORMS:
     raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
   params, example = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), (params, example))
-  calls = {}  # key -> (kind, leaf, input shape, output)
+  calls = []  # (key, kind, input shape, output), in call order
 
-  def discover(params, example):
-    leaves = jax.tree.leaves(params)
-
-    def record(key, kind, module, call, x):
-      out = call()
-      value = module.get_variable("params", _PARAM_NAMES[kind])
-      # Identity: a parameter transformed on its way in (cast, sliced) is no
-      # leaf, so its calls stay ordinary.
-      leaf = next((i for i, p in enumerate(leaves) if p is value), None)
-      if leaf is not None:
-        calls[key] = (kind, leaf, x.shape,
-                      jax.ShapeDtypeStruct(out.shape, out.dtype))
-      return out
-
-    return _run(example_loss, params, example, record)
-
-  jax.eval_shape(discover, params, example)
-  if not calls:
-    return ()
-
-  def cut(key, kind, module, call, x):
-    if key not in calls:
-      return call()
-    out = calls[key][-1]
-    return jnp.zeros(out.shape, out.dtype)
+  def mark(key, kind, module, call, x):
+    out = call()
+    # Names the parameter's value in the program, to find which leaf it is.
+    checkpoint_name(module.get_variable("params", _PARAM_NAMES[kind]),
+                    f"{_MARK}{len(calls)}")
+    calls.append((key, kind, x.shape,
+                  jax.ShapeDtypeStruct(out.shape, out.dtype)))
+    return out
 
   jaxpr = jax.make_jaxpr(
-      lambda p, e: _run(example_loss, p, e, cut))(params, example).jaxpr
-  if _rematerialises(jaxpr):
-    raise ValueError(
-        "ghost clipping cannot see inside rematerialised layers "
-        "(jax.checkpoint / nn.remat, e.g. T5Config.remat or GPT2Config.remat "
-        "= 'layer'): their weight matrices would get per-example gradients. "
-        "Use remat = 'none' with ghost clipping, or vmap clipping with remat.")
-  used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
-  used |= {id(v) for v in jaxpr.outvars}
+      lambda p, e: _run(example_loss, p, e, mark))(params, example).jaxpr
+  if not calls:
+    return ()
   leaves_with_path = jax.tree_util.tree_flatten_with_path(params)[0]
-  only_in_sites = {i for i, v in enumerate(jaxpr.invars[:len(leaves_with_path)])
-                   if id(v) not in used}
+  leaf_vars = jaxpr.invars[:len(leaves_with_path)]
+  origins = _marked_leaves(jaxpr, {v: i for i, v in enumerate(leaf_vars)})
+  candidates = {calls[i][0] for i, (leaf, _) in origins.items()
+                if leaf is not None}
+
+  outputs = {key: out for key, _, _, out in calls}
+
+  def cut(key, kind, module, call, x):
+    if key not in candidates:
+      return call()
+    return jnp.zeros(outputs[key].shape, outputs[key].dtype)
+
+  cut_jaxpr = jax.make_jaxpr(
+      lambda p, e: _run(example_loss, p, e, cut))(params, example).jaxpr
+  _, used = partial_eval.dce_jaxpr(cut_jaxpr, [True] * len(cut_jaxpr.outvars))
 
   sites = []
-  for key, (kind, leaf, in_shape, out) in calls.items():
-    if leaf not in only_in_sites:
+  for i, (key, kind, in_shape, out) in enumerate(calls):
+    leaf, remat = origins.get(i, (None, False))
+    if leaf is None or used[leaf]:
       continue
     path, value = leaves_with_path[leaf]
     if len(value.shape) != 2:
@@ -199,14 +219,26 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
     sites.append(Site(
         key=key, kind=kind, param=jax.tree_util.keystr(path), leaf=leaf,
         shape=tuple(value.shape), length=length, output=out,
-        norm=_cheaper(length, *value.shape) if norm == "auto" else norm))
+        norm=_cheaper(length, *value.shape) if norm == "auto" else norm,
+        remat=remat))
+  per_param = collections.Counter(s.leaf for s in sites)
+  for s in sites:
+    if s.remat and per_param[s.leaf] > 1:
+      raise ValueError(
+          f"{s.param} has {per_param[s.leaf]} ghost sites, one of them "
+          f"({s.key}) inside a rematerialised function (jax.checkpoint / "
+          "nn.remat): its norm needs the factors of every site, which a "
+          "rematerialised call cannot record. Call the module once per "
+          "checkpointed function, move it out of the checkpoint, or use vmap "
+          "clipping.")
   return tuple(sites)
 
 
 def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
                        microbatch_size: int | None = None,
-                       norm: str = "auto") -> clipping.ClippedGradFn:
-  """`clipping.clipped_grad`, computed with ghost norms and book-keeping.
+                       norm: str = "auto",
+                       summation: str = "auto") -> clipping.ClippedGradFn:
+  """`clipping.clipped_grad`, computed with ghost norms.
 
   Same call contract, result (up to float rounding), `ClipStats` and formal
   guarantees as `clipping.clipped_grad` (see the module docstring), without
@@ -217,10 +249,14 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     clip_norm: The L2 bound `C > 0` on each example's gradient.
     microbatch_size: As in `clipping.clipped_grad`.
     norm: Per-site norm path, as in `find_sites`.
+    summation: 'book_keeping' (one pass, factors kept), 'second_pass' (taps
+      and a second backward pass, nothing kept), or 'auto': the second pass
+      where a site is rematerialised, book-keeping otherwise.
 
   Returns:
     A `ClippedGradFn` with `sensitivity == clip_norm`. Calling it on a loss
-    with no sites raises `ValueError` (use `clipping.clipped_grad`).
+    with no sites raises `ValueError` (use `clipping.clipped_grad`), and so
+    does 'book_keeping' on a loss with rematerialised sites.
 
   Example:
     >>> import jax.numpy as jnp
@@ -240,10 +276,17 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     >>> v, _ = clipping.clipped_grad(loss, clip_norm=2.0)(params, xs, mask)
     >>> all(jnp.allclose(g[k], v[k]) for k in params)
     True
+    >>> g2, _ = ghost_clipped_grad(loss, clip_norm=2.0,
+    ...                            summation="second_pass")(params, xs, mask)
+    >>> all(jnp.allclose(g2[k], v[k]) for k in params)
+    True
   """
   clipping.check_bound("clip_norm", clip_norm)
   if norm not in _NORMS:
     raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
+  if summation not in _SUMMATIONS:
+    raise ValueError(
+        f"summation must be one of {_SUMMATIONS}, got {summation!r}.")
   bounds = np.asarray([clip_norm], np.float32)
 
   def clip_chunk(params, batch, mask):
@@ -253,10 +296,12 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
       raise ValueError("ghost clipping found no intercepted site in the loss "
                        "(no Dense/Embed of dpjax.models.t5 or gpt2 fed by a "
                        "params leaf); use clipping.clipped_grad.")
+    second_pass = _second_pass(summation, sites)
     leaves, treedef = jax.tree.flatten(params)
-    large = {s.leaf for s in sites}
+    large = sorted({s.leaf for s in sites})
     small = [None if i in large else p for i, p in enumerate(leaves)]
-    per_example = _per_example(example_loss, sites, leaves, treedef)
+    per_example = _per_example(example_loss, sites, leaves, treedef,
+                               tapped=_tapped(sites) if second_pass else ())
     losses, small_grads, large_sq, factors = jax.vmap(
         per_example, in_axes=(None, 0))(small, batch)
     sq_norms = large_sq + sum(clipping.sum_squares(g)
@@ -267,15 +312,38 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
 
     summed = [None if g is None else clipping.weighted_sum(g, weights, keep)
               for g in small_grads]
-    for site, (a, b) in zip(sites, factors):
-      term = _book_keeping(site, a, b, weights, keep)
-      summed[site.leaf] = term if summed[site.leaf] is None else (
-          summed[site.leaf] + term)
+    if second_pass:
+      grads = _weighted_grad(example_loss, leaves, treedef, large, batch,
+                             weights, keep)
+      summed = [grads.get(i, g) for i, g in enumerate(summed)]
+    else:
+      for site, (a, b) in zip(sites, factors):
+        term = _book_keeping(site, a, b, weights, keep)
+        summed[site.leaf] = term if summed[site.leaf] is None else (
+            summed[site.leaf] + term)
     return jax.tree.unflatten(treedef, summed), stats
 
   return clipping.ClippedGrad(
       fn=clipping.scan_chunks(clip_chunk, microbatch_size),
       sensitivity=float(clip_norm))
+
+
+def _second_pass(summation: str, sites: tuple[Site, ...]) -> bool:
+  """Whether the sum comes from a second backward pass (`summation`)."""
+  remat = [s for s in sites if s.remat]
+  if summation == "book_keeping" and remat:
+    raise ValueError(
+        f"summation='book_keeping' cannot record the factors of "
+        f"{len(remat)} site(s) inside rematerialised functions (e.g. "
+        f"{remat[0].param}); use summation='second_pass' or 'auto'.")
+  return summation == "second_pass" or (summation == "auto" and bool(remat))
+
+
+def _tapped(sites: tuple[Site, ...]) -> frozenset:
+  """Keys of the sites whose parameter has no other site: their norm needs
+  no cross term, so a tap gives it."""
+  per_param = collections.Counter(s.leaf for s in sites)
+  return frozenset(s.key for s in sites if per_param[s.leaf] == 1)
 
 
 def _interceptor(on_site: Callable) -> Callable:
@@ -300,10 +368,28 @@ def _run(example_loss, params, example, on_site):
     return example_loss(params, example)
 
 
-def _rematerialises(jaxpr) -> bool:
-  """Whether the program (or any program nested in it) has a jax.checkpoint."""
-  return (any(e.primitive is primitives.remat_p for e in jaxpr.eqns)
-          or any(map(_rematerialises, jax_core.subjaxprs(jaxpr))))
+def _marked_leaves(jaxpr, leaf_of: dict, remat: bool = False
+                   ) -> dict[int, tuple[int | None, bool]]:
+  """Call index -> (the params leaf its marked value is, or None if it is
+  computed; whether it is inside a `jax.checkpoint`), for the marks of
+  `find_sites` in `jaxpr`, whose variables `leaf_of` maps to leaves."""
+  found = {}
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive is primitives.name_p
+        and eqn.params["name"].startswith(_MARK)):
+      found[int(eqn.params["name"][len(_MARK):])] = (
+          _leaf(leaf_of, eqn.invars[0]), remat)
+    elif eqn.primitive in _TRANSPARENT:
+      body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      body = getattr(body, "jaxpr", body)  # a ClosedJaxpr under jit
+      inner = {v: _leaf(leaf_of, x) for v, x in zip(body.invars, eqn.invars)}
+      found.update(_marked_leaves(
+          body, inner, remat or eqn.primitive is primitives.remat_p))
+  return found
+
+
+def _leaf(leaf_of: dict, atom) -> int | None:
+  return leaf_of.get(atom) if isinstance(atom, jax_core.Var) else None
 
 
 def _cheaper(length: int, rows: int, cols: int) -> str:
@@ -316,18 +402,26 @@ def _cheaper(length: int, rows: int, cols: int) -> str:
   return "direct" if rows * cols <= 2 * length * length else "ghost"
 
 
-def _per_example(example_loss, sites, leaves, treedef):
+def _per_example(example_loss, sites, leaves, treedef, tapped):
   """`(small, example) -> (loss, small grads, large squared norm, factors)`.
 
-  Differentiates only w.r.t. the small leaves (`None` at large ones) and
-  zeros added to the site outputs; the large leaves are constants.
+  Differentiates only w.r.t. the small leaves (`None` at large ones), zeros
+  added to the outputs of the recorded sites (their factors are returned,
+  in site order) and the sinks of the `tapped` ones; the large leaves are
+  constants.
   """
-  index = {s.key: i for i, s in enumerate(sites)}
+  recorded = [s for s in sites if s.key not in tapped]
+  index = {s.key: i for i, s in enumerate(recorded)}
+  taps = {s.key: (j, s) for j, s in enumerate(
+      s for s in sites if s.key in tapped)}
 
-  def loss_and_inputs(small, deltas, example):
-    inputs = [None] * len(sites)
+  def loss_and_inputs(small, deltas, sinks, example):
+    inputs = [None] * len(recorded)
 
     def perturb(key, kind, module, call, x):
+      if key in taps:
+        j, site = taps[key]
+        return _tap(site, call(), x, sinks[j])
       i = index.get(key)
       if i is None:
         return call()
@@ -339,15 +433,69 @@ def _per_example(example_loss, sites, leaves, treedef):
                 perturb)
     return loss, inputs
 
-  grad_fn = jax.value_and_grad(loss_and_inputs, argnums=(0, 1), has_aux=True)
+  grad_fn = jax.value_and_grad(loss_and_inputs, argnums=(0, 1, 2),
+                               has_aux=True)
 
   def per_example(small, example):
-    zeros = [jnp.zeros(s.output.shape, s.output.dtype) for s in sites]
-    (loss, inputs), (small_grads, out_grads) = grad_fn(small, zeros, example)
-    factors = [_factors(s, x, g) for s, x, g in zip(sites, inputs, out_grads)]
-    return loss, small_grads, _large_sq_norm(sites, factors), factors
+    zeros = [jnp.zeros(s.output.shape, s.output.dtype) for s in recorded]
+    sinks = [jnp.zeros((), jnp.float32) for _ in taps]
+    (loss, inputs), (small_grads, out_grads, tapped_sq) = grad_fn(
+        small, zeros, sinks, example)
+    factors = [_factors(s, x, g)
+               for s, x, g in zip(recorded, inputs, out_grads)]
+    return (loss, small_grads,
+            _large_sq_norm(recorded, factors) + sum(tapped_sq), factors)
 
   return per_example
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tap(site: Site, out: jax.Array, x: jax.Array, sink: jax.Array
+         ) -> jax.Array:
+  """`out`, unchanged. Its backward pass passes the cotangent through and
+  returns, as the cotangent of `sink` (a zero nothing reads), this call's
+  `||A^T B||^2` from its input `x` and that cotangent: the site's norm,
+  computed where the cotangent exists, inside a rematerialised layer too."""
+  del site, x, sink
+  return out
+
+
+def _tap_fwd(site, out, x, sink):
+  del site, sink
+  return out, x
+
+
+def _tap_bwd(site, x, g):
+  return g, None, _large_sq_norm((site,), (_factors(site, x, g),))
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+def _weighted_grad(example_loss, leaves, treedef, large, batch, weights,
+                   keep) -> dict[int, jax.Array]:
+  """Leaf index -> `sum_i weights[i] * dL_i / d leaf` for the `large` leaves:
+  one backward pass of the weighted batch loss through the model as it is.
+
+  A dropped example (padding, non-finite) is replaced by a kept one at
+  weight 0, since `0 * NaN` would leak through a backward pass; with no kept
+  example the sum is zero.
+  """
+  n = keep.shape[0]
+  stand_in = jnp.where(keep, jnp.arange(n), jnp.argmax(keep))
+  batch = jax.tree.map(lambda x: x[stand_in], batch)
+  weights = jnp.where(keep, weights, 0.0)
+
+  def weighted_loss(large_leaves):
+    full = dict(enumerate(leaves)) | dict(zip(large, large_leaves))
+    losses = jax.vmap(example_loss, in_axes=(None, 0))(
+        jax.tree.unflatten(treedef, [full[i] for i in range(len(leaves))]),
+        batch)
+    return jnp.sum(weights * losses.astype(jnp.float32))
+
+  grads = jax.grad(weighted_loss)([leaves[i] for i in large])
+  return {i: jnp.where(jnp.any(keep), g.astype(jnp.float32), 0.0)
+          for i, g in zip(large, grads)}
 
 
 def _factors(site: Site, x: jax.Array, g: jax.Array) -> Factors:

@@ -85,10 +85,10 @@ def gpt2_problem(**overrides):
 
 
 PROBLEMS = {
-    "t5": lambda: t5_problem(),
-    "t5.1.1": lambda: t5_problem(feed_forward="gated-gelu",
-                                 tie_embeddings=False),
-    "gpt2": lambda: gpt2_problem(),
+    "t5": t5_problem,
+    "t5.1.1": functools.partial(t5_problem, feed_forward="gated-gelu",
+                                tie_embeddings=False),
+    "gpt2": gpt2_problem,
 }
 
 
@@ -150,20 +150,30 @@ def first_example(batch):
 # 'auto' on T5 mixes the paths on the tied table (direct encoder lookup,
 # ghost decoder lookup and projection); forced 'ghost' on T5.1.1 pairs its
 # two lookups of one table; forced 'direct' on GPT-2 sums its lookup and
-# projection of one table.
-@pytest.mark.parametrize("name, norm, microbatch_size", [
-    ("t5", "auto", None),
-    ("t5.1.1", "ghost", None),
-    ("gpt2", "direct", 2),
+# projection of one table. The second pass taps the single-site kernels and
+# records the tied tables; with remat ('layer') the kernels sit inside
+# jax.checkpoint and 'auto' summation is the second pass. The references
+# are computed without remat.
+@pytest.mark.parametrize("name, norm, microbatch_size, summation, remat", [
+    ("t5", "auto", None, "auto", "none"),
+    ("t5.1.1", "ghost", None, "auto", "none"),
+    ("gpt2", "direct", 2, "auto", "none"),
+    ("gpt2", "direct", None, "second_pass", "none"),
+    ("t5", "auto", 2, "auto", "layer"),
 ])
-def test_matches_vmap_and_loop(problems, name, norm, microbatch_size):
+def test_matches_vmap_and_loop(problems, name, norm, microbatch_size,
+                               summation, remat):
   loss, params, batch, (expected_sum, expected_norms), clip, vmap_result = (
       problems[name])
+  if remat != "none":
+    loss = PROBLEMS[name](remat=remat)[0]
   sites = ghost.find_sites(loss, params, first_example(batch), norm=norm)
   paths = {s.norm for s in sites}
   assert paths == ({"ghost", "direct"} if norm == "auto" else {norm})
+  assert any(s.remat for s in sites) == (remat != "none")
   fn = ghost.ghost_clipped_grad(loss, clip_norm=clip, norm=norm,
-                                microbatch_size=microbatch_size)
+                                microbatch_size=microbatch_size,
+                                summation=summation)
   assert fn.sensitivity == clip
   compiled = jit(fn)
   got, stats = compiled(params, batch, MASK)
@@ -213,8 +223,10 @@ def all_shapes(jaxpr):
           yield from all_shapes(sub)
 
 
-def test_no_per_example_gradient_of_large_params(problems):
+@pytest.mark.parametrize("remat", ["none", "layer"])
+def test_no_per_example_gradient_of_large_params(problems, remat):
   loss, params, batch = problems["t5"][:3]
+  loss = t5_problem(remat=remat)[0]
   # Encoder length 16: no activation or Gram is shaped like a parameter.
   batch = dict(batch,
                encoder_input_tokens=batch["encoder_input_tokens"][:, :16])
@@ -314,6 +326,73 @@ def test_make_clipped_grad_selects():
         jnp.zeros(2), xs, jnp.ones(2))
 
 
+class Block(nn.Module):
+  """A dense layer, applied once or (`twice`) twice."""
+  twice: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    dense = gpt2.Dense(4, ("embed", "mlp"), 0.5, name="dense")
+    y = jnp.tanh(dense(x))
+    return dense(y) if self.twice else y
+
+
+class RematToy(nn.Module):
+  twice: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(Block)(self.twice, name="block")(x)
+
+
+REMAT_PARAMS = nn.meta.unbox(RematToy().init(
+    jax.random.PRNGKey(0), jnp.zeros((3, 4)))["params"])
+REMAT_BATCH = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 4))
+
+
+def remat_toy_loss(params, x):
+  return jnp.sum(RematToy().apply({"params": params}, x) ** 2)
+
+
+def doubled_kernel_loss(params, x):
+  """The kernel reaches the layer doubled: the call's parameter is computed,
+  not a leaf, so it cannot be a site (a tap's norm would be of the doubled
+  kernel's gradient, half the leaf's)."""
+  dense = dict(params["block"]["dense"], kernel=2 * params["block"]["dense"]["kernel"])
+  return remat_toy_loss({"block": {"dense": dense}}, x)
+
+
+@pytest.mark.parametrize("loss, sites", [
+    (remat_toy_loss, [("['block']['dense']['kernel']", True)]),
+    (doubled_kernel_loss, []),
+])
+def test_remat_sites_are_leaves_passed_unchanged(loss, sites):
+  assert [(s.param, s.remat) for s in ghost.find_sites(
+      loss, REMAT_PARAMS, REMAT_BATCH[0])] == sites
+  mask = jnp.array([1.0, 1.0, 0.0, 1.0])
+  want, want_stats = clipping.clipped_grad(loss, clip_norm=0.5)(
+      REMAT_PARAMS, REMAT_BATCH, mask)
+  got, stats = clipping.make_clipped_grad(loss, clip_norm=0.5)(
+      REMAT_PARAMS, REMAT_BATCH, mask)
+  np.testing.assert_allclose(stats.norms, want_stats.norms, rtol=1e-5)
+  assert int(stats.num_clipped) > 0
+  for g, w in zip(leaves64(got), leaves64(want)):
+    assert_close(g, w)
+
+
+def test_refuses_a_remat_module_called_twice():
+  """Its norm needs the cross term of the two calls' factors, which a
+  rematerialised call cannot record."""
+  params = nn.meta.unbox(RematToy(twice=True).init(
+      jax.random.PRNGKey(0), jnp.zeros((3, 4)))["params"])
+
+  def loss(params, x):
+    return jnp.sum(RematToy(twice=True).apply({"params": params}, x))
+
+  with pytest.raises(ValueError, match="2 ghost sites.*rematerialised"):
+    ghost.find_sites(loss, params, REMAT_BATCH[0])
+
+
 def test_invalid_arguments():
   with pytest.raises(ValueError, match="method"):
     clipping.make_clipped_grad(toy_loss, clip_norm=1.0, method="fast")
@@ -321,3 +400,5 @@ def test_invalid_arguments():
     ghost.ghost_clipped_grad(toy_loss, clip_norm=1.0, norm="gram")
   with pytest.raises(ValueError, match="clip_norm"):
     ghost.ghost_clipped_grad(toy_loss, clip_norm=0.0)
+  with pytest.raises(ValueError, match="summation"):
+    ghost.ghost_clipped_grad(toy_loss, clip_norm=1.0, summation="twice")
