@@ -86,15 +86,16 @@ def test_optimizer_state_follows_params():
 # --- The sharded DP step (runs in the subprocess). ------------------------
 
 
-def _models():
+def _models(remat="none"):
   """Tiny one-layer T5 (vocab 97: not divisible by 2, so the tensor rules
   replicate that axis) and GPT-2, dropout off (T5 takes the fused attention
   path)."""
   t5_cfg = t5.T5Config(vocab_size=97, d_model=64, d_kv=16, d_ff=128,
                        num_heads=4, num_encoder_layers=1, num_decoder_layers=1,
-                       dropout_rate=0.0)
+                       dropout_rate=0.0, remat=remat)
   gpt_cfg = gpt2.GPT2Config(vocab_size=96, n_positions=LENGTH, d_model=64,
-                            num_layers=1, num_heads=4, dropout_rate=0.0)
+                            num_layers=1, num_heads=4, dropout_rate=0.0,
+                            remat=remat)
   rng = np.random.default_rng(0)
   tokens = lambda v: rng.integers(1, v, (K, M, LENGTH)).astype(np.int32)
   weights = np.ones((K, M, LENGTH), np.float32)
@@ -134,18 +135,25 @@ def _sharded_run():
   mask = np.ones((K, M), np.float32)
   mask[1, -3:] = 0  # padding rows
   rules = partitioning.FSDP_TENSOR_RULES
+  # Ghost clipping of the rematerialised GPT-2 (a second backward pass, which
+  # gathers stand-ins for the padding rows across the sharded batch) on the
+  # fullest mesh, against the plain model's vmap step on one device.
+  remat_loss = _models(remat="layer")["gpt2"][0]
   for name, (example_loss, params, axes, batch) in _models().items():
     tx, step = _dp_step(example_loss)
     one = jax.jit(step)
     reference = jax.device_put(train_step.init_state(params, tx), jax.devices()[0])
     for _ in range(2):
       reference = one(reference, batch, mask)
-    for shape in MESHES:
+    runs = [(shape, step) for shape in MESHES]
+    if name == "gpt2":
+      runs.append((MESHES[-1], _dp_step(remat_loss, method="ghost")[1]))
+    for shape, run_step in runs:
       mesh = partitioning.make_mesh(shape)
       state_sh = partitioning.state_shardings(mesh, tx, params, axes, rules)
       batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
       mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
-      sharded = jax.jit(step, in_shardings=(state_sh, batch_sh, mask_sh),
+      sharded = jax.jit(run_step, in_shardings=(state_sh, batch_sh, mask_sh),
                         out_shardings=state_sh)
       state = jax.device_put(train_step.init_state(params, tx), state_sh)
       for _ in range(2):
@@ -180,7 +188,7 @@ def test_sharded_dp_step_equals_one_device_step():
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
   done = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-  assert len(done) == 2 * len(MESHES), proc.stdout
+  assert len(done) == 2 * len(MESHES) + 1, proc.stdout
 
 
 if __name__ == "__main__":

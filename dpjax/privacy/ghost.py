@@ -7,9 +7,10 @@ Here every call where a large parameter meets the activations (a *site*:
 `Dense.__call__`, the embedding lookup `Embed.__call__` and the tied output
 projection `Embed.attend` of `dpjax.models.t5` and `dpjax.models.gpt2`, so
 BERT too) is intercepted with `flax.linen.intercept_methods`; no model code
-changes. One vmapped forward and backward pass records, per example, each
+changes. One vmapped forward and backward pass sees, per example, each
 site's input and the gradient of the loss w.r.t. its output (a zero added to
-the output and differentiated). A parameter's gradient through a site is
+the output and differentiated, or a tap, below). A parameter's gradient
+through a site is
 `A^T B`, `A: [T, rows]`, `B: [T, cols]`:
 
     dense   x @ kernel         A = x                  B = d loss / d output
@@ -25,8 +26,8 @@ for one-hot rows `A.A` is an id comparison and `onehot . A` a gather. Where
 that costs more, a site's `A^T B` is formed per example instead (the direct
 path). Parameters used anywhere else (norm scales, biases, relative position
 tables) are small and get per-example gradients by `vmap(grad)`, the large
-ones being constants there. Given the clip weights `w_i`, the clipped sum is formed one of two ways
-(`summation`):
+ones being constants there. Given the clip weights `w_i`, the clipped sum
+is formed one of two ways (`summation`):
 
 * book-keeping: `sum_i w_i A_i^T B_i` over a parameter's sites, one einsum
   (a `segment_sum` for lookups) over batch and positions from the recorded
