@@ -43,6 +43,7 @@ def check_result(result, mode):
       64 / result["step_time_s"], rel=1e-3)
   assert result["peak_memory_bytes"] > 0
   assert result["mfu"] is None  # no known peak for a CPU
+  assert "compiler_options" not in result  # timed as XLA compiles by default
 
 
 def test_cli_prints_one_json_line():
@@ -83,6 +84,8 @@ def test_memory_only_with_remat(capsys):
   result = json.loads(capsys.readouterr().out)
   assert result["remat"] == "layer"
   assert result["residual_bytes"] > 0 and "memory_analysis" in result
+  # Compiled for memory on CPU; the timed runs keep XLA's default.
+  assert result["compiler_options"] == bench.CPU_MEMORY_SCHEDULER
 
 
 def test_residual_bytes_by_hand():
