@@ -31,10 +31,11 @@ memory analysis without allocating or running anything, and
 its forward pass (JAX's residuals, params and their compute-dtype copies
 included), whatever the mode: the compiler-independent view of
 `--remat=layer` (every transformer layer rematerialised, the config's
-`remat`; ghost clipping then sums by a second backward pass). On CPU,
-`--memory_only` compiles with XLA's memory-minimising scheduler
-(`CPU_MEMORY_SCHEDULER`, reported as "compiler_options"): the default one
-runs the recomputation early and shows little of the saving.
+`remat`; ghost clipping then sums by a second backward pass). XLA's default
+CPU scheduler favours concurrency and runs the recomputation early, so its
+memory analysis shows little of the saving; run with
+`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false` for the
+memory-minimising one (every line records the XLA_FLAGS it ran with).
 
 Failures that are the setup's, not a bug (an unknown model, a mode that is
 not available, out of device memory), are one JSON line with an "error"
@@ -229,12 +230,6 @@ def residual_bytes(loss: Callable, params, microbatch) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp_fn))
 
 
-# XLA's CPU scheduler favours concurrency over memory by default, and then
-# runs rematerialised recomputation early, where it saves nothing; the
-# memory-minimising scheduler is nearer an accelerator's memory-aware one.
-CPU_MEMORY_SCHEDULER = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
-
-
 def run(args: argparse.Namespace) -> dict:
   """Builds, compiles and (unless --memory_only) times the step."""
   config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab,
@@ -280,11 +275,9 @@ def run(args: argparse.Namespace) -> dict:
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params),
       state_sh)
-  options = (CPU_MEMORY_SCHEDULER
-             if args.memory_only and jax.default_backend() == "cpu" else {})
   start = time.perf_counter()
   compiled = jitted.lower(abstract_state, *jax.eval_shape(
-      lambda: (batch, mask))).compile(compiler_options=options)
+      lambda: (batch, mask))).compile()
   compile_s = time.perf_counter() - start
 
   num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
@@ -296,8 +289,6 @@ def run(args: argparse.Namespace) -> dict:
       tokens_per_step=tokens_per_step,
       params=num_params, mesh=dict(mesh.shape), rules=args.rules,
       compile_s=round(compile_s, 3))
-  if options:
-    result["compiler_options"] = options
   if args.memory_only:
     result["memory_analysis"] = _memory_analysis(compiled)
     microbatch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], batch))
@@ -390,6 +381,7 @@ def machine_context(module: str, argv: Sequence[str]) -> dict:
   device = jax.devices()[0]
   return dict(device_kind=device.device_kind, platform=device.platform,
               num_devices=jax.device_count(), jax_version=jax.__version__,
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
               command=shlex.join(["python", "-m", module, *argv]))
 
 

@@ -20,7 +20,7 @@ FIELDS = {"model", "mode", "dtype", "batch", "microbatch", "lengths",
           "tokens_per_step", "params", "steps", "warmup", "step_time_s",
           "tokens_per_s", "examples_per_s", "peak_memory_bytes",
           "peak_memory_source", "mfu", "device_kind", "jax_version",
-          "command"}
+          "xla_flags", "command"}
 TINY = ["--model=gpt2_tiny", "--vocab=128", "--seq=16", "--batch=4",
         "--microbatch=2", "--steps=2", "--warmup=1"]
 
@@ -43,11 +43,11 @@ def check_result(result, mode):
       64 / result["step_time_s"], rel=1e-3)
   assert result["peak_memory_bytes"] > 0
   assert result["mfu"] is None  # no known peak for a CPU
-  assert "compiler_options" not in result  # timed as XLA compiles by default
 
 
 def test_cli_prints_one_json_line():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false")
   proc = subprocess.run([sys.executable, "-m", "dpjax.bench", *TINY,
                          "--mode=nodp"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
@@ -58,6 +58,7 @@ def test_cli_prints_one_json_line():
   check_result(result, "nodp")
   assert result["command"] == "python -m dpjax.bench " + " ".join(
       TINY + ["--mode=nodp"])
+  assert result["xla_flags"] == env["XLA_FLAGS"]
 
 
 @pytest.mark.parametrize("mode", ["vmap", "ghost"])
@@ -84,8 +85,6 @@ def test_memory_only_with_remat(capsys):
   result = json.loads(capsys.readouterr().out)
   assert result["remat"] == "layer"
   assert result["residual_bytes"] > 0 and "memory_analysis" in result
-  # Compiled for memory on CPU; the timed runs keep XLA's default.
-  assert result["compiler_options"] == bench.CPU_MEMORY_SCHEDULER
 
 
 def test_residual_bytes_by_hand():
