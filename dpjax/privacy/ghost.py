@@ -142,7 +142,7 @@ class Site:
   length: int  # T: positions one example sends through the call
   output: jax.ShapeDtypeStruct  # the call's output for one example
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
-  remat: bool = False  # inside a jax.checkpoint: tapped, never recorded
+  remat: bool  # inside a jax.checkpoint: tapped, never recorded
 
 
 def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
