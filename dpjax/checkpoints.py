@@ -154,20 +154,20 @@ def restore_params(mngr: ocp.CheckpointManager, step: int,
   target = {"params": jax.tree.map(
       lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
       saved, sharding)}
-  reader = ocp.CheckpointManager(  # the saved format, read as a plain pytree
+  with ocp.CheckpointManager(  # the saved format, read as a plain pytree
       mngr.directory, options=ocp.CheckpointManagerOptions(create=False),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-  return reader.restore(step, args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(
-          target, ocp.checkpoint_utils.construct_restore_args(target),
-          partial_restore=True)))["state"]["params"]
+      item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as reader:
+    return reader.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            target, ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)))["state"]["params"]
 
 
 def read_run(path: str) -> tuple[ocp.CheckpointManager, int, dict] | None:
   """(manager, step, meta) of the newest readable checkpoint of the dpjax run
   directory `path`, or None if `path` holds no `checkpoints/` (e.g. a
-  Hugging Face directory). A run directory none of whose checkpoints reads
-  back raises UnreadableCheckpointError."""
+  Hugging Face directory); the caller closes the manager. A run directory
+  none of whose checkpoints reads back raises UnreadableCheckpointError."""
   if not os.path.isdir(os.path.join(path, "checkpoints")):
     return None
   mngr = manager(path, create=False)

@@ -42,6 +42,7 @@ def load_trained(model_dir: str):
   config = trainable.config_from_json(meta.get("model_class"),
                                       meta["model_config"])
   params = checkpoints.restore_params(mngr, step)
+  mngr.close()
   return config, params, dict(meta, step=step)
 
 

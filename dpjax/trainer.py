@@ -377,6 +377,7 @@ def initial_tokenizer_files(initial_checkpoint_path: str | None
     return None
   run = checkpoints.read_run(os.path.expanduser(initial_checkpoint_path))
   if run:
+    run[0].close()
     return run[2].get("tokenizer_files")
   from dpjax import pretrained
   return pretrained.tokenizer_files(initial_checkpoint_path)
@@ -719,6 +720,9 @@ def train(*, model_dir: str = gin.REQUIRED,
               "command to resume", flush=True)
         break
   summaries.close()
+  mngr.close()  # orbax's threads and event loops; a long job trains many runs
+  if init_run:
+    init_run[0].close()
   eps = ledger.epsilon_spent()
   result = {"model_dir": model_dir, "steps": steps, "steps_done": done,
             "epsilon_spent": eps, "target_epsilon": target_epsilon,

@@ -93,6 +93,7 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
       gin.clear_config()
   mngr, step, _ = checkpoints.read_run(model_dir)
   params = checkpoints.restore_params(mngr, step)
+  mngr.close()
   ledger = ledger_lib.PrivacyLedger.load(
       os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
   return params, ledger

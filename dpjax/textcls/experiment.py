@@ -379,7 +379,9 @@ def _classifier_accuracy(settings: Settings, data: TaskData, train_texts,
 def _load_run(model_dir: str):
   mngr, step, meta = checkpoints.read_run(model_dir)
   config = trainable.config_from_json(meta.get("model_class"), meta["model_config"])
-  return config, checkpoints.restore_params(mngr, step)
+  params = checkpoints.restore_params(mngr, step)
+  mngr.close()
+  return config, params
 
 
 def generate(model_dir: str, labels: np.ndarray, settings: Settings, data: TaskData,
