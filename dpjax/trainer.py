@@ -368,6 +368,17 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
       "public_steps": int(np.count_nonzero(public))}
 
 
+def _check_registered(binding: str, name: str) -> None:
+  from dpjax.data import arrays as data_arrays  # TF: only where data is read
+  known = data_arrays.registered_names()
+  if name not in known:
+    raise gin_cli.UsageError(
+        f"{binding} = {name!r} is no registered seqio task or mixture; "
+        f"registered: {', '.join(known)}. A pipeline's own tasks are "
+        "registered by its command (e.g. 'seqpate_private_lm' by "
+        "python -m dpjax.seqpate)")
+
+
 def initial_tokenizer_files(initial_checkpoint_path: str | None
                             ) -> dict[str, str] | None:
   """The tokenizer files a run starting from `initial_checkpoint_path` registers
@@ -479,6 +490,9 @@ def train(*, model_dir: str = gin.REQUIRED,
           source="the run in INITIAL_CHECKPOINT_PATH",
           fix="Configure the model it was trained with (or one that extends "
               "it, e.g. GPT2DiscConfig.lm = that model).")
+  _check_registered("MIXTURE_OR_TASK_NAME", mixture_or_task_name)
+  if public_task_name:
+    _check_registered("train.public_task_name", public_task_name)
   data = data_arrays.load_task_arrays(mixture_or_task_name, "train", lengths,
                                       converter=model.converter)
   try:

@@ -406,3 +406,8 @@ def test_ghost_clipping_and_fsdp_rules_train_like_vmap(eight_steps, tmp_path):
                restored_params(tmp_path), restored_params(reference_dir))
   with pytest.raises(gin_cli.UsageError, match="clipping_method"):
     run(tmp_path / "bad", "TRAIN_STEPS = 1", "train.clipping_method = 'fast'")
+  with pytest.raises(gin_cli.UsageError,
+                     match="MIXTURE_OR_TASK_NAME = 'no_such_task' is no registered.*msmarco_query_gen"):
+    run(tmp_path / "unknown", "TRAIN_STEPS = 1",
+        "MIXTURE_OR_TASK_NAME = 'no_such_task'")
+  assert not (tmp_path / "unknown").exists()

@@ -50,6 +50,11 @@ def _to_numpy(ds: tf.data.Dataset, keys) -> dict[str, np.ndarray]:
   return out
 
 
+def registered_names() -> list[str]:
+  """The registered seqio tasks and mixtures, sorted."""
+  return sorted({*seqio.TaskRegistry.names(), *seqio.MixtureRegistry.names()})
+
+
 def load_task_arrays(task_or_mixture_name: str, split: str,
                      task_feature_lengths: Mapping[str, int], *,
                      pack: bool = False,
