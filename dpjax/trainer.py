@@ -616,6 +616,8 @@ def train(*, model_dir: str = gin.REQUIRED,
                     out_shardings=jax.tree.map(lambda x: x.sharding, target)
                     )(params)
     mngr = mngr or checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
+  if init_run:  # read; orbax's threads need not live through the run
+    init_run[0].close()
   os.makedirs(model_dir, exist_ok=True)
   if distributed.is_primary():
     fileio.write_atomic(os.path.join(model_dir, "config.gin"),
@@ -735,8 +737,6 @@ def train(*, model_dir: str = gin.REQUIRED,
         break
   summaries.close()
   mngr.close()  # orbax's threads and event loops; a long job trains many runs
-  if init_run:
-    init_run[0].close()
   eps = ledger.epsilon_spent()
   result = {"model_dir": model_dir, "steps": steps, "steps_done": done,
             "epsilon_spent": eps, "target_epsilon": target_epsilon,

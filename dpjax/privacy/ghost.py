@@ -10,8 +10,7 @@ BERT too) is intercepted with `flax.linen.intercept_methods`; no model code
 changes. One vmapped forward and backward pass sees, per example, each
 site's input and the gradient of the loss w.r.t. its output (a zero added to
 the output and differentiated, or a tap, below). A parameter's gradient
-through a site is
-`A^T B`, `A: [T, rows]`, `B: [T, cols]`:
+through a site is `A^T B`, `A: [T, rows]`, `B: [T, cols]`:
 
     dense   x @ kernel         A = x                  B = d loss / d output
     lookup  embedding[ids]     A = onehot(ids)        B = d loss / d output

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import gin
 import jax
 
-from dpjax import checkpoints, gin_cli, trainer
+from dpjax import gin_cli, inference, trainer
 from dpjax.models import gpt2
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
@@ -91,9 +91,7 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
       trainer.train()
     finally:
       gin.clear_config()
-  mngr, step, _ = checkpoints.read_run(model_dir)
-  params = checkpoints.restore_params(mngr, step)
-  mngr.close()
+  params = inference.load_trained(model_dir)[1]
   ledger = ledger_lib.PrivacyLedger.load(
       os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
   return params, ledger

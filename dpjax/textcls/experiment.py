@@ -70,9 +70,9 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import checkpoints, fileio, gin_cli, pplm, text_classifier, trainer
+from dpjax import fileio, gin_cli, inference, pplm, text_classifier, trainer
 from dpjax.eval import text_quality
-from dpjax.models import bert, trainable
+from dpjax.models import bert
 from dpjax.privacy import accounting
 from tasks import textcls
 
@@ -376,21 +376,13 @@ def _classifier_accuracy(settings: Settings, data: TaskData, train_texts,
   return model.accuracy([e.text for e in data.test], [e.label for e in data.test])
 
 
-def _load_run(model_dir: str):
-  mngr, step, meta = checkpoints.read_run(model_dir)
-  config = trainable.config_from_json(meta.get("model_class"), meta["model_config"])
-  params = checkpoints.restore_params(mngr, step)
-  mngr.close()
-  return config, params
-
-
 def generate(model_dir: str, labels: np.ndarray, settings: Settings, data: TaskData,
              *, step_size: float) -> tuple[list[str], np.ndarray]:
   """(texts, [n, C] discriminator probabilities) of one sample per label
   from the run's `BOS label SEP` prompts; `step_size = 0` is plain
   conditional nucleus sampling."""
   vocab = data.vocabulary
-  config, params = _load_run(model_dir)
+  config, params, _ = inference.load_trained(model_dir)
   eos = vocab.eos_id
   banned = [textcls.token_id(vocab, t) for t in textcls.EXTRA_TOKENS]
   texts, probs = [], []
