@@ -62,7 +62,7 @@ import optax
 from dpjax import gin_cli, partitioning, train_step
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
-from dpjax.privacy import clipping, optimizers
+from dpjax.privacy import clipping, optimizers, secret
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 MODEL_DIR = os.path.join(gin_cli.REPO_GIN_DIR, "models")
@@ -164,7 +164,9 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
 
   dp_adam = lambda sensitivity: optimizers.dp_adam(
       learning_rate, noise_multiplier=noise_multiplier,
-      sensitivity=sensitivity, normalizer=batch_size, seed=seed)
+      sensitivity=sensitivity, normalizer=batch_size)
+  # A benchmark releases nothing: its noise key may be a compiled constant.
+  noise_secret = jnp.asarray(secret.RunSecret.draw().noise_key())
   if mode == "jax_privacy":
     try:
       from jax_privacy import clipping as jp_clipping
@@ -181,7 +183,7 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
       grads = clipped(state.params, flat,
                       is_padding_example=mask.reshape(-1) == 0)
-      return apply(state, grads), {}
+      return apply(state, grads, noise_secret), {}
 
     return tx, jax_privacy_step
 
@@ -195,7 +197,7 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
     grads, metrics = accumulate(state.params,
                                 train_step.zeros_like_f32(state.params),
                                 batch, mask, state.step, 0)
-    return apply(state, grads), metrics
+    return apply(state, grads, noise_secret), metrics
 
   return tx, dp_step
 

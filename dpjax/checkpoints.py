@@ -4,9 +4,10 @@ A checkpoint holds two items:
   state: TrainState (params, optimizer state incl. the noise counter, step)
   meta:  JSON with the privacy ledger, the model config, the sampler
          description and the data position (the step: batches are a pure
-         function of (seed, step), so the step is the data position; with a
-         redaction schedule also the DP and public steps before it, which
-         the schedule's coins recompute from (seed, step)).
+         function of (secret, step), so the step is the data position; with
+         a redaction schedule also the DP and public steps before it, which
+         the schedule's public coins recompute from (seed, step)). The run
+         secret is never in a checkpoint: it is MODEL_DIR/secret_key.json.
 Orbax writes each checkpoint to a temporary directory and renames it when
 complete, so a crash never leaves a half-written checkpoint behind. After each
 save the ledger is also written atomically to MODEL_DIR/privacy_ledger.json: a
@@ -43,6 +44,10 @@ class UnreadableCheckpointError(ValueError):
   """No checkpoint in a model directory reads back whole."""
 
 
+class CheckpointSaveError(OSError):
+  """A checkpoint was not saved (a fault: disk full, orbax declined)."""
+
+
 def manager(model_dir: str, *, max_to_keep: int | None = 3,
             create: bool = True) -> ocp.CheckpointManager:
   """The run's checkpoint manager; `create=False` to only read."""
@@ -57,13 +62,64 @@ def manager(model_dir: str, *, max_to_keep: int | None = 3,
 
 def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict,
          model_dir: str) -> None:
-  mngr.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state._asdict()),
-      meta=ocp.args.JsonSave(meta)))
-  mngr.wait_until_finished()
-  if distributed.is_primary():  # verbatim: the ledger JSON just saved
-    fileio.write_atomic(os.path.join(model_dir, ledger_lib.LEDGER_FILENAME),
-                        json.dumps(meta["ledger"], indent=2, allow_nan=False))
+  """Saves checkpoint `step`, then the ledger file from its meta.
+
+  A save that did not happen is an error: orbax declining to save
+  (`save` returning False, e.g. a step directory already there) raises
+  CheckpointSaveError, and a save that fails (a full disk) removes its
+  temporary directory and raises CheckpointSaveError naming the cause.
+  """
+  try:
+    saved = mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state._asdict()),
+        meta=ocp.args.JsonSave(meta)))
+    mngr.wait_until_finished()
+  except Exception as e:
+    _remove_temporaries(mngr.directory)
+    raise CheckpointSaveError(
+        f"saving the checkpoint at step {step} in {mngr.directory} failed: "
+        f"{first_line(e)}") from e
+  mngr.reload()
+  if not saved or step not in mngr.all_steps():
+    raise CheckpointSaveError(
+        f"the checkpoint at step {step} was not saved in {mngr.directory} "
+        "(orbax declined: a checkpoint of that step is already there?)")
+  if distributed.is_primary():
+    write_ledger(model_dir, meta["ledger"])
+
+
+def write_ledger(model_dir: str, ledger_json: dict) -> bool:
+  """Writes MODEL_DIR/privacy_ledger.json from a checkpoint's ledger
+  (atomically); True if the file said something else before (missing,
+  truncated, edited, or behind after a crash between checkpoint and file)."""
+  path = os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)
+  text = json.dumps(ledger_json, indent=2, allow_nan=False)
+  try:
+    with open(path) as f:
+      stale = f.read() != text
+  except FileNotFoundError:
+    stale = False
+  except (OSError, UnicodeDecodeError):
+    stale = True
+  fileio.write_atomic(path, text)
+  return stale
+
+
+def first_line(e: BaseException) -> str:
+  """An exception in one line (a full disk's cause first)."""
+  lines = [l for l in str(e).splitlines() if l.strip()]
+  no_space = [l for l in lines if "No space left" in l]
+  return f"{type(e).__name__}: {(no_space or lines or [''])[0].strip()[:300]}"
+
+
+def _remove_temporaries(directory) -> None:
+  """Removes orbax's unfinished `*.orbax-checkpoint-tmp*` directories."""
+  directory = str(directory)
+  if not distributed.is_primary() or not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def _checked_meta(meta, step: int) -> dict:
@@ -72,14 +128,27 @@ def _checked_meta(meta, step: int) -> dict:
   return meta
 
 
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+  """The JSON meta of checkpoint `step` (raises if it does not read back)."""
+  return _checked_meta(mngr.restore(step, args=ocp.args.Composite(
+      meta=ocp.args.JsonRestore()))["meta"], step)
+
+
 def latest_meta(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
-  """(step, meta) of the newest checkpoint whose meta reads back."""
+  """(step, meta) of the newest checkpoint whose meta reads back; None if
+  there is no checkpoint. Checkpoints none of whose metas reads back raise
+  UnreadableCheckpointError: a run is never silently started over them."""
+  unreadable = []
   for step in sorted(mngr.all_steps(), reverse=True):
     try:
-      return step, _checked_meta(mngr.restore(step, args=ocp.args.Composite(
-          meta=ocp.args.JsonRestore()))["meta"], step)
-    except Exception:  # unreadable: `restore_newest` reports it
-      continue
+      return step, read_meta(mngr, step)
+    except Exception as e:  # unreadable: `restore_newest` reports it
+      unreadable.append(f"step {step}: {first_line(e)}")
+  if unreadable:
+    raise UnreadableCheckpointError(
+        f"no checkpoint in {mngr.directory} reads back ("
+        + "; ".join(unreadable) + "). Move that directory aside to start "
+        "over, or use a fresh MODEL_DIR")
   return None
 
 
@@ -92,7 +161,7 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
   checkpoints that do not read back are named on the console and moved to
   MODEL_DIR/corrupt_checkpoints/, so that the steps after the restored one
   are trained and saved again; their batches and noise are the same pure
-  functions of (seed, step), so the ledger saved with the restored
+  functions of (secret, step), so the ledger saved with the restored
   checkpoint stays exact. If none reads back, raises
   UnreadableCheckpointError and moves nothing.
   """
@@ -163,6 +232,17 @@ def restore_params(mngr: ocp.CheckpointManager, step: int,
             partial_restore=True)))["state"]["params"]
 
 
+def run_ledger(model_dir: str) -> ledger_lib.PrivacyLedger:
+  """The privacy ledger of a run: its newest readable checkpoint's (the one
+  source of truth; `privacy_ledger.json` is a copy), ε recomputed from its
+  events."""
+  found = read_run(model_dir)
+  if found is None:
+    raise UnreadableCheckpointError(f"{model_dir} holds no checkpoints/")
+  found[0].close()
+  return ledger_lib.PrivacyLedger.from_json(found[2]["ledger"])
+
+
 def read_run(path: str) -> tuple[ocp.CheckpointManager, int, dict] | None:
   """(manager, step, meta) of the newest readable checkpoint of the dpjax run
   directory `path`, or None if `path` holds no `checkpoints/` (e.g. a
@@ -173,8 +253,7 @@ def read_run(path: str) -> tuple[ocp.CheckpointManager, int, dict] | None:
   mngr = manager(path, create=False)
   found = latest_meta(mngr)
   if found is None:
-    raise UnreadableCheckpointError(f"no checkpoint under {path}/checkpoints "
-                                    "reads back")
+    raise UnreadableCheckpointError(f"{path}/checkpoints holds no checkpoint")
   return mngr, *found
 
 

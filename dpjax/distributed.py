@@ -9,7 +9,8 @@ What differs from a single-process run is only where data enters and who
 speaks:
 
 * Data: every process computes the same global sample (a pure function of
-  (seed, step)) and reads only the rows its own devices hold
+  (secret, step); process 0 hands every process the run secret,
+  `from_primary`) and reads only the rows its own devices hold
   (`global_rows`), so each sampled example is read by exactly one host and
   the global batch is the single-process one.
 * Output: process 0 alone writes the console, TensorBoard summaries, the
@@ -126,6 +127,14 @@ def sync(name: str) -> None:
   """Waits until every process reaches the barrier `name`."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def from_primary(data: bytes) -> bytes:
+  """Process 0's `data` on every process (the same length on each)."""
+  if jax.process_count() == 1:
+    return data
+  got = multihost_utils.broadcast_one_to_all(np.frombuffer(data, np.uint8))
+  return np.asarray(got).astype(np.uint8).tobytes()
 
 
 def global_array(host: np.ndarray, sharding) -> jax.Array:

@@ -14,7 +14,9 @@ import argparse
 import ast
 import logging
 import os
+import re
 import sys
+import tokenize
 
 import gin
 
@@ -24,6 +26,17 @@ REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(
 
 class UsageError(ValueError):
   """Bad command line or configuration; reported as one line, exit status 2."""
+
+
+class _Binding(str):
+  """A gin binding that remembers the flag it came from (for messages)."""
+  flag: str
+
+
+def _binding(text: str, flag: str) -> _Binding:
+  b = _Binding(text)
+  b.flag = flag
+  return b
 
 
 def _as_gin_value(value: str) -> str:
@@ -60,11 +73,46 @@ def parse_args(argv: list[str], description: str, add_arguments=None
       name, sep, value = arg[len("--gin."):].partition("=")
       if not sep:
         raise UsageError(f"{arg}: expected --gin.NAME=VALUE")
-      bindings.append(f"{name} = {_as_gin_value(value)}")
+      bindings.append(_binding(f"{name} = {_as_gin_value(value)}", arg))
     else:
       rest.append(arg)
   args = parser.parse_args(rest)
-  return args, args.gin_file, args.gin_bindings + bindings
+  return args, args.gin_file, [
+      _binding(b, f"--gin_bindings={b!r}") for b in args.gin_bindings
+  ] + bindings
+
+
+# gin appends where an error happened ("In call to configurable 'train'
+# (<function ...>)", "In bindings string line 1", the offending line); the
+# messages here name it themselves.
+_GIN_CONTEXT = re.compile(r"\n\s*In (call to configurable|bindings string|file)"
+                          r"\b.*", re.DOTALL)
+
+
+def _gin_reason(e: BaseException, line: bool = False) -> str:
+  """One line saying why gin could not parse something (`line`: with the
+  line number of a syntax error)."""
+  if isinstance(e, tokenize.TokenError):
+    return "unexpected end of input: an unclosed bracket or string"
+  if isinstance(e, SyntaxError) and e.msg:
+    return (f"{e.msg.rstrip('.')} (line {e.lineno})"
+            if line and e.lineno is not None else e.msg.rstrip("."))
+  return " ".join(_GIN_CONTEXT.sub("", str(e)).split())
+
+
+def _gin_file_error(path: str, e: BaseException) -> str:
+  """`gin: FILE:LINE: why` (the included file's, where gin says which)."""
+  if isinstance(e, SyntaxError) and e.msg and e.lineno is not None:
+    where = e.filename if e.filename and e.filename != "<unknown>" else path
+    return f"gin: {where}:{e.lineno}: {e.msg.rstrip('.')}"
+  reason = _gin_reason(e)
+  if isinstance(e, OSError):
+    reason = (f"cannot read {e.filename or path}: {e.strerror}" if e.strerror
+              else reason.split(" Searched config paths")[0].rstrip("."))
+  where = re.search(r'In file "([^"]*)", line (\d+)', str(e))
+  if where:
+    return f"gin: {where.group(1)}:{where.group(2)}: {reason}"
+  return f"gin: in {path}: {reason}"
 
 
 def configure(gin_files: list[str], bindings: list[str],
@@ -80,25 +128,54 @@ def configure(gin_files: list[str], bindings: list[str],
                        f"directory, {', '.join(search_paths) or 'no extra paths'}"
                        f" and {REPO_GIN_DIR})")
   logging.disable(logging.ERROR)  # gin logs every search-path miss
+  # One file, then one binding, at a time: an error names the file and line,
+  # or the binding as the user wrote it (gin numbers the lines of all the
+  # bindings joined, which are no lines of the user's).
+  errors = (ValueError, KeyError, OSError, SyntaxError, ImportError,
+            tokenize.TokenError)
   try:
-    gin.parse_config_files_and_bindings(gin_files, bindings,
-                                        finalize_config=False)
-  except (ValueError, KeyError, IOError, SyntaxError) as e:
-    raise UsageError(f"gin: {' '.join(str(e).split())}") from e
+    for path in gin_files:
+      try:
+        gin.parse_config_file(path)
+      except errors as e:
+        raise UsageError(_gin_file_error(path, e)) from None
+    for binding in bindings:
+      try:
+        gin.parse_config(binding)
+      except errors as e:
+        flag = getattr(binding, "flag", None) or f"binding {str(binding)!r}"
+        raise UsageError(f"gin: in {flag}: "
+                         f"{_gin_reason(e, line=chr(10) in binding.strip())}"
+                         ) from None
   finally:
     logging.disable(logging.NOTSET)
 
 
+def error_message(e: BaseException) -> str:
+  """An exception's message without the context gin appends to it; an
+  OSError's as `strerror: filename` (no errno)."""
+  text = _GIN_CONTEXT.sub("", str(e)).strip()
+  if isinstance(e, OSError):
+    text = re.sub(r"^\[Errno -?\d+\] ", "", text)
+  return text or type(e).__name__
+
+
 def exit_on_user_error(fn, user_errors=(UsageError,)):
   """Runs fn(); a user error (bad flag, file, line, budget) prints a clear
-  message and exits with status 2 instead of a traceback."""
+  message and exits with status 2 instead of a traceback. A fault of the
+  system (an OSError: permission denied, no space left on device) prints
+  one line and exits with status 1; any other exception is a bug and keeps
+  its traceback."""
   try:
     return fn()
   except user_errors as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {error_message(e)}", file=sys.stderr)
     sys.exit(2)
   except RuntimeError as e:  # gin: a required binding was not provided
     if "Required bindings" not in str(e) and "gin" not in str(e).lower():
       raise
-    print(f"error: gin: {' '.join(str(e).split())}", file=sys.stderr)
+    print(f"error: gin: {' '.join(error_message(e).split())}", file=sys.stderr)
     sys.exit(2)
+  except OSError as e:
+    print(f"error: {' '.join(error_message(e).split())}", file=sys.stderr)
+    sys.exit(1)

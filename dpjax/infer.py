@@ -33,6 +33,10 @@ def main(argv=None) -> dict:
   args, files, bindings = gin_cli.parse_args(
       argv, "Generate synthetic queries from a trained dpjax model directory.",
       _add_arguments)
+  inference.check_decoding_args(
+      top_p=args.top_p, top_k=args.top_k, temperature=args.temperature,
+      greedy=args.greedy, batch_size=args.batch_size, limit=args.limit,
+      prefix="--")
   import tasks  # noqa: F401  (gin configurables of the data layer)
   config_gin = os.path.join(args.model_dir, "config.gin")
   gin_cli.configure(([config_gin] if os.path.isfile(config_gin) else []) +
@@ -43,5 +47,11 @@ def main(argv=None) -> dict:
       batch_size=args.batch_size, seed=args.seed, limit=args.limit)
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+  """The trainer's user errors (bad flag, file, data line, checkpoint)."""
+  from dpjax import train
+  return train.user_errors()
+
+
 if __name__ == "__main__":
-  gin_cli.exit_on_user_error(main, (gin_cli.UsageError, FileNotFoundError))
+  gin_cli.exit_on_user_error(main, user_errors())

@@ -24,26 +24,77 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import checkpoints, decoding, fileio, gin_cli, partitioning
+from dpjax import (checkpoints, decoding, fileio, gin_cli, partitioning,
+                   reporting)
 from dpjax.models import t5, trainable
 from dpjax.privacy import ledger as ledger_lib
 
 
 def load_trained(model_dir: str):
-  """(config, params, meta) of the latest checkpoint in model_dir."""
-  found = None
+  """(config, params, meta) of the newest checkpoint in model_dir that reads
+  back whole; newer ones that do not are named on the console and skipped,
+  as training skips them."""
+  steps = []
   if os.path.isdir(os.path.join(model_dir, "checkpoints")):
     mngr = checkpoints.manager(model_dir, create=False)
-    found = checkpoints.latest_meta(mngr)
-  if not found:
+    steps = sorted(mngr.all_steps(), reverse=True)
+  if not steps:
     raise FileNotFoundError(f"no checkpoint under {model_dir}/checkpoints: "
                             "train a model there first (python -m dpjax.train)")
-  step, meta = found
-  config = trainable.config_from_json(meta.get("model_class"),
-                                      meta["model_config"])
-  params = checkpoints.restore_params(mngr, step)
-  mngr.close()
-  return config, params, dict(meta, step=step)
+  unreadable = []
+  try:
+    for step in steps:
+      try:
+        meta = checkpoints.read_meta(mngr, step)
+        config = trainable.config_from_json(meta.get("model_class"),
+                                            meta["model_config"])
+        params = checkpoints.restore_params(mngr, step)
+      except Exception as e:  # any unreadable file: the previous checkpoint
+        unreadable.append(f"step {step} ({checkpoints.first_line(e)})")
+        continue
+      if unreadable:
+        reporting.say(f"{model_dir}: checkpoint {', '.join(unreadable)} does "
+                      f"not read back; using the previous one, step {step}")
+      return config, params, dict(meta, step=step)
+  finally:
+    mngr.close()
+  raise checkpoints.UnreadableCheckpointError(
+      f"no checkpoint in {model_dir}/checkpoints reads back: "
+      + "; ".join(unreadable))
+
+
+def check_decoding_args(*, top_p, top_k, temperature, greedy, batch_size,
+                        limit=None, max_decode_length=None,
+                        prefix: str = "generate_synthetic.") -> None:
+  """Refuses decoding settings outside their ranges with a UsageError naming
+  the setting (`prefix`: "--" for `dpjax.infer`'s flags, else gin's
+  `generate_synthetic.`): top_p in (0, 1], temperature > 0 unless greedy,
+  top_k >= 0, batch_size >= 1, limit and max_decode_length None or >= 1."""
+  def number(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and \
+        not isinstance(x, bool)
+
+  def integer(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+  def refuse(name, want, got):
+    raise gin_cli.UsageError(f"{prefix}{name} must be {want}, got {got!r}")
+
+  if not number(top_p) or not 0 < top_p <= 1:
+    refuse("top_p", "in (0, 1] (1: no nucleus truncation)", top_p)
+  if not integer(top_k) or top_k < 0:
+    refuse("top_k", "an integer >= 0 (0: no top-k truncation)", top_k)
+  if not greedy and (not number(temperature) or
+                     not 0 < temperature < float("inf")):
+    refuse("temperature", f"> 0 (or use {prefix}greedy)", temperature)
+  if not integer(batch_size) or batch_size < 1:
+    refuse("batch_size", "a positive integer", batch_size)
+  if limit is not None and (not integer(limit) or limit < 1):
+    refuse("limit", "a positive integer (or unset: every document)", limit)
+  if max_decode_length is not None and (not integer(max_decode_length)
+                                        or max_decode_length < 1):
+    refuse("max_decode_length", "a positive integer or None",
+           max_decode_length)
 
 
 @gin.configurable(denylist=["model_dir"])
@@ -53,6 +104,9 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
                        batch_size: int = 128, max_decode_length: int | None = None,
                        seed: int = 0, limit: int | None = None) -> dict:
   """Writes one synthetic query per training document; returns the paths."""
+  check_decoding_args(top_p=top_p, top_k=top_k, temperature=temperature,
+                      greedy=greedy, batch_size=batch_size, limit=limit,
+                      max_decode_length=max_decode_length)
   import tasks
   from dpjax.data import arrays as data_arrays
   start = time.perf_counter()

@@ -120,11 +120,14 @@ def _metrics(sums, norms, mask):
   return metrics
 
 
-def make_apply(optimizer: optax.GradientTransformation) -> Callable:
-  """(state, clipped_grad_sum) -> state: one noisy release and update."""
+def make_apply(optimizer: optax.GradientTransformationExtraArgs) -> Callable:
+  """(state, clipped_grad_sum, noise_secret) -> state: one noisy release and
+  update. `noise_secret` (uint32[4], the run's `RunSecret.noise_key()`) is an
+  argument, so it is never a constant of the compiled program."""
 
-  def apply(state: TrainState, grads) -> TrainState:
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  def apply(state: TrainState, grads, noise_secret) -> TrainState:
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
+                                          noise_secret=noise_secret)
     params = optax.apply_updates(state.params, updates)
     return TrainState(state.step + 1, params, opt_state)
 

@@ -9,7 +9,10 @@ target (ε, δ) over all planned steps, and a run that would exceed its budget
 refuses to start. Then one jit-compiled DP step per logical batch (see
 dpjax.train_step), periodic eval loss, TensorBoard summaries, a console
 progress line and orbax checkpoints that carry the privacy ledger and resume
-exactly: batches and noise are pure functions of (seed, step).
+exactly: batches and noise are pure functions of (secret, step), where the
+secret is the run's 256 bits of OS entropy (`privacy.secret`, in
+MODEL_DIR/secret_key.json, never published); `train.seed` keys only what the
+guarantee does not rest on (initialisation, dropout, the redaction coins).
 
 With `train.public_task_name` and `train.redaction_schedule` the run follows
 a redaction schedule (dpjax.privacy.redaction_schedule, shared/papers/004):
@@ -60,6 +63,7 @@ from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import accounting, clipping, ledger as ledger_lib
 from dpjax.privacy import optimizers as dp_optimizers
 from dpjax.privacy import redaction_schedule as redaction_lib, sampling
+from dpjax.privacy import secret as secret_lib
 
 # Base optimizers: a DP step runs `dp_optimizers.dp_optimizer(base)`, a public
 # step `base` alone on the same state (`dp_optimizers.public_update`).
@@ -105,7 +109,7 @@ class Plan:
   target_epsilon: float
   noise_multiplier: float
   accountant: str
-  seed: int
+  seed: int  # public: init, dropout, redaction coins (not noise or batches)
   # The redaction schedule (`train`'s `redaction`); None: all steps are DP.
   redaction: dict | None = None
   # Per-loss clip bounds of a multi-loss model (one release each per step);
@@ -139,6 +143,7 @@ def _steps(train_steps, epochs, n, batch_size) -> int:
 
 def make_sampler(kind: str, n: int, batch_size: int, seed: int,
                  overflow_probability: float):
+  """The DP sampler; `seed` must be secret (`RunSecret.sampling_seed()`)."""
   if kind == "poisson":
     return sampling.PoissonSampler(n, batch_size, seed=seed,
                                    overflow_probability=overflow_probability)
@@ -203,6 +208,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
+    check_recorded_events(ledger, plan, prior)
   else:
     ledger = ledger_lib.PrivacyLedger(
         accountant=accountant, sampling=sampler.describe(),
@@ -241,14 +247,83 @@ def resolve_delta(delta: float | str | None, n: int) -> float:
 
 
 def _read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
+  """`train.prior_ledger`: a run directory (its checkpoint's ledger) or a
+  ledger file."""
   if not path:
     return None
   path = os.path.expanduser(path)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return checkpoints.run_ledger(path)
   if os.path.isdir(path):
     path = os.path.join(path, ledger_lib.LEDGER_FILENAME)
   if not os.path.isfile(path):
     raise gin_cli.UsageError(f"train.prior_ledger: no ledger at {path}")
   return ledger_lib.PrivacyLedger.load(path)
+
+
+def _existing_run(model_dir: str, keep_checkpoints: int):
+  """(manager, (step, meta) of the newest checkpoint whose meta reads back)
+  of the run already in `model_dir`: (None, None) if there is none, (manager,
+  None) if it saved nothing yet. Checkpoints none of which reads back are
+  refused (`checkpoints.latest_meta`): never silently trained over."""
+  if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+    return None, None
+  mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
+  resume = checkpoints.latest_meta(mngr)
+  if len(set(distributed.all_processes(resume[0] if resume else -1))) > 1:
+    raise gin_cli.UsageError(
+        f"the processes see different checkpoints in {model_dir}: MODEL_DIR "
+        "must be on a filesystem all hosts share (e.g. GCS or NFS)")
+  return mngr, resume
+
+
+def _run_secret(model_dir: str, *, resuming: bool,
+                pinned_seed: int | None) -> secret_lib.RunSecret:
+  """The run's secret (`secret.for_run`), process 0's on every process."""
+  try:
+    found = secret_lib.for_run(model_dir, resuming=resuming,
+                               pinned_seed=pinned_seed)
+  except secret_lib.SecretFileError as e:
+    raise gin_cli.UsageError(str(e)) from None
+  packed = distributed.from_primary(found.key + bytes([found.is_pinned]))
+  return secret_lib.RunSecret(packed[:-1], bool(packed[-1]))
+
+
+def _unaccounted(why: str) -> checkpoints.CheckpointMismatchError:
+  return checkpoints.CheckpointMismatchError(
+      f"the checkpoint's ledger does not account for its releases: {why}. "
+      "Refusing to resume a run whose ledger could understate ε; restore the "
+      "checkpoint or use a fresh MODEL_DIR")
+
+
+def check_recorded_events(ledger: ledger_lib.PrivacyLedger, plan: Plan,
+                          prior: ledger_lib.PrivacyLedger | None) -> None:
+  """Refuses a checkpoint's ledger whose events are not exactly those of
+  its steps under the plan, or whose prior releases are not those of
+  `train.prior_ledger`."""
+  recorded = [e.to_json() for e in ledger.events]
+  expected = [e.to_json() for e in ledger.events_for(
+      ledger.steps, plan_multipliers(plan))]
+  if recorded != expected:
+    raise _unaccounted(f"its events are {recorded}, {ledger.steps} DP steps "
+                       f"are {expected}")
+  prior_events = [e.to_json() for e in (prior.all_events if prior else [])]
+  if [e.to_json() for e in ledger.prior_events] != prior_events:
+    raise _unaccounted(f"it composes with {len(ledger.prior_events)} prior "
+                       f"events, train.prior_ledger gives {len(prior_events)}")
+
+
+def check_release_counts(ledger: ledger_lib.PrivacyLedger, *,
+                         checkpoint_step: int, dp_steps: int,
+                         noise_count: int) -> None:
+  """Refuses a restored checkpoint unless the DP steps the schedule takes
+  before `checkpoint_step`, the ledger's steps and the optimizer's noise
+  counter agree."""
+  counts = {f"the schedule's DP steps before step {checkpoint_step}": dp_steps,
+            "the ledger's steps": ledger.steps,
+            "the optimizer's noise counter": noise_count}
+  if len(set(counts.values())) > 1:
+    raise _unaccounted(", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 def _base_optimizer(name: str, learning_rate: optax.ScalarOrSchedule
@@ -309,6 +384,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   one clipped sum per loss, noised separately with the one σ. With
   rematerialised layers (a config's `remat`) ghost clipping takes its sum
   from a second backward pass instead of book-keeping (`ghost.py`).
+  `seed` keys dropout only (public); `apply(state, grads, noise_secret)`
+  takes the run's secret noise key (`RunSecret.noise_key()`).
   """
   if clipping_method not in ("vmap", "ghost", "auto"):
     raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
@@ -320,7 +397,7 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                                          method=clipping_method)
     tx = dp_optimizers.dp_optimizer(base, noise_multiplier=noise_multiplier,
                                     sensitivity=clipped.sensitivity,
-                                    normalizer=normalizer, seed=seed)
+                                    normalizer=normalizer)
   else:
     if clipping_method == "ghost":
       raise gin_cli.UsageError(
@@ -330,7 +407,7 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
         model.example_losses, clip_norms=bounds, trainable=_trainable(model))
     tx = dp_optimizers.dp_optimizer_releases(
         base, noise_multipliers={k: noise_multiplier for k in bounds},
-        sensitivities=clipped.sensitivities, normalizer=normalizer, seed=seed,
+        sensitivities=clipped.sensitivities, normalizer=normalizer,
         trainable=_trainable(model))
   accumulate = train_step.make_accumulate(clipped, seed=seed,
                                           dropout=model.example_rng)
@@ -394,6 +471,97 @@ def initial_tokenizer_files(initial_checkpoint_path: str | None
   return pretrained.tokenizer_files(initial_checkpoint_path)
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and \
+      not isinstance(value, bool)
+
+
+def check_run_inputs(*, model_dir: str, target_epsilon, delta, batch_size,
+                     train_steps, epochs, clip_norm, clip_norms=None,
+                     microbatch_size=None) -> float:
+  """Refuses bad values of the run's settings before anything is read or
+  written: one UsageError naming the gin macro and binding. Returns the
+  target ε as a float (a number or 'inf').
+
+  `model_dir` (absolute): must not be an existing file, and the nearest
+  existing directory on its path must be writable.
+  """
+  eps = None
+  if _is_number(target_epsilon) or isinstance(target_epsilon, str):
+    try:
+      eps = float(target_epsilon)
+    except ValueError:
+      pass
+  if eps is None or not eps > 0:  # NaN too
+    raise gin_cli.UsageError(
+        "TARGET_EPSILON (train.target_epsilon) must be a positive number or "
+        f"'inf', got {target_epsilon!r}")
+  if delta is not None and delta not in ("1/n", "1/(2n)"):
+    value = None
+    if _is_number(delta) or isinstance(delta, str):
+      try:
+        value = float(delta)
+      except ValueError:
+        pass
+    if value is None or not 0 < value < 1:
+      raise gin_cli.UsageError(
+          "DELTA (train.delta) must be a number strictly between 0 and 1, "
+          f"'1/n' or '1/(2n)' (None: 1/(2n)), got {delta!r}")
+  if not _is_int(batch_size) or batch_size < 1:
+    raise gin_cli.UsageError("BATCH_SIZE (train.batch_size) must be a "
+                             f"positive integer, got {batch_size!r}")
+  if microbatch_size is not None and (not _is_int(microbatch_size)
+                                      or microbatch_size < 1):
+    raise gin_cli.UsageError(
+        "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer "
+        f"or None, got {microbatch_size!r}")
+  if train_steps is not None and (not _is_int(train_steps) or train_steps < 1):
+    raise gin_cli.UsageError("TRAIN_STEPS (train.train_steps) must be a "
+                             f"positive integer or None, got {train_steps!r}")
+  if epochs is not None and (not _is_number(epochs) or not 0 < epochs < math.inf):
+    raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
+                             f"number or None, got {epochs!r}")
+  for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
+                  *((f"train.clip_norms[{k!r}]", v)
+                    for k, v in dict(clip_norms or {}).items())]:
+    if not _is_number(c) or not 0 < c < math.inf:
+      raise gin_cli.UsageError(f"{name} must be a positive finite number, "
+                               f"got {c!r}")
+  if os.path.lexists(model_dir) and not os.path.isdir(model_dir):
+    raise gin_cli.UsageError(f"MODEL_DIR (train.model_dir) {model_dir} exists "
+                             "and is not a directory")
+  existing = model_dir
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise gin_cli.UsageError(f"MODEL_DIR (train.model_dir) {model_dir}: "
+                             f"{existing} is not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise gin_cli.UsageError(
+        f"MODEL_DIR (train.model_dir) {model_dir} is not writable: no write "
+        f"permission on {existing}")
+  return eps
+
+
+def check_batch_size(batch_size: int, n: int, delta=None) -> None:
+  """BATCH_SIZE against the n examples of the training split (and δ = '1/n'
+  of a one-example set); a UsageError naming both."""
+  if n < 1:
+    raise gin_cli.UsageError("the training split has no examples (n = 0): "
+                             "check the task's training data")
+  if batch_size > n:
+    raise gin_cli.UsageError(
+        f"BATCH_SIZE (train.batch_size) = {batch_size} must be <= the number "
+        f"of training examples n = {n}")
+  if delta == "1/n" and n < 2:
+    raise gin_cli.UsageError("DELTA (train.delta) = '1/n' is 1 for a "
+                             "one-example training set: set a number < 1")
+
+
 @gin.configurable
 def train(*, model_dir: str = gin.REQUIRED,
           model_config=gin.REQUIRED,
@@ -415,6 +583,7 @@ def train(*, model_dir: str = gin.REQUIRED,
           clipping_method: str = "vmap",
           learning_rate: optax.ScalarOrSchedule | None = None,
           seed: int = 0,
+          pinned_secret_seed: int | None = None,
           initial_checkpoint_path: str | None = None,
           prior_ledger: str | None = None,
           public_task_name: str | None = None,
@@ -460,10 +629,11 @@ def train(*, model_dir: str = gin.REQUIRED,
   from dpjax.data import arrays as data_arrays
   wall_start = time.perf_counter()
   model_dir = os.path.abspath(os.path.expanduser(model_dir))
-  target_epsilon = float(target_epsilon)
-  if not (target_epsilon > 0):
-    raise gin_cli.UsageError(f"target epsilon must be > 0 (or 'inf'), got "
-                             f"{target_epsilon}")
+  target_epsilon = check_run_inputs(
+      model_dir=model_dir, target_epsilon=target_epsilon, delta=delta,
+      batch_size=batch_size, train_steps=train_steps, epochs=epochs,
+      clip_norm=clip_norm, clip_norms=clip_norms,
+      microbatch_size=microbatch_size)
   if (public_task_name is None) != (redaction_schedule is None):
     raise gin_cli.UsageError(
         "train.public_task_name and train.redaction_schedule go together: "
@@ -501,11 +671,15 @@ def train(*, model_dir: str = gin.REQUIRED,
     raise gin_cli.UsageError(f"{mixture_or_task_name}: {e}") from None
   token_counts = data_arrays.real_token_counts(data)
   n = len(token_counts)
+  check_batch_size(batch_size, n, delta)
   reporting.say(f"{mixture_or_task_name} train split: {n} examples, "
                 f"feature lengths {lengths}")
   steps = _steps(train_steps, epochs, n, batch_size)
-  sampler = make_sampler(sampling_method, n, batch_size, seed,
-                         overflow_probability)
+  mngr, resume = _existing_run(model_dir, keep_checkpoints)
+  run_secret = _run_secret(model_dir, resuming=resume is not None,
+                           pinned_seed=pinned_secret_seed)
+  sampler = make_sampler(sampling_method, n, batch_size,
+                         run_secret.sampling_seed(), overflow_probability)
   delta = resolve_delta(delta, n)
   bounds = loss_clip_norms(model, float(clip_norm), clip_norms)
   public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
@@ -524,15 +698,6 @@ def train(*, model_dir: str = gin.REQUIRED,
   dp_before = lambda t: int(np.count_nonzero(~public[:t]))  # DP steps < t
 
   # --- Privacy plan: resume the ledger or calibrate σ; refuse to overspend. -
-  mngr = None
-  resume = None
-  if os.path.isdir(os.path.join(model_dir, "checkpoints")):
-    mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
-    resume = checkpoints.latest_meta(mngr)
-  if len(set(distributed.all_processes(resume[0] if resume else -1))) > 1:
-    raise gin_cli.UsageError(
-        f"the processes see different checkpoints in {model_dir}: MODEL_DIR "
-        "must be on a filesystem all hosts share (e.g. GCS or NFS)")
   prior = _read_prior_ledger(prior_ledger)
   plan_from = lambda saved_meta: plan_privacy(
       sampler, saved_meta=saved_meta, steps=steps,
@@ -541,6 +706,7 @@ def train(*, model_dir: str = gin.REQUIRED,
       noise_multiplier=noise_multiplier, accountant=accountant, seed=seed,
       prior=prior, redaction=redaction, clip_norms=bounds)
   ledger, plan = plan_from(resume[1] if resume else None)
+  ledger.secret = run_secret.source
   if resume:
     checkpoints.check_compatible(_architecture(resume[1]["model_config"]),
                                  _architecture(_config_json(model_config)), "model")
@@ -557,6 +723,11 @@ def train(*, model_dir: str = gin.REQUIRED,
       f"(q={batch_size / n:.4g}), σ={sigma:.4f}, "
       f"C={bounds if bounds else clip_norm}, δ={delta:.3g}"
       f", planned ε={planned_eps:.4f} (target {target_epsilon})")
+  if run_secret.is_pinned:
+    reporting.say(
+        "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"
+        " whoever knows the seed can regenerate them, and this run's (ε, δ) "
+        "does not hold against them; the ledger records the secret as pinned")
 
   # --- Model, mesh, optimizer, state. ---------------------------------------
   mesh = partitioning.make_mesh()
@@ -589,11 +760,10 @@ def train(*, model_dir: str = gin.REQUIRED,
                                                           model_dir)
     if start_step != resume[0]:  # newer ones unreadable: this one's ledger
       ledger, plan = plan_from(saved)
-    if ledger.steps != dp_before(start_step):
-      raise checkpoints.CheckpointMismatchError(
-          f"the checkpoint at step {start_step} records {ledger.steps} DP "
-          f"steps; this run's schedule takes {dp_before(start_step)} before "
-          "that step")
+    ledger.secret = run_secret.source
+    check_release_counts(
+        ledger, checkpoint_step=start_step, dp_steps=dp_before(start_step),
+        noise_count=int(dp_optimizers.noise_count(state.opt_state)))
     reporting.say(f"resumed {model_dir} at step {start_step}, "
                   f"ε spent {ledger.epsilon_spent():.4f}")
   else:  # built in place on the mesh, the same on every process
@@ -620,14 +790,23 @@ def train(*, model_dir: str = gin.REQUIRED,
     init_run[0].close()
   os.makedirs(model_dir, exist_ok=True)
   if distributed.is_primary():
+    if not secret_lib.exists(model_dir):  # before any release is saved
+      run_secret.save(model_dir)
     fileio.write_atomic(os.path.join(model_dir, "config.gin"),
                         gin.config_str())
+    if checkpoints.write_ledger(model_dir, ledger.to_json()):
+      reporting.say(
+          f"repaired {os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}: "
+          f"it did not match the checkpoint's ledger ({ledger.steps} DP "
+          f"steps, ε spent {ledger.epsilon_spent():.4f})")
 
   # A multi-loss model accumulates one sum per loss.
   grads_sh = {k: param_sh for k in bounds} if bounds else param_sh
   accumulate = jax.jit(accumulate_fn, donate_argnums=(1,), out_shardings=(
       grads_sh, partitioning.replicated(mesh)))
   apply = jax.jit(apply_fn, donate_argnums=(0,), out_shardings=state_sh)
+  noise_secret = distributed.global_array(run_secret.noise_key(),
+                                          partitioning.replicated(mesh))
   public_step = jax.jit(build_public_step(
       model, optimizer=optimizer, learning_rate=schedule, seed=seed),
       donate_argnums=(0,),
@@ -702,7 +881,7 @@ def train(*, model_dir: str = gin.REQUIRED,
                                       distributed.global_array(mk, mask_sh),
                                       index, call)
           window.append(metrics)
-        state = apply(state, grads)
+        state = apply(state, grads, noise_secret)
         ledger.record_dp_steps(noise_multipliers=multipliers)
         window_steps += 1
       done = step + 1

@@ -57,6 +57,20 @@ _ON_MALFORMED = malformed.ON_MALFORMED
 MalformedLineError = malformed.MalformedLineError
 
 
+class EmptyFileError(MalformedLineError):
+  """A data file without a single line; message is `path: why`."""
+
+  def __init__(self, path: str, expected: str):
+    ValueError.__init__(self, f"{path}: the file is empty (expected lines "
+                        f"{expected})")
+    self.path, self.lineno, self.reason = path, 0, "empty file"
+
+
+# What each file's lines hold (for EmptyFileError).
+_LINE_FORMATS = {"collection": "pid<TAB>passage", "queries": "qid<TAB>query",
+                 "qrels": "qid<TAB>0<TAB>pid<TAB>relevance"}
+
+
 def _iter_fields(path: str, policy: malformed.MalformedPolicy, num_fields: int
                  ) -> Iterator[tuple[int, list[str]]]:
   """Yields (lineno, fields) of each non-blank line with `num_fields` fields."""
@@ -129,11 +143,13 @@ def read_qrels(path: str, *, on_malformed: str = "fail"
 
   MSMARCO's qrels are `qid \\t 0 \\t pid \\t relevance`; any other column count
   or a non-integer field is malformed (see `read_tsv_pairs` for
-  `on_malformed`). Rows are yielded in file order, including non-relevant ones
-  (relevance <= 0); a repeated (qid, pid) row is yielded once.
+  `on_malformed`), and so is a (qid, pid) row that repeats an earlier one with
+  another relevance. Rows are yielded in file order, including non-relevant
+  ones (relevance <= 0); a row repeating an earlier one exactly is yielded
+  once (as the BEIR qrels reader does).
   """
   policy = malformed.MalformedPolicy(on_malformed, f"lines in {path}")
-  seen: set[tuple[int, int]] = set()
+  seen: dict[tuple[int, int], tuple[int, int]] = {}  # -> (relevance, lineno)
   try:
     for lineno, fields in _iter_fields(path, policy, 4):
       try:
@@ -141,9 +157,13 @@ def read_qrels(path: str, *, on_malformed: str = "fail"
       except ValueError as e:
         policy(path, lineno, f"qrels fields must be integers, got {e.args[0]!r}")
         continue
-      if (qid, pid) in seen:
+      previous = seen.get((qid, pid))
+      if previous is not None:
+        if previous[0] != rel:
+          policy(path, lineno, f"({qid}, {pid}) judged {rel} here and "
+                 f"{previous[0]} on line {previous[1]}")
         continue
-      seen.add((qid, pid))
+      seen[(qid, pid)] = (rel, lineno)
       yield qid, pid, rel, lineno
   finally:
     policy.report()
@@ -189,6 +209,9 @@ def _split_files(data_dir: str, split: str, pairs_dir: str | None = None
         f"MSMARCO files missing: {', '.join(missing)} (split {split!r} "
         f"expects {expected})"
     )
+  for kind, p in paths.items():
+    if os.path.getsize(p) == 0:
+      raise EmptyFileError(p, _LINE_FORMATS[kind])
   return paths
 
 

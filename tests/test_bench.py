@@ -14,6 +14,7 @@ import pytest
 from dpjax import bench, train_step
 from dpjax.models import common, t5
 from dpjax.privacy import clipping, optimizers
+from dpjax.privacy.secret import RunSecret
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"model", "mode", "dtype", "batch", "microbatch", "lengths",
@@ -151,9 +152,10 @@ def test_bfloat16_step_keeps_float32_params_grads_and_norms():
   # The update (noise, Adam) keeps params and moments float32; dtypes only,
   # so traced, not compiled.
   tx = optimizers.dp_adam(1e-3, noise_multiplier=1.0, sensitivity=1.0,
-                          normalizer=4, seed=0)
+                          normalizer=4)
   state = jax.eval_shape(train_step.make_apply(tx),
-                         train_step.init_state(params, tx), grads)
+                         train_step.init_state(params, tx), grads,
+                         RunSecret.pinned(0).noise_key())
   adam = state.opt_state[1][0]
   assert {x.dtype for x in jax.tree.leaves((state.params, adam.mu, adam.nu))
           } == {jnp.dtype("float32")}

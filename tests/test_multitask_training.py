@@ -16,6 +16,7 @@ from dp_accounting import rdp
 from dpjax import gin_cli, trainer
 from dpjax.models import gpt2, gpt2_disc, trainable
 from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
+from dpjax.privacy.secret import RunSecret
 
 LENGTH = 10
 LABELS = (58, 59)
@@ -85,10 +86,11 @@ def test_each_release_gets_its_own_independent_noise():
   zeros = jax.tree.map(jnp.zeros_like, params)
   tx = noise.privatize_releases(noise_multipliers={"lm": 1.0, "disc": 1.0},
                                 sensitivities={"lm": 1.0, "disc": 3.0}, normalizer=1.0,
-                                seed=3, trainable=trains)
+                                trainable=trains)
   state = tx.init(params)
-  first, state = tx.update({"lm": zeros, "disc": zeros}, state)
-  second, state = tx.update({"lm": zeros, "disc": zeros}, state)
+  key = RunSecret.pinned(3).noise_key()
+  first, state = tx.update({"lm": zeros, "disc": zeros}, state, noise_secret=key)
+  second, state = tx.update({"lm": zeros, "disc": zeros}, state, noise_secret=key)
   assert int(state.count) == 2
   for update in (first, second):
     assert np.std(np.asarray(update["w"])) == pytest.approx(math.sqrt(10), rel=0.02)
@@ -101,10 +103,11 @@ def test_frozen_leaves_are_not_updated_even_with_weight_decay():
   trains = {"w": True, "frozen": False}
   tx = optimizers.dp_optimizer_releases(
       optimizers.freeze(optax.adamw(0.1, weight_decay=0.5), trains),
-      noise_multipliers={"lm": 1.0}, sensitivities={"lm": 1.0}, normalizer=1.0, seed=0,
+      noise_multipliers={"lm": 1.0}, sensitivities={"lm": 1.0}, normalizer=1.0,
       trainable=trains)
   grads = {"lm": {"w": jnp.ones(3), "frozen": jnp.zeros(2)}}
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = tx.update(grads, tx.init(params), params,
+                         noise_secret=RunSecret.pinned(0).noise_key())
   assert np.all(np.asarray(updates["frozen"]) == 0) and np.all(np.asarray(updates["w"]) != 0)
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import partitioning, train_step
 from dpjax.models import gpt2, t5
 from dpjax.privacy import clipping, optimizers
+from dpjax.privacy.secret import RunSecret
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ({"data": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 2, "tensor": 2})
@@ -65,7 +66,7 @@ def test_optimizer_state_follows_params():
             "b": jax.ShapeDtypeStruct((512,), np.float32)}
   axes = {"w": P("embed", "mlp"), "b": P("mlp")}
   rules = partitioning.FSDP_TENSOR_RULES
-  dp = dict(noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0, seed=0)
+  dp = dict(noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0)
   spec = lambda s: s.spec
 
   adam = jax.tree.map(spec, partitioning.state_shardings(
@@ -116,14 +117,14 @@ def _dp_step(example_loss, method="vmap"):
   # normalisation does not blow reassociation differences (sharded sums
   # add in another order) up to the size of a step.
   tx = optimizers.dp_adam(1e-2, noise_multiplier=0.5, sensitivity=CLIP,
-                          normalizer=K * M, seed=0, eps=1e-3)
+                          normalizer=K * M, eps=1e-3)
   accumulate = train_step.make_accumulate(clipped, seed=0, dropout=False)
   apply = train_step.make_apply(tx)
 
   def step(state, batch, mask):
     grads, _ = accumulate(state.params, train_step.zeros_like_f32(state.params),
                           batch, mask, state.step, 0)
-    return apply(state, grads)
+    return apply(state, grads, RunSecret.pinned(0).noise_key())
 
   return tx, step
 

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import shutil
 
 import gin
 import jax
@@ -26,6 +27,7 @@ from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import optimizers, sampling
 from dpjax.privacy import redaction_schedule as rs
+from dpjax.privacy import secret
 
 # --- The schedules ------------------------------------------------------------
 
@@ -145,8 +147,9 @@ def test_public_update_moves_the_base_state_and_not_the_noise_counter():
   grads = {"w": jnp.full((2, 3), 0.5), "b": jnp.array([1.0, -2.0, 3.0])}
   base = optax.adamw(1e-2)
   tx = optimizers.dp_optimizer(base, noise_multiplier=1.0, sensitivity=0.1,
-                               normalizer=16.0, seed=0)
-  _, state = jax.jit(tx.update)(grads, tx.init(params), params)  # a release
+                               normalizer=16.0)
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params,  # a release
+                                noise_secret=secret.RunSecret.pinned(0).noise_key())
   updates, new_state = jax.jit(optimizers.public_update(base))(grads, state,
                                                                params)
   want_updates, want_base = jax.jit(base.update)(grads, state[1], params)
@@ -166,7 +169,7 @@ def test_public_step_is_sgd_on_the_mean_gradient_of_the_real_rows():
   params = {"w": np.array([0.5, -1.0, 2.0], np.float32)}
   base = optax.sgd(0.1)
   tx = optimizers.dp_optimizer(base, noise_multiplier=1.0, sensitivity=1.0,
-                               normalizer=4.0, seed=0)
+                               normalizer=4.0)
   state = train_step.TrainState(jnp.int32(0), params, tx.init(params))
   step = jax.jit(train_step.make_public_step(
       example_loss, optimizers.public_update(base), seed=0, dropout=False))
@@ -299,6 +302,8 @@ def test_mixed_run_records_exactly_the_dp_steps_it_takes(mixed):
 def test_killed_mixed_run_resumes_bit_exactly(mixed, tmp_path):
   reference_dir, reference, _ = mixed
   model_dir = tmp_path / "killed"
+  model_dir.mkdir()  # the reference's secret: its batches and noise
+  shutil.copy(os.path.join(reference_dir, secret.SECRET_FILENAME), model_dir)
   with pytest.MonkeyPatch.context() as mp:
     killed = StepCounter(mp, kill_at=5)
     with pytest.raises(KeyboardInterrupt):

@@ -17,7 +17,7 @@ import tasks
 from dpjax import checkpoints, gin_cli, trainer
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
-from dpjax.privacy import accounting, ledger as ledger_lib, sampling
+from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,6 +41,13 @@ def configure(model_dir, *extra):
 def run(model_dir, *extra) -> dict:
   configure(model_dir, *extra)
   return trainer.train()
+
+
+def same_secret(reference_dir, model_dir) -> None:
+  """Gives `model_dir` the secret of the run in `reference_dir` (OS
+  entropy), so that the two draw the same batches and noise."""
+  os.makedirs(model_dir, exist_ok=True)
+  shutil.copy(os.path.join(reference_dir, secret.SECRET_FILENAME), model_dir)
 
 
 def restored_params(model_dir):
@@ -89,6 +96,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(eight_steps, tmp_path,
     return original(self, step, m)
 
   monkeypatch.setattr(sampling.PoissonSampler, "microbatches", dies_at_step_6)
+  same_secret(reference_dir, model_dir)
   with pytest.raises(KeyboardInterrupt):
     run(model_dir, "TRAIN_STEPS = 8")
   monkeypatch.setattr(sampling.PoissonSampler, "microbatches", original)
@@ -223,7 +231,8 @@ def test_xl_eps3_train_step_builds_with_abstract_shapes():
                                       0, 0)
   assert jax.tree.structure(new_grads) == jax.tree.structure(params)
   state = jax.eval_shape(lambda p: trainer.train_step.init_state(p, tx), params)
-  new_state = jax.eval_shape(apply, state, new_grads)
+  new_state = jax.eval_shape(apply, state, new_grads,
+                             secret.RunSecret.pinned(0).noise_key())
   assert jax.tree.map(lambda a: a.shape, new_state.params) == \
       jax.tree.map(lambda a: a.shape, params)
 
@@ -241,6 +250,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes(
 
   monkeypatch.setattr(sampling.PoissonSampler, "microbatches",
                       preempted_during_step_2)
+  same_secret(reference_dir, model_dir)
   stopped = run(model_dir, "TRAIN_STEPS = 8")
   monkeypatch.setattr(sampling.PoissonSampler, "microbatches", original)
   assert stopped["steps_done"] == 3  # finished step 2, then checkpointed
@@ -269,6 +279,7 @@ def test_data_parallel_over_two_devices_matches_one_device(eight_steps,
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
   bindings = [f"--gin_bindings={b}" for b in TINY]
+  same_secret(reference_dir, model_dir)
   proc = subprocess.run(
       [sys.executable, "-m", "dpjax.train", "--gin_file=quickstart.gin",
        f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=8", *bindings,
@@ -396,6 +407,7 @@ def test_ghost_clipping_and_fsdp_rules_train_like_vmap(eight_steps, tmp_path):
   the vmap run: the same clipped sums, so the same params (float
   tolerance) and the identical ledger."""
   reference_dir, reference = eight_steps
+  same_secret(reference_dir, tmp_path)
   result = run(tmp_path, "TRAIN_STEPS = 8", "train.clipping_method = 'ghost'",
                "logical_axis_rules.name = 'fsdp'")
   assert result["epsilon_spent"] == reference["epsilon_spent"]

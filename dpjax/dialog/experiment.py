@@ -48,9 +48,8 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from dpjax import fileio, gin_cli, inference
+from dpjax import checkpoints, fileio, gin_cli, inference
 from dpjax.dialog import lira, redaction
-from dpjax.privacy import ledger as ledger_lib
 from dpjax.semparse import pipeline
 
 MODES = ("domain_only", "public", "pub_redacted", "private", "jft",
@@ -302,8 +301,7 @@ def _policies(names: Sequence[str], settings: _Settings
 def _epsilon(target: dict, model_dir: str) -> float:
   if not target["private_only"]:
     return math.inf
-  return ledger_lib.PrivacyLedger.load(
-      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)).epsilon_spent()
+  return checkpoints.run_ledger(model_dir).epsilon_spent()
 
 
 def _rows(target: dict, summary: dict, model_dir: str, evaluation: dict,

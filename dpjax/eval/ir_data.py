@@ -14,10 +14,13 @@ corpus (8.8M passages for MSMARCO) from its file each time it is iterated.
 Ids are strings, as in a TREC run file, so they may not contain whitespace.
 Every malformed line is a `MalformedLineError("path:line: why")`.
 
-Evaluated queries are those with at least one judgement of relevance > 0:
-the metrics are undefined for the others. A judged document missing from
-the corpus is kept (it counts as relevant and never retrieved, as trec_eval
-counts it) and reported, since some published qrels have such rows.
+Every query of the qrels is kept and searched, those whose judgements are all
+0 too: `ir_metrics` averages over all of them as `trec_eval -c` does (such a
+query scores 0). A judged document missing from the corpus is kept (it
+counts as relevant and never retrieved, as trec_eval counts it) and
+reported, since some published qrels have such rows. A dataset that cannot
+be evaluated (no documents, no queries, no judgement of relevance > 0) is a
+`DatasetError`.
 """
 from __future__ import annotations
 
@@ -31,6 +34,11 @@ from tasks import msmarco
 from tasks.msmarco import MalformedLineError
 
 logger = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+  """A dataset that cannot be evaluated: an empty corpus, queries or qrels."""
+
 
 BEIR_QRELS_HEADER = ("query-id", "corpus-id", "score")
 # The embedded BEIR-format sample (python -m tasks.beir_sample.generate).
@@ -85,10 +93,11 @@ def _check_id(doc_id: str, path: str, lineno: int, what: str) -> str:
   return doc_id
 
 
-def _judged(qrels: _Judgements) -> _Judgements:
-  """Keeps the queries with a judgement of relevance > 0."""
-  return {q: docs for q, docs in qrels.items()
-          if any(rel > 0 for rel, _ in docs.values())}
+def _check_judged(qrels: _Judgements, path: str) -> None:
+  if not qrels:
+    raise DatasetError(f"{path}: no judgements")
+  if not any(rel > 0 for docs in qrels.values() for rel, _ in docs.values()):
+    raise DatasetError(f"{path}: no judgement with relevance > 0")
 
 
 def _finish(name: str, corpus_path: str, read: Callable[[], Iterator[tuple[str, str]]],
@@ -103,7 +112,7 @@ def _finish(name: str, corpus_path: str, read: Callable[[], Iterator[tuple[str, 
     if doc_id in judged_docs:
       found.add(doc_id)
   if not num_docs:
-    raise ValueError(f"{corpus_path}: the corpus has no documents")
+    raise DatasetError(f"{corpus_path}: the corpus has no documents")
   missing = [(lineno, q, d) for q, docs in qrels.items()
              for d, (_, lineno) in docs.items() if d not in found]
   if missing:
@@ -134,11 +143,12 @@ def load_msmarco(data_dir: str = msmarco.DEFAULT_SAMPLE_DIR,
   qrels: _Judgements = {}
   for qid, pid, rel, lineno in msmarco.read_qrels(qrels_path):
     qrels.setdefault(str(qid), {})[str(pid)] = (rel, lineno)
-  qrels = _judged(qrels)
-  if not qrels:
-    raise ValueError(f"{qrels_path}: no judgement with relevance > 0")
+  _check_judged(qrels, qrels_path)
   texts = dict(msmarco.read_tsv_pairs(queries_path,
                                       keep_ids={int(q) for q in qrels}))
+  if not texts:
+    raise DatasetError(f"{queries_path}: none of the {len(qrels)} queries of "
+                       f"{os.path.basename(qrels_path)} is there (an empty file?)")
   for qid, docs in qrels.items():
     if int(qid) not in texts:
       raise MalformedLineError(
@@ -248,8 +258,6 @@ def read_beir_qrels(path: str) -> _Judgements:
             f"{previous[0]} on line {previous[1]}")
       if previous is None:
         qrels[qid][doc_id] = (rel, lineno)
-  if not qrels:
-    raise ValueError(f"{path}: no judgements")
   return qrels
 
 
@@ -263,9 +271,8 @@ def load_beir(data_dir: str = BEIR_SAMPLE_DIR, split: str = "test") -> IRDataset
   corpus_path, queries_path, qrels_path = _require_files(
       data_dir, ["corpus.jsonl", "queries.jsonl", os.path.join("qrels", f"{split}.tsv")],
       f"BEIR ({split!r} split)")
-  qrels = _judged(read_beir_qrels(qrels_path))
-  if not qrels:
-    raise ValueError(f"{qrels_path}: no judgement with relevance > 0")
+  qrels = read_beir_qrels(qrels_path)
+  _check_judged(qrels, qrels_path)
   texts: dict[str, str] = {}
   seen: set[str] = set()
   for lineno, record in _read_jsonl(queries_path):
@@ -277,6 +284,8 @@ def load_beir(data_dir: str = BEIR_SAMPLE_DIR, split: str = "test") -> IRDataset
     seen.add(qid)
     if qid in qrels:
       texts[qid] = text
+  if not seen:
+    raise DatasetError(f"{queries_path}: no queries")
   for qid, docs in qrels.items():
     if qid not in texts:
       raise MalformedLineError(

@@ -8,13 +8,25 @@
 The paper's evaluation (section 6.1): MSMARCO dev (default: the embedded
 sample) or any BEIR-format directory for zero-shot evaluation. The corpus is
 encoded in shards that a restarted job reuses (`encoding.encode_corpus`),
-the judged queries in memory; exact top-k search streams over the shards
-(`search`); the ranking goes to a TREC run file and is scored by trec_eval
-(`ir_metrics`). Outputs, under OUT (default RUN/retrieval/<dataset>):
+the queries in memory; exact top-k search streams over the shards
+(`search`, ties broken as trec_eval breaks them: document id descending);
+the ranking goes to a TREC run file, and the metrics are trec_eval's on that
+file as read back (`ir_metrics`): metrics.json holds exactly what
+
+  trec_eval -c -M 10 -m ndcg_cut.10 -m recall.10 -m recip_rank qrels.trec run.trec
+
+prints, averaged over every query of the qrels (one without a judgement of
+relevance > 0 scores 0). Outputs, under OUT (default RUN/retrieval/<dataset>):
 
   embeddings/   spec.json, shard-NNNNN-of-NNNNN.{npy,json}
-  run.trec      qid Q0 docid rank score run_name, top_k per query
+  run.trec      qid Q0 docid rank score run_name, top_k per query, each
+                query's lines in trec_eval's order
+  qrels.trec    the judgements evaluated, qid 0 docid relevance
   metrics.json  NDCG@10, Recall@10, MRR@10, counts, settings, model step
+
+A dataset that cannot be evaluated (no documents, queries or judgement of
+relevance > 0), a malformed line or a bad flag is one `error: ...` line on
+stderr and exit status 2, before anything is written.
 """
 from __future__ import annotations
 
@@ -97,26 +109,34 @@ def evaluate_retrieval(dataset: ir_data.IRDataset,
       f"({backend})")
   scores, indices = search.search(
       queries, _load_logging(shards, log), k=k, shard_size=shard_size,
-      block_size=batch_size, backend=backend, mesh=mesh)
+      block_size=batch_size, backend=backend, mesh=mesh,
+      tie_keys=search.trec_tie_keys(i for s in shards for i in s.ids))
   doc_ids = _doc_ids(shards, indices)
 
   run_path = os.path.join(output_dir, "run.trec")
+  qrels_path = os.path.join(output_dir, "qrels.trec")
   ir_metrics.write_trec_run(run_path, qids, doc_ids, scores, run_name)
-  metrics = ir_metrics.evaluate(dict(zip(qids, doc_ids.tolist())), dataset.qrels,
+  ir_metrics.write_trec_qrels(qrels_path, dataset.qrels)
+  # Scored from the file as written: what trec_eval reads.
+  metrics = ir_metrics.evaluate(ir_metrics.read_trec_run(run_path), dataset.qrels,
                                 CUTOFF)
   results = {
-      "dataset": dataset.name, **metrics, "num_docs": corpus.num_docs,
+      "dataset": dataset.name, **metrics,
+      "averaged_over": ir_metrics.AVERAGED_OVER, "num_docs": corpus.num_docs,
       "missing_judged_docs": dataset.missing_judged_docs, "top_k": k,
       "doc_length": doc_length, "query_length": query_length,
-      "backend": backend, "run_file": run_path, "encoder": fingerprint,
-      "seconds": round(time.perf_counter() - start, 1),
+      "backend": backend, "run_file": run_path, "qrels_file": qrels_path,
+      "trec_eval": f"trec_eval -c -M {CUTOFF} -m ndcg_cut.{CUTOFF} -m recall."
+                   f"{CUTOFF} -m recip_rank {qrels_path} {run_path}",
+      "encoder": fingerprint, "seconds": round(time.perf_counter() - start, 1),
   }
   fileio.write_atomic(os.path.join(output_dir, "metrics.json"),
                       json.dumps(results, indent=1) + "\n")
   log(f"{dataset.name}: NDCG@{CUTOFF} {metrics[f'ndcg@{CUTOFF}']:.4f} | "
       f"Recall@{CUTOFF} {metrics[f'recall@{CUTOFF}']:.4f} | MRR@{CUTOFF} "
       f"{metrics[f'mrr@{CUTOFF}']:.4f} over {metrics['num_queries']:,} queries "
-      f"({results['seconds']:.0f}s) -> {output_dir}")
+      f"({metrics['num_queries_without_relevant']:,} without a relevant "
+      f"document, scored 0) ({results['seconds']:.0f}s) -> {output_dir}")
   return results
 
 
@@ -193,6 +213,15 @@ def main(argv: list[str] | None = None) -> dict:
       backend=args.backend, run_name=args.run_name, mesh=mesh)
 
 
+USER_ERRORS = (gin_cli.UsageError, FileNotFoundError, ir_data.MalformedLineError,
+               ir_data.DatasetError)
+
+
+def cli(argv: list[str] | None = None) -> dict:
+  """`main`, with a user error (bad flag, missing file, malformed line, empty
+  dataset) printed as one `error: ...` line and exit status 2."""
+  return gin_cli.exit_on_user_error(lambda: main(argv), USER_ERRORS)
+
+
 if __name__ == "__main__":
-  gin_cli.exit_on_user_error(main, (gin_cli.UsageError, FileNotFoundError,
-                                    ir_data.MalformedLineError))
+  cli()

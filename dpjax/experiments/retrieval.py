@@ -51,9 +51,8 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from dpjax import fileio, gin_cli, inference
+from dpjax import checkpoints, fileio, gin_cli, inference
 from dpjax.experiments import canaries as canaries_lib
-from dpjax.privacy import ledger as ledger_lib
 from dpjax.semparse import pipeline
 
 EPSILONS = (3.0, 8.0, 16.0, math.inf)
@@ -141,8 +140,7 @@ def text_quality(synthetic_jsonl: str, data_dir: str | None,
 
 
 def _privacy(model_dir: str) -> dict:
-  ledger = ledger_lib.PrivacyLedger.load(
-      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
+  ledger = checkpoints.run_ledger(model_dir)
   return {"epsilon_spent": ledger.epsilon_spent(), "delta": ledger.delta}
 
 

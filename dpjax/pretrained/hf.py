@@ -45,6 +45,8 @@ import inspect
 import json
 import os
 import pathlib
+import pickle
+import re
 import struct
 import sys
 from typing import Any, Iterable, Mapping
@@ -120,6 +122,22 @@ class SafetensorsReader:
       return _as_float32(f.get_tensor(name))
 
 
+def _unsafe_pickle_message(file: str, e: Exception) -> str:
+  """Why torch's weights_only loader refused `file`, and how to convert it."""
+  found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+  what = f"an object of type {found.group(1)}" if found else "a non-tensor object"
+  target = os.path.join(os.path.dirname(file) or ".", SAFETENSORS_FILE)
+  return (
+      f"{file}: refused as unsafe: it holds {what}, and unpickling anything "
+      "but tensors can run arbitrary code on load. If you trust the file, "
+      f"convert it once to {SAFETENSORS_FILE} (read instead of the .bin): "
+      "python -c \"import torch; from safetensors.torch import save_file; "
+      f"sd = torch.load('{file}', weights_only=False); save_file({{k: "
+      "v.clone().contiguous() for k, v in sd.items() if isinstance(v, "
+      f"torch.Tensor)}}, '{target}')\" (or, sharded: transformers' "
+      "from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True))")
+
+
 class TorchReader:
   """Tensors of PyTorch `.bin` files, memory-mapped (torch imported here only)."""
 
@@ -129,9 +147,12 @@ class TorchReader:
     self._tensors: dict[str, Any] = {}
     for file in files:
       try:
-        state = torch.load(os.fspath(file), map_location="cpu", mmap=True, weights_only=True)
-      except RuntimeError:  # the pre-1.6 (non-zip) format cannot be mapped
-        state = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
+        try:
+          state = torch.load(os.fspath(file), map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # the pre-1.6 (non-zip) format cannot be mapped
+          state = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
+      except pickle.UnpicklingError as e:
+        raise CheckpointError(_unsafe_pickle_message(os.fspath(file), e)) from None
       self._tensors.update(state)
 
   def keys(self) -> list[str]:

@@ -15,7 +15,7 @@ The privacy contract of a DP training step, module by module:
    backward pass through rematerialised layers);
    `make_clipped_grad(method='vmap'|'ghost'|'auto')` picks one.
 3. `noise` / `optimizers`: `privatize` adds N(0, (sigma * sensitivity)^2) to
-   that sum exactly once per logical batch, keyed by (seed, step), and divides
+   that sum exactly once per logical batch, keyed by (secret, step), and divides
    by a data-independent normalizer; the base optax optimizer after it is
    post-processing.
 4. `accounting` / `ledger`: each release is recorded as an event
@@ -27,7 +27,8 @@ The privacy contract of a DP training step, module by module:
 The guarantee covers the model parameters (and anything computed from them
 and public data). It does not cover `ClipStats`, realised batch sizes, or
 sampled indices, which must not be released; and it assumes the noise and
-sampling seeds are secret.
+sampling keys are secret: `secret.RunSecret` draws them from the operating
+system's entropy, never from a configured seed.
 """
 
 from dpjax.privacy.accounting import (
@@ -70,6 +71,7 @@ from dpjax.privacy.optimizers import (
     dp_sgd,
 )
 from dpjax.privacy.sampling import PoissonSampler, ShuffleSampler
+from dpjax.privacy.secret import RunSecret
 
 __all__ = [
     "BudgetExceededError",
@@ -82,6 +84,7 @@ __all__ = [
     "PoissonSampler",
     "PrivacyLedger",
     "PrivatizeState",
+    "RunSecret",
     "ShuffleSampler",
     "Site",
     "add_gaussian_noise",

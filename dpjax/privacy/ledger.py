@@ -53,6 +53,10 @@ class PrivacyLedger:
     events: Recorded `accounting.Event`s, in order.
     prior_events: Releases of earlier runs on the same data that this run's
       guarantee composes with (`compose_after`); counted in every epsilon.
+    secret: Where the key of the noise and sampling came from: 'os_entropy'
+      (`secret.RunSecret.draw`), 'pinned' (known to whoever pinned it: the
+      guarantee does not hold against them) or 'unknown' (a ledger written
+      before dpjax recorded it).
   """
 
   accountant: str
@@ -65,6 +69,7 @@ class PrivacyLedger:
   steps: int = 0
   events: list[accounting.Event] = dataclasses.field(default_factory=list)
   prior_events: list[accounting.Event] = dataclasses.field(default_factory=list)
+  secret: str = "unknown"
 
   def compose_after(self, prior: PrivacyLedger) -> None:
     """Counts every release of `prior` (an earlier run on the same dataset
@@ -102,6 +107,15 @@ class PrivacyLedger:
         self.sampling, noise_multipliers or (self.noise_multiplier,),
         total_steps, start=self.steps)
 
+  def events_for(self, steps: int,
+                 noise_multipliers: Sequence[float] | None = None
+                 ) -> list[accounting.Event]:
+    """The events that `steps` DP steps from the start record, merged as
+    `record` merges them: what `events` must be after `steps` steps."""
+    fresh = dataclasses.replace(self, steps=0, events=[])
+    fresh.record_dp_steps(steps, noise_multipliers=noise_multipliers)
+    return fresh.events
+
   @property
   def all_events(self) -> list[accounting.Event]:
     """Every release this ledger's guarantee covers: prior runs', then its own."""
@@ -134,6 +148,7 @@ class PrivacyLedger:
         "steps": self.steps,
         "events": [e.to_json() for e in self.events],
         "prior_events": [e.to_json() for e in self.prior_events],
+        "secret": self.secret,
         "epsilon_spent": _encode_float(self.epsilon_spent()),
     }
 
@@ -152,6 +167,7 @@ class PrivacyLedger:
         events=[accounting.event_from_json(e) for e in d["events"]],
         prior_events=[accounting.event_from_json(e)
                       for e in d.get("prior_events", [])],
+        secret=str(d.get("secret", "unknown")),
     )
 
   def save(self, path: str | os.PathLike) -> None:

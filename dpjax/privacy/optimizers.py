@@ -6,7 +6,8 @@ Formal guarantees
 `dpjax.privacy.noise.privatize` (and the parameters, themselves a function of
 earlier releases), so `base` is post-processing and the whole optimizer makes
 exactly one Gaussian release with noise multiplier `noise_multiplier` per
-`update` call. Its input must be the clipped gradient SUM of one logical batch
+`update` call, keyed by the `noise_secret` every `update` takes (the run's
+`secret.RunSecret.noise_key()`). Its input must be the clipped gradient SUM of one logical batch
 with L2 sensitivity `<= sensitivity`. `dp_optimizer_releases(base, ...)` is
 the same with one Gaussian release per named clipped sum
 (`noise.privatize_releases`): k releases per `update` call.
@@ -39,13 +40,11 @@ def dp_optimizer(
     noise_multiplier: float,
     sensitivity: float,
     normalizer: float,
-    seed: int,
 ) -> optax.GradientTransformation:
   """`optax.chain(privatize(...), base)`; see `noise.privatize` for the args."""
   return optax.chain(
       noise.privatize(noise_multiplier=noise_multiplier,
-                      sensitivity=sensitivity, normalizer=normalizer,
-                      seed=seed),
+                      sensitivity=sensitivity, normalizer=normalizer),
       base,
   )
 
@@ -56,7 +55,6 @@ def dp_optimizer_releases(
     noise_multipliers: Mapping[str, float],
     sensitivities: Mapping[str, float],
     normalizer: float,
-    seed: int,
     trainable: Any = None,
 ) -> optax.GradientTransformation:
   """`optax.chain(privatize_releases(...), base)`: several clipped sums of one
@@ -66,10 +64,16 @@ def dp_optimizer_releases(
   return optax.chain(
       noise.privatize_releases(noise_multipliers=noise_multipliers,
                                sensitivities=sensitivities,
-                               normalizer=normalizer, seed=seed,
+                               normalizer=normalizer,
                                trainable=trainable),
       base,
   )
+
+
+def noise_count(opt_state: optax.OptState) -> jax.Array:
+  """The releases a `dp_optimizer` (or `dp_optimizer_releases`) state has
+  made: its `privatize` noise counter."""
+  return opt_state[0].count
 
 
 def freeze(base: optax.GradientTransformation, trainable: Any
@@ -105,14 +109,13 @@ def dp_sgd(
     noise_multiplier: float,
     sensitivity: float,
     normalizer: float,
-    seed: int,
     momentum: float | None = None,
 ) -> optax.GradientTransformation:
   """DP-SGD (optionally with momentum)."""
   return dp_optimizer(
       optax.sgd(learning_rate, momentum=momentum),
       noise_multiplier=noise_multiplier, sensitivity=sensitivity,
-      normalizer=normalizer, seed=seed)
+      normalizer=normalizer)
 
 
 def dp_adam(
@@ -121,7 +124,6 @@ def dp_adam(
     noise_multiplier: float,
     sensitivity: float,
     normalizer: float,
-    seed: int,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -130,7 +132,7 @@ def dp_adam(
   return dp_optimizer(
       optax.adam(learning_rate, b1=b1, b2=b2, eps=eps),
       noise_multiplier=noise_multiplier, sensitivity=sensitivity,
-      normalizer=normalizer, seed=seed)
+      normalizer=normalizer)
 
 
 def dp_adamw(
@@ -139,7 +141,6 @@ def dp_adamw(
     noise_multiplier: float,
     sensitivity: float,
     normalizer: float,
-    seed: int,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -150,7 +151,7 @@ def dp_adamw(
       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
                   weight_decay=weight_decay),
       noise_multiplier=noise_multiplier, sensitivity=sensitivity,
-      normalizer=normalizer, seed=seed)
+      normalizer=normalizer)
 
 
 def dp_adafactor(
@@ -159,11 +160,10 @@ def dp_adafactor(
     noise_multiplier: float,
     sensitivity: float,
     normalizer: float,
-    seed: int,
     **adafactor_kwargs: Any,
 ) -> optax.GradientTransformation:
   """DP-Adafactor; `adafactor_kwargs` go to `optax.adafactor`."""
   return dp_optimizer(
       optax.adafactor(learning_rate, **adafactor_kwargs),
       noise_multiplier=noise_multiplier, sensitivity=sensitivity,
-      normalizer=normalizer, seed=seed)
+      normalizer=normalizer)

@@ -22,8 +22,9 @@ Formal guarantees
   Accounted by `accounting.shuffle_epochs_event`.
 
 Poisson amplification assumes the adversary never learns which examples were
-sampled: keep the seed secret and do not release the indices or the realised
-batch size.
+sampled: the seed must be secret (the trainer passes the run secret's
+`RunSecret.sampling_seed()`, 256 bits of OS entropy, never `train.seed`),
+and the indices and realised batch sizes must not be released.
 """
 
 from __future__ import annotations

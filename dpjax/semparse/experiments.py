@@ -32,9 +32,8 @@ from typing import Iterable, Sequence
 import gin
 import numpy as np
 
-from dpjax import fileio
+from dpjax import checkpoints, fileio
 from dpjax.privacy import accounting
-from dpjax.privacy import ledger as ledger_lib
 from dpjax.semparse import pipeline
 
 METHODS = ("1-stage", "1.5-stage", "2-stage")
@@ -133,8 +132,7 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
                [semparse.domain_prompt(d) for d in rng.choice(domains, num)])
     utterances = pipeline.generate_texts(final_dir, prompts, num_beams=5,
                                          **gen)
-  ledger = ledger_lib.PrivacyLedger.load(
-      os.path.join(final_dir, ledger_lib.LEDGER_FILENAME))
+  ledger = checkpoints.run_ledger(final_dir)
   privacy = {"epsilon_spent": ledger.epsilon_spent(), "delta": ledger.delta,
              "noise_multiplier": ledger.noise_multiplier,
              "dp_steps": t1 + t2}

@@ -23,7 +23,7 @@ draw.
 
 Formal guarantees
 -----------------
-* Z(s, j, v) comes from a counter-based PRNG keyed by (seed, s, j, v),
+* Z(s, j, v) comes from a counter-based PRNG keyed by (secret, s, j, v),
   independent across distinct triples. Every answer ever computed at (s, j),
   whatever its candidate set, is therefore a function of one Gaussian (or
   Laplace) mechanism over the whole vocabulary, `a + scale Z(s, j, .)`, with
@@ -37,8 +37,10 @@ Formal guarantees
   whose new (s, j) would take the recorded queries past the ledger's
   `max_queries` or its epsilon past the target; new answers are recorded in
   the ledger (`accounting.query_event`) before they are returned.
-* As with all of dpjax's noise, the seed must be secret, and PRNG floats are
-  treated as exact Gaussian / Laplace draws.
+* As with all of dpjax's noise, the key is the run's secret
+  (`dpjax.privacy.secret`: OS entropy, kept in the answers' directory as
+  `secret_key.json`, never published), threefry is taken for a
+  pseudorandom function and PRNG floats for exact Gaussian / Laplace draws.
 """
 from __future__ import annotations
 
@@ -52,23 +54,24 @@ import numpy as np
 
 from dpjax import decoding, fileio
 from dpjax.privacy import ledger as ledger_lib
+from dpjax.privacy import noise as noise_lib
+from dpjax.privacy import secret as secret_lib
 from dpjax.seqpate import accounting
 from dpjax.seqpate.cache import TeacherSums
 
-# Separates the aggregation noise stream from any other use of the seed.
+# Separates the aggregation noise stream from any other use of the secret.
 NOISE_STREAM_CONSTANT = 0x70617465  # "pate"
 ANSWERS_FILENAME = "teacher_answers.npz"
 
 
 @functools.partial(jax.jit, static_argnames=("mechanism",))
-def _noise(seed, sentences, positions, candidates, *, mechanism):
-  root = jax.random.fold_in(jax.random.PRNGKey(seed), NOISE_STREAM_CONSTANT)
-  draw = jax.random.laplace if mechanism == "laplace" else jax.random.normal
+def _noise(secret, sentences, positions, candidates, *, mechanism):
+  draw = (noise_lib.standard_laplace if mechanism == "laplace"
+          else noise_lib.standard_normal)
 
   def one(s, j, v):
-    key = jax.random.fold_in(jax.random.fold_in(
-        jax.random.fold_in(root, s), j), v)
-    return draw(key, (), jnp.float32)
+    return draw(noise_lib.stream_keys(secret, NOISE_STREAM_CONSTANT, s, j, v),
+                ())
 
   return jax.vmap(jax.vmap(one, (None, None, 0)))(sentences, positions,
                                                   candidates)
@@ -102,10 +105,10 @@ def candidate_sets(student_logits, *, max_candidates: int, top_p: float = 1.0,
       use_top_p=top_p < 1.0))
 
 
-def standard_noise(seed: int, sentences: np.ndarray, positions: np.ndarray,
-                   candidates: np.ndarray,
+def standard_noise(secret: secret_lib.RunSecret, sentences: np.ndarray,
+                   positions: np.ndarray, candidates: np.ndarray,
                    mechanism: str = "gaussian") -> np.ndarray:
-  """`[Q, C]` draws Z(seed, s, j, v), N(0, 1) ("gaussian") or standard
+  """`[Q, C]` draws Z(secret, s, j, v), N(0, 1) ("gaussian") or standard
   Laplace, density exp(-|z|) / 2 ("laplace"); 0 where a candidate is -1.
 
   Q is padded to a power of two, so few shapes are ever compiled.
@@ -118,7 +121,8 @@ def standard_noise(seed: int, sentences: np.ndarray, positions: np.ndarray,
   pad = lambda x: np.concatenate(
       [np.asarray(x, np.int32), np.zeros((padded - q,) + np.shape(x)[1:],
                                          np.int32)])
-  z = _noise(seed, pad(sentences), pad(positions),
+  z = _noise(secret.noise_key("seqpate-aggregation"), pad(sentences),
+             pad(positions),
              pad(np.maximum(candidates, 0)), mechanism=mechanism)
   return np.where(np.asarray(candidates) >= 0, np.asarray(z)[:q], 0.0)
 
@@ -203,17 +207,19 @@ def _queries_recorded(ledger: ledger_lib.PrivacyLedger) -> int:
 
 
 class Aggregator:
-  """Answers teacher queries under a ledger (`accounting.make_ledger`)."""
+  """Answers teacher queries under a ledger (`accounting.make_ledger`),
+  with noise keyed by the run's `secret` (kept with the answers by `save`)."""
 
   def __init__(self, sums: TeacherSums, ledger: ledger_lib.PrivacyLedger, *,
-               seed: int, max_candidates: int,
+               secret: secret_lib.RunSecret, max_candidates: int,
                store: AnswerStore | None = None):
     self.sums = sums
     self.ledger = ledger
     self.setup = accounting.ledger_setup(ledger)
     self.scale = self.setup.scale
     self.max_queries = self.setup.max_queries
-    self.seed = seed
+    self.secret = secret
+    ledger.secret = secret.source
     if self.setup.num_teachers != sums.num_teachers:
       raise ValueError(f"ledger is for {self.setup.num_teachers} teachers, "
                        f"the cache holds {sums.num_teachers}.")
@@ -287,7 +293,7 @@ class Aggregator:
       rows = np.flatnonzero(new)[first]
       cand = candidates[rows]
       noisy = self.sums.restricted(sentences[rows], positions[rows], cand) + (
-          self.scale * standard_noise(self.seed, sentences[rows],
+          self.scale * standard_noise(self.secret, sentences[rows],
                                       positions[rows], cand,
                                       self.setup.mechanism))
       probs = normalize(noisy, cand >= 0)
@@ -297,18 +303,20 @@ class Aggregator:
     return Answers(self.store.candidates[at], self.store.probs[at], new)
 
   def save(self, directory: str) -> None:
-    """Writes the ledger, then the answers (so a crash in between can only
-    over-count queries, never forget one)."""
+    """Writes the secret (once), the ledger, then the answers (so a crash in
+    between can only over-count queries, never forget one)."""
     os.makedirs(directory, exist_ok=True)
+    if not secret_lib.exists(directory):
+      self.secret.save(directory)
     self.ledger.save(os.path.join(directory, ledger_lib.LEDGER_FILENAME))
     self.store.save(os.path.join(directory, ANSWERS_FILENAME))
 
   @classmethod
-  def restore(cls, directory: str, sums: TeacherSums, *, seed: int,
+  def restore(cls, directory: str, sums: TeacherSums, *,
               max_candidates: int) -> Aggregator:
-    """The aggregator saved by `save` in `directory`."""
+    """The aggregator saved by `save` in `directory`, with its secret."""
     ledger = ledger_lib.PrivacyLedger.load(
         os.path.join(directory, ledger_lib.LEDGER_FILENAME))
     store = AnswerStore.load(os.path.join(directory, ANSWERS_FILENAME))
-    return cls(sums, ledger, seed=seed, max_candidates=max_candidates,
-               store=store)
+    return cls(sums, ledger, secret=secret_lib.RunSecret.load(directory),
+               max_candidates=max_candidates, store=store)

@@ -89,6 +89,7 @@ import tokenizers
 
 from dpjax import checkpoints, decoding, fileio
 from dpjax.models import gpt2, losses
+from dpjax.privacy import secret as secret_lib
 from dpjax.seqpate import (accounting, aggregation, cache, noisysgd,
                            partition, pseudo_data, student, teachers)
 from tasks import seqpate as data
@@ -501,16 +502,16 @@ def _distill(row_dir, settings, config, warm, pseudo, teacher_cache,
                               **options)
   sums = teacher_cache[aggregate]
   if os.path.isfile(os.path.join(row_dir, aggregation.ANSWERS_FILENAME)):
-    agg = aggregation.Aggregator.restore(row_dir, sums, seed=seed,
-                                         max_candidates=width)
+    agg = aggregation.Aggregator.restore(row_dir, sums, max_candidates=width)
   else:
     ledger = accounting.make_ledger(
         settings.epsilon if noise else math.inf, settings.max_queries,
         num_teachers=settings.num_teachers, dataset_size=n_private,
         scale=None if noise else 0.0, mechanism=mechanism,
         aggregate=aggregate)
-    agg = aggregation.Aggregator(sums, ledger, seed=seed,
-                                 max_candidates=width)
+    agg = aggregation.Aggregator(
+        sums, ledger, secret=secret_lib.for_run(row_dir, resuming=False),
+        max_candidates=width)
   kd = student.Student(config, warm, pseudo, setup)
   stats = kd.distill(agg, log)
   agg.save(row_dir)

@@ -91,7 +91,5 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
       trainer.train()
     finally:
       gin.clear_config()
-  params = inference.load_trained(model_dir)[1]
-  ledger = ledger_lib.PrivacyLedger.load(
-      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
-  return params, ledger
+  params, meta = inference.load_trained(model_dir)[1:]
+  return params, ledger_lib.PrivacyLedger.from_json(meta["ledger"])

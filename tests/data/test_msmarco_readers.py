@@ -86,6 +86,8 @@ def test_crlf_and_trailing_blank_line_are_accepted(tmp_path):
     ("qrels_train", "100\t0\t0\t1\n101\t1\n", 2, "columns"),
     ("qrels_train", "100\t0\t0\t1\n101\t0\t1\n", 2, "columns"),
     ("qrels_train", "100\t0\t0\t1\n101\t0\tp1\t1\n", 2, "integers"),
+    ("qrels_train", "100\t0\t0\t1\n101\t0\t1\t1\n100\t0\t0\t0\n", 3,
+     "(100, 0) judged 0 here and 1 on line 1"),
 ])
 def test_malformed_line_reports_file_and_line(tmp_path, field, text, line,
                                               reason):
@@ -161,3 +163,24 @@ def test_bad_arguments(tmp_path):
     msmarco.load_query_passage_pairs(d, "test")
   with pytest.raises(ValueError, match="on_malformed"):
     msmarco.load_query_passage_pairs(d, "train", on_malformed="ignore")
+
+
+def test_repeated_qrels_rows(tmp_path):
+  """A (qid, pid) judged twice alike is one judgement (as the BEIR reader
+  has it); judged twice differently is malformed, the first row kept when
+  skipping."""
+  d = _write_dir(tmp_path, qrels_train=QRELS_TRAIN + "100\t0\t0\t1\n")
+  path = os.path.join(d, "qrels.train.tsv")
+  rows = list(msmarco.read_qrels(path))
+  assert [(q, p, r, n) for q, p, r, n in rows if (q, p) == (100, 0)] == [
+      (100, 0, 1, 1)]
+  assert len(rows) == 5
+  assert len(msmarco.load_query_passage_pairs(d, "train")) == 4
+
+  conflict = _write_dir(tmp_path / "c", qrels_train=QRELS_TRAIN + "101\t0\t2\t1\n")
+  path = os.path.join(conflict, "qrels.train.tsv")
+  with pytest.raises(msmarco.MalformedLineError) as e:
+    list(msmarco.read_qrels(path))
+  assert str(e.value) == f"{path}:6: (101, 2) judged 1 here and 0 on line 5"
+  skipped = list(msmarco.read_qrels(path, on_malformed="skip"))
+  assert [r for q, p, r, _ in skipped if (q, p) == (101, 2)] == [0]

@@ -107,3 +107,46 @@ def test_nothing_readable_raises_and_moves_nothing(model_dir):
   assert not (model_dir / checkpoints.CORRUPT_DIRNAME).exists()
   mngr.close()
   gc.collect()
+
+
+def test_all_metas_unreadable_refuses_instead_of_starting_over(model_dir):
+  for step in STEPS:
+    drop_meta(str(model_dir / "checkpoints" / str(step)))
+  mngr = checkpoints.manager(str(model_dir))
+  with pytest.raises(checkpoints.UnreadableCheckpointError,
+                     match="no checkpoint in .* reads back .*step 6: .*"
+                           "Move that directory aside"):
+    checkpoints.latest_meta(mngr)
+  mngr.close()
+
+
+def test_a_save_orbax_declines_is_an_error(model_dir):
+  """Orbax does not save over a step directory that exists (here: one whose
+  meta was lost); before, the run went on as if it had saved."""
+  drop_meta(str(model_dir / "checkpoints" / "6"))
+  mngr = checkpoints.manager(str(model_dir))
+  with pytest.raises(checkpoints.CheckpointSaveError, match="step 6"):
+    checkpoints.save(mngr, 6, state_at(6), {"ledger": ledger_at(6).to_json()},
+                     str(model_dir))
+  assert ledger_lib.PrivacyLedger.load(
+      model_dir / ledger_lib.LEDGER_FILENAME).steps == 6  # not rewritten
+  mngr.close()
+
+
+def test_a_full_disk_fails_the_save_in_one_line_and_leaves_no_temporary(
+    model_dir, monkeypatch):
+  mngr = checkpoints.manager(str(model_dir))
+
+  def disk_full(self, step, *args, **kwargs):
+    os.makedirs(os.path.join(str(self.directory),
+                             f"{step}.orbax-checkpoint-tmp-1234", "state"))
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(type(mngr), "save", disk_full)
+  with pytest.raises(checkpoints.CheckpointSaveError) as e:
+    checkpoints.save(mngr, 8, state_at(8), {"ledger": ledger_at(8).to_json()},
+                     str(model_dir))
+  assert "step 8" in str(e.value) and "No space left" in str(e.value)
+  assert "\n" not in str(e.value)
+  assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4", "6"]
+  mngr.close()

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from dpjax import checkpoints, launch
-from dpjax.privacy import ledger as ledger_lib
+from dpjax.privacy import ledger as ledger_lib, secret
 from tests.test_trainer import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -124,6 +124,10 @@ def assert_same_run(model_dir, reference_dir):
 def test_killed_and_preempted_job_resumes_to_the_reference(reference, env,
                                                           tmp_path):
   model_dir = tmp_path / "job"
+  # The reference's secret (OS entropy), so the job draws its batches and
+  # noise; process 0 hands it to process 1.
+  model_dir.mkdir()
+  shutil.copy(os.path.join(reference, secret.SECRET_FILENAME), model_dir)
 
   # A process dies (SIGKILL) after the first checkpoint: the other fails
   # within the heartbeat timeout instead of hanging.

@@ -42,41 +42,50 @@ def _bag_of_tokens(table):
 # ---------------------------------------------------------------------------
 
 
+def _run(ranking):
+  """A ranking (best first) as a run with strictly decreasing scores."""
+  return {q: {d: float(len(docs) - i) for i, d in enumerate(docs)}
+          for q, docs in ranking.items()}
+
+
 def test_metrics_match_hand_computation():
   qrels = {
       "q1": {"d1": 2, "d2": 1, "d9": 0},   # graded
       "q2": {"z": 1},                       # found at rank 1, id sorts last
       "q3": {"x": 1, "y": 1},               # one at rank 4, one at rank 11
-      "q4": {"w": 1},                       # not in the ranking at all
-      "q5": {"v": 0},                       # nothing relevant: not evaluated
+      "q4": {"w": 1},                       # not in the ranking at all: 0
+      "q5": {"v": 0},                       # nothing relevant: 0 (trec_eval -c)
+      "q6": {"b1": 1},                      # tied with "b2": ranked after it
   }
   ranking = {
       "q1": ["d9", "d1", "d5", "d2"],
       "q2": ["z", "a"],
       "q3": ["a", "b", "c", "x"] + [f"n{i}" for i in range(6)] + ["y"],
       "q5": ["v"],
+      "unjudged": ["v"],                    # not in the qrels: ignored
   }
+  run = {**_run(ranking), "q6": {"b1": 0.5, "b2": 0.5, "a": 0.75}}
   log2 = math.log2
   ndcg = {"q1": (2 / log2(3) + 1 / log2(5)) / (2 / log2(2) + 1 / log2(3)),
           "q2": 1.0,
           "q3": (1 / log2(5)) / (1 / log2(2) + 1 / log2(3)),
-          "q4": 0.0}
-  recall = {"q1": 1.0, "q2": 1.0, "q3": 0.5, "q4": 0.0}
-  mrr = {"q1": 1 / 2, "q2": 1.0, "q3": 1 / 4, "q4": 0.0}
+          "q4": 0.0, "q5": 0.0, "q6": (1 / log2(4))}
+  recall = {"q1": 1.0, "q2": 1.0, "q3": 0.5, "q4": 0.0, "q5": 0.0, "q6": 1.0}
+  mrr = {"q1": 1 / 2, "q2": 1.0, "q3": 1 / 4, "q4": 0.0, "q5": 0.0, "q6": 1 / 3}
 
-  per_query = ir_metrics.per_query(ranking, qrels)
-  assert sorted(per_query) == ["q1", "q2", "q3", "q4"]
+  per_query = ir_metrics.per_query(run, qrels)
+  assert sorted(per_query) == ["q1", "q2", "q3", "q4", "q5", "q6"]
   for q in per_query:
     assert per_query[q]["ndcg@10"] == pytest.approx(ndcg[q], abs=1e-4)
     assert per_query[q]["recall@10"] == pytest.approx(recall[q])
     assert per_query[q]["mrr@10"] == pytest.approx(mrr[q])
-  means = ir_metrics.evaluate(ranking, qrels)
-  assert means["num_queries"] == 4
+  means = ir_metrics.evaluate(run, qrels)
+  assert means["num_queries"] == 6 and means["num_queries_without_relevant"] == 1
   assert means["ndcg@10"] == pytest.approx(np.mean(list(ndcg.values())), abs=1e-4)
   assert means["recall@10"] == pytest.approx(np.mean(list(recall.values())))
   assert means["mrr@10"] == pytest.approx(np.mean(list(mrr.values())))
   # MRR@10 ignores a first relevant document below rank 10.
-  late = {"q": [f"n{i}" for i in range(10)] + ["r"]}
+  late = _run({"q": [f"n{i}" for i in range(10)] + ["r"]})
   assert ir_metrics.evaluate(late, {"q": {"r": 1}})["mrr@10"] == 0.0
 
 
@@ -85,12 +94,22 @@ def test_metrics_match_hand_computation():
 # ---------------------------------------------------------------------------
 
 
-def _brute_force(queries, corpus, k):
-  """Every score, sorted by (score desc, index asc), one query at a time."""
+def _strcmp_descending(ids):
+  """Sort key: doc ids in trec_eval's tie order (strcmp of the UTF-8 bytes,
+  descending), from byte strings, independently of `str` order."""
+  def key(i):
+    return bytes(255 - b for b in ids[i].encode("utf-8")) + b"\xff"
+  return key  # a longer id sorts first among ids it extends
+
+
+def _brute_force(queries, corpus, k, tie=None):
+  """Every score, sorted by (score desc, tie(index) asc; default the index),
+  one query at a time."""
   out_s, out_i = [], []
+  tie = tie or (lambda i: i)
   for q in queries:
     scores = corpus @ q
-    order = sorted(range(len(corpus)), key=lambda i: (-scores[i], i))[:k]
+    order = sorted(range(len(corpus)), key=lambda i: (-scores[i], tie(i)))[:k]
     out_s.append(scores[order])
     out_i.append(order)
   return np.array(out_s), np.array(out_i)
@@ -328,7 +347,8 @@ def test_job_on_beir_sample_matches_brute_force(tmp_path, tokenizer):
   doc_emb = plain(tokenizer([t for _, t in docs], 64))
   qids = list(dataset.queries)
   query_emb = plain(tokenizer([dataset.queries[q] for q in qids], 16))
-  _, order = _brute_force(query_emb, doc_emb, 20)
+  _, order = _brute_force(query_emb, doc_emb, 20,
+                          _strcmp_descending([d for d, _ in docs]))
   want = {q: [docs[i][0] for i in row] for q, row in zip(qids, order)}
 
   run = {}
@@ -342,7 +362,7 @@ def test_job_on_beir_sample_matches_brute_force(tmp_path, tokenizer):
   with open(os.path.join(out, "metrics.json")) as f:
     written = json.load(f)
   assert written == results
-  expected = ir_metrics.evaluate(want, dataset.qrels)
+  expected = ir_metrics.evaluate(_run(want), dataset.qrels)
   for name in ("ndcg@10", "recall@10", "mrr@10", "num_queries"):
     assert results[name] == pytest.approx(expected[name])
   assert results["ndcg@10"] > 0.3  # names in queries and pages: far from chance

@@ -1,82 +1,119 @@
-"""Gaussian noise, `privatize`, and the DP optimizers."""
+"""Gaussian noise keyed by the run secret, `privatize`, and the DP optimizers."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from scipy import special, stats
 
 from dpjax.privacy import noise
 from dpjax.privacy import optimizers
+from dpjax.privacy.secret import RunSecret
+
+SECRET = RunSecret.pinned(7).noise_key()
 
 
-def test_noise_key_is_deterministic_and_step_dependent():
-  k = noise.noise_key(7, 3)
-  expected = jax.random.fold_in(
-      jax.random.fold_in(jax.random.PRNGKey(7), noise.NOISE_STREAM_CONSTANT), 3)
-  np.testing.assert_array_equal(k, expected)
-  np.testing.assert_array_equal(k, noise.noise_key(7, jnp.int32(3)))
-  assert not np.array_equal(k, noise.noise_key(7, 4))
-  assert not np.array_equal(k, noise.noise_key(8, 3))
+def test_noise_key_is_both_halves_folded_with_stream_and_step():
+  k = noise.noise_key(SECRET, 3)
+  for half, key in zip(SECRET.reshape(2, 2), k):
+    expected = jax.random.fold_in(jax.random.fold_in(
+        jax.random.wrap_key_data(jnp.asarray(half)),
+        noise.NOISE_STREAM_CONSTANT), 3)
+    np.testing.assert_array_equal(jax.random.key_data(key),
+                                  jax.random.key_data(expected))
+  data = lambda keys: np.asarray(jax.random.key_data(keys))
+  np.testing.assert_array_equal(data(k), data(noise.noise_key(SECRET,
+                                                              jnp.int32(3))))
+  assert not np.array_equal(data(k), data(noise.noise_key(SECRET, 4)))
+  other = RunSecret.pinned(8).noise_key()
+  assert not np.array_equal(data(k), data(noise.noise_key(other, 3)))
+
+
+def test_standard_normal_is_the_xor_of_both_streams_mapped_like_jax():
+  keys = noise.noise_key(SECRET, 0)
+  got = np.asarray(noise.standard_normal(keys, (1000,)))
+  # Independent recomputation in numpy/scipy from the two streams' bits.
+  bits = (np.asarray(jax.random.bits(keys[0], (1000,), jnp.uint32))
+          ^ np.asarray(jax.random.bits(keys[1], (1000,), jnp.uint32)))
+  unit = ((bits >> 9) | np.uint32(0x3F800000)).view(np.float32) - 1.0
+  low = np.nextafter(np.float32(-1), np.float32(0))
+  u = np.maximum(low, unit * (1 - low) + low)
+  np.testing.assert_allclose(got, np.sqrt(2) * special.erfinv(
+      u.astype(np.float64)), rtol=1e-5, atol=1e-6)
+  # Replacing either half of the secret gives unrelated noise.
+  for i in (0, 1):
+    changed = SECRET.copy()
+    changed[2 * i] ^= 1
+    other = np.asarray(noise.standard_normal(noise.noise_key(changed, 0),
+                                             (1000,)))
+    assert abs(np.corrcoef(got, other)[0, 1]) < 0.15
+
+
+def test_laplace_is_standard():
+  z = np.asarray(noise.standard_laplace(noise.noise_key(SECRET, 1), (20000,)))
+  assert stats.kstest(z, stats.laplace.cdf).pvalue > 1e-3
 
 
 def test_gaussian_noise_statistics():
   stddev = 2.5
   tree = {"a": jnp.zeros((300, 400)), "b": jnp.zeros((300, 400))}
-  out = noise.add_gaussian_noise(tree, jax.random.PRNGKey(0), stddev)
+  keys = noise.noise_key(SECRET, 0)
+  out = noise.add_gaussian_noise(tree, keys, stddev)
   a, b = np.asarray(out["a"]).ravel(), np.asarray(out["b"]).ravel()
   # 120k draws per leaf: sample std within ~0.2% (1 sigma) of stddev.
   assert np.std(a) == pytest.approx(stddev, rel=0.01)
   assert np.std(b) == pytest.approx(stddev, rel=0.01)
   assert abs(np.mean(a)) < 5 * stddev / np.sqrt(a.size)
+  assert stats.kstest(a / stddev, "norm").pvalue > 1e-3
   assert abs(np.corrcoef(a, b)[0, 1]) < 0.02  # Leaves get independent keys.
-  again = noise.add_gaussian_noise(tree, jax.random.PRNGKey(0), stddev)
+  again = noise.add_gaussian_noise(tree, keys, stddev)
   np.testing.assert_array_equal(out["a"], again["a"])
 
 
 def test_gaussian_noise_is_float32_and_zero_stddev_is_identity():
   tree = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
-  out = noise.add_gaussian_noise(tree, jax.random.PRNGKey(1), 0.0)
+  out = noise.add_gaussian_noise(tree, noise.noise_key(SECRET, 1), 0.0)
   assert out["w"].dtype == jnp.float32
   np.testing.assert_array_equal(out["w"], tree["w"].astype(jnp.float32))
 
 
 def test_privatize_adds_calibrated_noise_and_normalizes():
-  sigma, sens, normalizer, seed = 1.3, 0.5, 64.0, 11
+  sigma, sens, normalizer = 1.3, 0.5, 64.0
   tx = noise.privatize(noise_multiplier=sigma, sensitivity=sens,
-                       normalizer=normalizer, seed=seed)
+                       normalizer=normalizer)
   grad_sum = {"w": jnp.linspace(-3, 3, 200_000).reshape(400, 500)}
   state = tx.init(grad_sum)
   update = jax.jit(tx.update)
-  out0, state = update(grad_sum, state)
-  out1, state = update(grad_sum, state)
+  out0, state = update(grad_sum, state, noise_secret=SECRET)
+  out1, state = update(grad_sum, state, noise_secret=SECRET)
   assert int(state.count) == 2
   residual = np.asarray(out0["w"]) * normalizer - np.asarray(grad_sum["w"])
   assert np.std(residual) == pytest.approx(sigma * sens, rel=0.01)
-  for step, out in enumerate([out0, out1]):  # Noise keyed by (seed, count).
-    want = noise.add_gaussian_noise(grad_sum, noise.noise_key(seed, step),
+  for step, out in enumerate([out0, out1]):  # Keyed by (secret, count).
+    want = noise.add_gaussian_noise(grad_sum, noise.noise_key(SECRET, step),
                                     sigma * sens)["w"] / normalizer
     np.testing.assert_allclose(out["w"], want, rtol=1e-6, atol=1e-7)
   assert not np.allclose(out0["w"], out1["w"])
 
 
 def test_privatize_without_noise_is_exact_mean():
-  tx = noise.privatize(noise_multiplier=0.0, sensitivity=1.0, normalizer=8.0,
-                       seed=0)
+  tx = noise.privatize(noise_multiplier=0.0, sensitivity=1.0, normalizer=8.0)
   grad_sum = {"w": jax.random.normal(jax.random.PRNGKey(2), (5, 7))}
-  out, _ = jax.jit(tx.update)(grad_sum, tx.init(grad_sum))
+  out, _ = jax.jit(tx.update)(grad_sum, tx.init(grad_sum),
+                              noise_secret=SECRET)
   np.testing.assert_array_equal(out["w"], grad_sum["w"] / 8.0)
 
 
 @pytest.mark.parametrize("kwargs", [
     dict(noise_multiplier=-1.0), dict(sensitivity=0.0), dict(normalizer=0.0)])
 def test_privatize_rejects_bad_arguments(kwargs):
-  args = dict(noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0, seed=0)
+  args = dict(noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0)
   with pytest.raises(ValueError):
     noise.privatize(**(args | kwargs))
 
 
-DP = dict(noise_multiplier=0.8, sensitivity=1.5, normalizer=16.0, seed=5)
+DP = dict(noise_multiplier=0.8, sensitivity=1.5, normalizer=16.0)
 SCHEDULE = optax.linear_schedule(0.1, 0.01, 10)
 
 
@@ -97,9 +134,9 @@ def test_dp_optimizer_equals_manual_noise_scale_base(make_dp, base):
   tx = make_dp()
   state, base_state = tx.init(params), base.init(params)
   for step, grad_sum in enumerate(grad_sums):
-    got, state = tx.update(grad_sum, state, params)
+    got, state = tx.update(grad_sum, state, params, noise_secret=SECRET)
     noisy = noise.add_gaussian_noise(
-        grad_sum, noise.noise_key(DP["seed"], step),
+        grad_sum, noise.noise_key(SECRET, step),
         DP["noise_multiplier"] * DP["sensitivity"])
     scaled = jax.tree_util.tree_map(lambda x: x / DP["normalizer"], noisy)
     want, base_state = base.update(scaled, base_state, params)
@@ -107,3 +144,10 @@ def test_dp_optimizer_equals_manual_noise_scale_base(make_dp, base):
                     jax.tree_util.tree_leaves(want)):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
     params = optax.apply_updates(params, got)
+
+
+def test_privatize_has_no_default_key():
+  tx = noise.privatize(noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0)
+  grads = {"w": jnp.zeros(3)}
+  with pytest.raises(TypeError, match="noise_secret"):
+    tx.update(grads, tx.init(grads))

@@ -2,6 +2,7 @@
 Laplace noise) and query accounting, against explicit dense computations,
 dp_accounting and the analytic Gaussian mechanism."""
 import math
+import os
 
 import dp_accounting as dpa
 from dp_accounting import rdp
@@ -11,6 +12,7 @@ from scipy import optimize, stats
 
 from dpjax.privacy import accounting as privacy_accounting
 from dpjax.privacy.ledger import BudgetExceededError
+from dpjax.privacy.secret import RunSecret
 from dpjax.seqpate import accounting, aggregation, cache
 
 M, P, L, V, K = 5, 6, 4, 30, 7
@@ -211,7 +213,7 @@ def test_noise_scale_before_clipping(sums):
   cand = np.tile(np.arange(V), (n, 1))
   noiseless = sums.restricted(s, j, cand)
   noisy = noiseless + sigma * aggregation.standard_noise(
-      11, queries, j, cand)
+      RunSecret.pinned(11), queries, j, cand)
   z = ((noisy - noiseless) / sigma).ravel()
   assert z.size == 12000
   assert np.std(z) == pytest.approx(1.0, abs=0.02)
@@ -220,7 +222,7 @@ def test_noise_scale_before_clipping(sums):
   # Distinct tokens of one query get independent draws.
   assert abs(np.corrcoef(z.reshape(n, V)[:, 0], z.reshape(n, V)[:, 1])[0, 1]) < 0.15
   # Padding candidates get no noise.
-  padded = aggregation.standard_noise(11, queries[:2], j[:2],
+  padded = aggregation.standard_noise(RunSecret.pinned(11), queries[:2], j[:2],
                                         np.array([[1, -1], [-1, 2]]))
   assert padded[0, 1] == 0 and padded[1, 0] == 0
 
@@ -229,7 +231,7 @@ def test_laplace_noise_has_scale_b():
   b, n = 1.7, 12000
   q = np.arange(n) // V
   cand = (np.arange(n) % V).reshape(-1, V)
-  noise = b * aggregation.standard_noise(3, q[::V], q[::V] % L, cand,
+  noise = b * aggregation.standard_noise(RunSecret.pinned(3), q[::V], q[::V] % L, cand,
                                          "laplace").ravel()
   assert np.mean(np.abs(noise)) == pytest.approx(b, rel=0.03)  # E|X| = b
   assert abs(np.mean(noise)) < 0.05 * b
@@ -259,7 +261,8 @@ def make_aggregator(sums, seed=0, max_queries=Q, scale=None,
                                   dataset_size=1000, scale=scale,
                                   mechanism=mechanism,
                                   aggregate=sums.aggregate)
-  return aggregation.Aggregator(sums, ledger, seed=seed, max_candidates=6)
+  return aggregation.Aggregator(sums, ledger, secret=RunSecret.pinned(seed),
+                               max_candidates=6)
 
 
 def candidate_sets(rng, n):
@@ -283,7 +286,7 @@ def test_answers_equal_explicit_computation(teachers, all_sums, mechanism,
   for q in range(4):
     valid = cand[q] >= 0
     noisy = dense[s[q], j[q], cand[q][valid]] + 0.3 * aggregation.standard_noise(
-        0, s[q:q + 1], j[q:q + 1], cand[q:q + 1, valid], mechanism)[0]
+        RunSecret.pinned(0), s[q:q + 1], j[q:q + 1], cand[q:q + 1, valid], mechanism)[0]
     kept = np.maximum(noisy, 0)
     expected = (kept / kept.sum() if kept.sum() > 0
                 else np.full(len(kept), 1 / len(kept)))
@@ -298,7 +301,8 @@ def test_aggregator_refuses_sums_of_another_aggregate(all_sums):
   ledger = accounting.make_ledger(3.0, Q, num_teachers=M, dataset_size=1000,
                                   aggregate="votes")
   with pytest.raises(ValueError, match="votes"):
-    aggregation.Aggregator(all_sums["distribution"], ledger, seed=0,
+    aggregation.Aggregator(all_sums["distribution"], ledger,
+                           secret=RunSecret.pinned(0),
                            max_candidates=6)
 
 
@@ -324,14 +328,17 @@ def test_answers_are_stored_and_reused_bit_for_bit(all_sums, tmp_path,
   assert agg.ledger.epsilon_spent() > spent
   # Saved and restored: still the same bytes, nothing new is charged.
   agg.save(str(tmp_path))
-  restored = aggregation.Aggregator.restore(str(tmp_path), sums, seed=0,
+  restored = aggregation.Aggregator.restore(str(tmp_path), sums,
                                             max_candidates=6)
   third = restored.answer(s, j, candidate_sets(rng, 3))
   assert third.probs.tobytes() == first.probs.tobytes()
   assert not third.fresh.any() and restored.remaining == Q - 4
+  # The noise key is kept with the answers, readable by the owner only.
+  assert restored.secret == agg.secret
+  assert os.stat(tmp_path / "secret_key.json").st_mode & 0o777 == 0o600
 
 
-def test_noise_is_keyed_by_seed_sentence_position_token(sums):
+def test_noise_is_keyed_by_secret_sentence_position_token(sums):
   cand = np.tile(np.arange(6), (3, 1))
   s, j = np.array([0, 1, 2]), np.array([1, 1, 1])
   a = make_aggregator(sums, seed=1, scale=1.0).answer(s, j, cand)
