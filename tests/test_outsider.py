@@ -41,11 +41,11 @@ def run(model_dir, *extra) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Two runs of identical gin (OS-entropy secrets; `a` takes 2 steps) and
-  one whose secret is pinned, each with its release (`dpjax.export`)."""
+  """Two runs of identical gin (OS-entropy secrets, 2 steps) and one of 1
+  step whose secret is pinned, each with its release (`dpjax.export`)."""
   base = tmp_path_factory.mktemp("outsider")
   run(base / "a", "TRAIN_STEPS = 2")
-  run(base / "b", "TRAIN_STEPS = 1")
+  run(base / "b", "TRAIN_STEPS = 2")
   run(base / "p", "TRAIN_STEPS = 1", PINNED)
   for name in "abp":
     export.export_run(str(base / name), str(base / f"{name}_release"))
@@ -90,10 +90,21 @@ def _old_noise(seed, tree, stddev):
       for x, k in zip(leaves, keys)])
 
 
+def test_a_trainer_update_carries_the_ledgers_noise(runs):
+  """Wiring: SGD's first update times q n / lr is the clipped sum plus
+  noise of standard deviation σ C (the ledger's σ); the sum is ~1% of it."""
+  noisy, meta = _released_noisy_sum(runs / "p", runs / "p_release")
+  ledger = ledger_lib.PrivacyLedger.from_json(meta["ledger"])
+  values = np.concatenate([np.ravel(x) for x in jax.tree.leaves(noisy)])
+  assert ledger.noise_multiplier > 0.5
+  assert np.std(values) == pytest.approx(
+      ledger.noise_multiplier * ledger.clip_norm, rel=0.02)
+
+
 def _best_attack(run_dir, release_dir) -> float:
   """The smallest RMS(noisy sum - guessed noise) / RMS(noise) over every
   guess: ~0.01 when a guess is the noise (what is left is the clipped sum),
-  ~1.4 when it is not."""
+  ~1.4 when it is not (~1.7 after two steps: two draws)."""
   noisy, meta = _released_noisy_sum(run_dir, release_dir)
   ledger = ledger_lib.PrivacyLedger.from_json(meta["ledger"])
   stddev = ledger.noise_multiplier * ledger.clip_norm

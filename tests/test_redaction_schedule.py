@@ -374,6 +374,8 @@ def test_all_redacted_run_spends_nothing_and_is_plain_adam(redacted_only):
 
 def test_never_redacted_schedule_is_the_plain_dp_run(tmp_path):
   plain = run(tmp_path / "plain", "TRAIN_STEPS = 2")
+  (tmp_path / "never").mkdir()  # plain's secret: its batches and noise
+  shutil.copy(tmp_path / "plain" / secret.SECRET_FILENAME, tmp_path / "never")
   never = run(tmp_path / "never", *REDACTED, "TRAIN_STEPS = 2",
               "train.redaction_schedule = 'constant'",
               "train.redaction_probability = 0.0")

@@ -242,10 +242,11 @@ def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
     gin_cli.configure(list(gin_files), list(bindings))
     tasks.register_tasks()
     n = _train_size(_train_arg("mixture_or_task_name"))
-    batch, seed = int(_train_arg("batch_size")), int(_train_arg("seed"))
+    batch = int(_train_arg("batch_size"))
     t1 = trainer._steps(_train_arg("train_steps"), _train_arg("epochs"), n, batch)
     t2 = t1 if head_epochs is None else trainer._steps(None, head_epochs, n, batch)
-    sampling = trainer.make_sampler(_train_arg("sampling_method"), n, batch, seed,
+    # Only the description: no batch is drawn, so no secret is needed.
+    sampling = trainer.make_sampler(_train_arg("sampling_method"), n, batch, 0,
                                     _train_arg("overflow_probability")).describe()
     delta = trainer.resolve_delta(_train_arg("delta"), n)
     accountant = _train_arg("accountant")

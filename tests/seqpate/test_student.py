@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dpjax.models import gpt2
+from dpjax.privacy.secret import RunSecret
 from dpjax.seqpate import accounting, aggregation, cache, student
 
 CONFIG = gpt2.GPT2Config(vocab_size=24, n_positions=8, d_model=16,
@@ -141,7 +142,8 @@ def run(params, world, *, max_queries, epsilon, sigma=None, epochs=1,
   ledger = accounting.make_ledger(epsilon, max_queries,
                                   num_teachers=TEACHERS, dataset_size=30,
                                   scale=sigma)
-  agg = Recording(sums, ledger, seed=7, max_candidates=WIDTH)
+  agg = Recording(sums, ledger, secret=RunSecret.pinned(7),
+                  max_candidates=WIDTH)
   setup = student.StudentSetup(batch_size=4, warmup_epochs=1,
                                kd_epochs=epochs, learning_rate=1e-2,
                                hard_threshold=threshold, top_p=0.9)
