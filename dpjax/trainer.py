@@ -58,7 +58,7 @@ import numpy as np
 import optax
 
 from dpjax import (checkpoints, distributed, fileio, gin_cli, partitioning,
-                   reporting, train_step)
+                   plan as plan_lib, reporting, train_step)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import accounting, clipping, ledger as ledger_lib
 from dpjax.privacy import optimizers as dp_optimizers
@@ -69,8 +69,6 @@ from dpjax.privacy import secret as secret_lib
 # step `base` alone on the same state (`dp_optimizers.public_update`).
 OPTIMIZERS = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
               "adafactor": optax.adafactor}
-# Seeds the public sampler apart from the secret Poisson sampler's stream.
-_PUBLIC_SAMPLER_STREAM = 0x70756273  # "pubs"
 
 
 @gin.configurable
@@ -97,62 +95,6 @@ def learning_rate_schedule(learning_rate: float = 1e-3, *,
       [warmup_steps])
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Everything about a run that the privacy guarantee depends on."""
-  dataset_size: int
-  batch_size: int
-  steps: int
-  sampling: str
-  clip_norm: float
-  delta: float
-  target_epsilon: float
-  noise_multiplier: float
-  accountant: str
-  seed: int  # public: init, dropout, redaction coins (not noise or batches)
-  # The redaction schedule (`train`'s `redaction`); None: all steps are DP.
-  redaction: dict | None = None
-  # Per-loss clip bounds of a multi-loss model (one release each per step);
-  # None: one loss, one release of sensitivity `clip_norm`.
-  clip_norms: dict | None = None
-
-  @property
-  def releases_per_step(self) -> int:
-    return len(self.clip_norms) if self.clip_norms else 1
-
-  @property
-  def dp_steps(self) -> int:
-    """The planned releases: the steps the schedule's coins made DP steps."""
-    return self.redaction["dp_steps"] if self.redaction else self.steps
-
-  def guarantee(self) -> dict:
-    plan = dataclasses.asdict(self)
-    for optional in ("redaction", "clip_norms"):  # as saved before they existed
-      if plan[optional] is None:
-        del plan[optional]
-    return plan
-
-
-def _steps(train_steps, epochs, n, batch_size) -> int:
-  if train_steps:
-    return int(train_steps)
-  if epochs:
-    return math.ceil(epochs * n / batch_size)
-  raise gin_cli.UsageError("set TRAIN_STEPS or train.epochs")
-
-
-def make_sampler(kind: str, n: int, batch_size: int, seed: int,
-                 overflow_probability: float):
-  """The DP sampler; `seed` must be secret (`RunSecret.sampling_seed()`)."""
-  if kind == "poisson":
-    return sampling.PoissonSampler(n, batch_size, seed=seed,
-                                   overflow_probability=overflow_probability)
-  if kind == "shuffle":
-    return sampling.ShuffleSampler(n, batch_size, seed=seed)
-  raise gin_cli.UsageError(f"train.sampling_method must be 'poisson' or 'shuffle', "
-                           f"got {kind!r}")
-
-
 def _microbatch_groups(idx, mask, k):
   """Splits [K', m] index/mask arrays into groups of exactly k microbatches."""
   groups = []
@@ -164,101 +106,6 @@ def _microbatch_groups(idx, mask, k):
       m = np.concatenate([m, np.zeros((pad, m.shape[1]), m.dtype)])
     groups.append((i, m))
   return groups
-
-
-def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
-                 batch_size: int, sampling_method: str, clip_norm: float,
-                 delta: float, target_epsilon: float,
-                 noise_multiplier: float | None, accountant: str, seed: int,
-                 prior: ledger_lib.PrivacyLedger | None = None,
-                 redaction: dict | None = None,
-                 clip_norms: Mapping[str, float] | None = None
-                 ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
-  """The run's ledger and plan: read back from a checkpoint (whose plan must
-  match this one), else with σ calibrated by dp-accounting for the target
-  over all planned DP steps (or given, or 0 for ε = ∞ or when no DP step is
-  planned). `prior`: the ledger of an earlier run on the same data (stage 1
-  of a two-stage pipeline), whose releases this run composes with: they
-  count in calibration, ε and budget. `redaction`: a redaction schedule's
-  description; its `dp_steps` of the `steps` are the planned releases.
-  `clip_norms`: a multi-loss model's per-loss bounds; each DP step is then
-  `len(clip_norms)` Gaussians with the one σ on the same sample.
-  Raises BudgetExceededError if the recorded plus planned releases exceed
-  the target.
-  """
-  prior_events = prior.all_events if prior else []
-  releases = redaction["dp_steps"] if redaction else steps
-  per_step = len(clip_norms) if clip_norms else 1
-  if saved_meta:
-    ledger = ledger_lib.PrivacyLedger.from_json(saved_meta["ledger"])
-    sigma = ledger.noise_multiplier
-  elif math.isinf(target_epsilon) or releases == 0:
-    sigma = 0.0
-  elif noise_multiplier is not None:
-    sigma = float(noise_multiplier)
-  else:
-    sigma = accounting.calibrate_noise_multiplier(
-        target_epsilon, delta,
-        lambda s: prior_events + accounting.training_events(
-            sampler.describe(), (s,) * per_step, releases),
-        accountant=accountant)
-  plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
-              clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
-              redaction, dict(clip_norms) if clip_norms else None)
-  if saved_meta:
-    checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
-                                 "privacy plan")
-    check_recorded_events(ledger, plan, prior)
-  else:
-    ledger = ledger_lib.PrivacyLedger(
-        accountant=accountant, sampling=sampler.describe(),
-        noise_multiplier=float(sigma), clip_norm=clip_norm,
-        dataset_size=sampler.dataset_size, delta=delta,
-        target_epsilon=target_epsilon)
-    if prior:
-      try:
-        ledger.compose_after(prior)
-      except ValueError as e:
-        raise gin_cli.UsageError(f"train.prior_ledger: {e}") from None
-  try:
-    ledger.check_budget(ledger.planned_events(releases,
-                                              plan_multipliers(plan)))
-  except ledger_lib.BudgetExceededError as e:
-    raise ledger_lib.BudgetExceededError(f"refusing to start: {e}") from None
-  return ledger, plan
-
-
-def plan_multipliers(plan: Plan) -> tuple[float, ...]:
-  """The noise multipliers of one DP step's releases (one σ for all)."""
-  return (plan.noise_multiplier,) * plan.releases_per_step
-
-
-def resolve_delta(delta: float | str | None, n: int) -> float:
-  """`train.delta`: a number, '1/n', or '1/(2n)' (the default, None)."""
-  if delta is None or delta == "1/(2n)":
-    return 1.0 / (2 * n)
-  if delta == "1/n":
-    return 1.0 / n
-  try:
-    return float(delta)
-  except ValueError:
-    raise gin_cli.UsageError(f"train.delta must be a number, '1/n' or "
-                             f"'1/(2n)', got {delta!r}") from None
-
-
-def _read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
-  """`train.prior_ledger`: a run directory (its checkpoint's ledger) or a
-  ledger file."""
-  if not path:
-    return None
-  path = os.path.expanduser(path)
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    return checkpoints.run_ledger(path)
-  if os.path.isdir(path):
-    path = os.path.join(path, ledger_lib.LEDGER_FILENAME)
-  if not os.path.isfile(path):
-    raise gin_cli.UsageError(f"train.prior_ledger: no ledger at {path}")
-  return ledger_lib.PrivacyLedger.load(path)
 
 
 def _existing_run(model_dir: str, keep_checkpoints: int):
@@ -287,43 +134,6 @@ def _run_secret(model_dir: str, *, resuming: bool,
     raise gin_cli.UsageError(str(e)) from None
   packed = distributed.from_primary(found.key + bytes([found.is_pinned]))
   return secret_lib.RunSecret(packed[:-1], bool(packed[-1]))
-
-
-def _unaccounted(why: str) -> checkpoints.CheckpointMismatchError:
-  return checkpoints.CheckpointMismatchError(
-      f"the checkpoint's ledger does not account for its releases: {why}. "
-      "Refusing to resume a run whose ledger could understate ε; restore the "
-      "checkpoint or use a fresh MODEL_DIR")
-
-
-def check_recorded_events(ledger: ledger_lib.PrivacyLedger, plan: Plan,
-                          prior: ledger_lib.PrivacyLedger | None) -> None:
-  """Refuses a checkpoint's ledger whose events are not exactly those of
-  its steps under the plan, or whose prior releases are not those of
-  `train.prior_ledger`."""
-  recorded = [e.to_json() for e in ledger.events]
-  expected = [e.to_json() for e in ledger.events_for(
-      ledger.steps, plan_multipliers(plan))]
-  if recorded != expected:
-    raise _unaccounted(f"its events are {recorded}, {ledger.steps} DP steps "
-                       f"are {expected}")
-  prior_events = [e.to_json() for e in (prior.all_events if prior else [])]
-  if [e.to_json() for e in ledger.prior_events] != prior_events:
-    raise _unaccounted(f"it composes with {len(ledger.prior_events)} prior "
-                       f"events, train.prior_ledger gives {len(prior_events)}")
-
-
-def check_release_counts(ledger: ledger_lib.PrivacyLedger, *,
-                         checkpoint_step: int, dp_steps: int,
-                         noise_count: int) -> None:
-  """Refuses a restored checkpoint unless the DP steps the schedule takes
-  before `checkpoint_step`, the ledger's steps and the optimizer's noise
-  counter agree."""
-  counts = {f"the schedule's DP steps before step {checkpoint_step}": dp_steps,
-            "the ledger's steps": ledger.steps,
-            "the optimizer's noise counter": noise_count}
-  if len(set(counts.values())) > 1:
-    raise _unaccounted(", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 def _base_optimizer(name: str, learning_rate: optax.ScalarOrSchedule
@@ -424,27 +234,6 @@ def build_public_step(model: trainable_lib.Trainable, *, optimizer: str,
       seed=seed, dropout=model.example_rng)
 
 
-def plan_redaction(schedule: str, *, total_steps: int, eta: float,
-                   probability: float | None, seed: int, public_task: str,
-                   public_dataset_size: int) -> tuple[np.ndarray, dict]:
-  """(public [T] bool: the redacted steps, the description the plan keeps).
-
-  The coins are flipped here, before training, from (seed, t) alone, so the
-  number of DP steps the accountant is calibrated for is exact.
-  """
-  try:
-    probs = redaction_lib.probabilities(schedule, total_steps, eta=eta,
-                                        p=probability)
-  except ValueError as e:
-    raise gin_cli.UsageError(f"train.redaction_schedule: {e}") from None
-  public = redaction_lib.public_steps(probs, seed)
-  return public, {
-      "schedule": schedule, "eta": eta, "probability": probability,
-      "public_task": public_task, "public_dataset_size": public_dataset_size,
-      "dp_steps": int(np.count_nonzero(~public)),
-      "public_steps": int(np.count_nonzero(public))}
-
-
 def _check_registered(binding: str, name: str) -> None:
   from dpjax.data import arrays as data_arrays  # TF: only where data is read
   known = data_arrays.registered_names()
@@ -469,97 +258,6 @@ def initial_tokenizer_files(initial_checkpoint_path: str | None
     return run[2].get("tokenizer_files")
   from dpjax import pretrained
   return pretrained.tokenizer_files(initial_checkpoint_path)
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float, np.integer, np.floating)) and \
-      not isinstance(value, bool)
-
-
-def check_run_inputs(*, model_dir: str, target_epsilon, delta, batch_size,
-                     train_steps, epochs, clip_norm, clip_norms=None,
-                     microbatch_size=None) -> float:
-  """Refuses bad values of the run's settings before anything is read or
-  written: one UsageError naming the gin macro and binding. Returns the
-  target ε as a float (a number or 'inf').
-
-  `model_dir` (absolute): must not be an existing file, and the nearest
-  existing directory on its path must be writable.
-  """
-  eps = None
-  if _is_number(target_epsilon) or isinstance(target_epsilon, str):
-    try:
-      eps = float(target_epsilon)
-    except ValueError:
-      pass
-  if eps is None or not eps > 0:  # NaN too
-    raise gin_cli.UsageError(
-        "TARGET_EPSILON (train.target_epsilon) must be a positive number or "
-        f"'inf', got {target_epsilon!r}")
-  if delta is not None and delta not in ("1/n", "1/(2n)"):
-    value = None
-    if _is_number(delta) or isinstance(delta, str):
-      try:
-        value = float(delta)
-      except ValueError:
-        pass
-    if value is None or not 0 < value < 1:
-      raise gin_cli.UsageError(
-          "DELTA (train.delta) must be a number strictly between 0 and 1, "
-          f"'1/n' or '1/(2n)' (None: 1/(2n)), got {delta!r}")
-  if not _is_int(batch_size) or batch_size < 1:
-    raise gin_cli.UsageError("BATCH_SIZE (train.batch_size) must be a "
-                             f"positive integer, got {batch_size!r}")
-  if microbatch_size is not None and (not _is_int(microbatch_size)
-                                      or microbatch_size < 1):
-    raise gin_cli.UsageError(
-        "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer "
-        f"or None, got {microbatch_size!r}")
-  if train_steps is not None and (not _is_int(train_steps) or train_steps < 1):
-    raise gin_cli.UsageError("TRAIN_STEPS (train.train_steps) must be a "
-                             f"positive integer or None, got {train_steps!r}")
-  if epochs is not None and (not _is_number(epochs) or not 0 < epochs < math.inf):
-    raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
-                             f"number or None, got {epochs!r}")
-  for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
-                  *((f"train.clip_norms[{k!r}]", v)
-                    for k, v in dict(clip_norms or {}).items())]:
-    if not _is_number(c) or not 0 < c < math.inf:
-      raise gin_cli.UsageError(f"{name} must be a positive finite number, "
-                               f"got {c!r}")
-  if os.path.lexists(model_dir) and not os.path.isdir(model_dir):
-    raise gin_cli.UsageError(f"MODEL_DIR (train.model_dir) {model_dir} exists "
-                             "and is not a directory")
-  existing = model_dir
-  while not os.path.lexists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise gin_cli.UsageError(f"MODEL_DIR (train.model_dir) {model_dir}: "
-                             f"{existing} is not a directory")
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise gin_cli.UsageError(
-        f"MODEL_DIR (train.model_dir) {model_dir} is not writable: no write "
-        f"permission on {existing}")
-  return eps
-
-
-def check_batch_size(batch_size: int, n: int, delta=None) -> None:
-  """BATCH_SIZE against the n examples of the training split (and δ = '1/n'
-  of a one-example set); a UsageError naming both."""
-  if n < 1:
-    raise gin_cli.UsageError("the training split has no examples (n = 0): "
-                             "check the task's training data")
-  if batch_size > n:
-    raise gin_cli.UsageError(
-        f"BATCH_SIZE (train.batch_size) = {batch_size} must be <= the number "
-        f"of training examples n = {n}")
-  if delta == "1/n" and n < 2:
-    raise gin_cli.UsageError("DELTA (train.delta) = '1/n' is 1 for a "
-                             "one-example training set: set a number < 1")
 
 
 @gin.configurable
@@ -629,7 +327,7 @@ def train(*, model_dir: str = gin.REQUIRED,
   from dpjax.data import arrays as data_arrays
   wall_start = time.perf_counter()
   model_dir = os.path.abspath(os.path.expanduser(model_dir))
-  target_epsilon = check_run_inputs(
+  target_epsilon = plan_lib.check_run_inputs(
       model_dir=model_dir, target_epsilon=target_epsilon, delta=delta,
       batch_size=batch_size, train_steps=train_steps, epochs=epochs,
       clip_norm=clip_norm, clip_norms=clip_norms,
@@ -671,26 +369,27 @@ def train(*, model_dir: str = gin.REQUIRED,
     raise gin_cli.UsageError(f"{mixture_or_task_name}: {e}") from None
   token_counts = data_arrays.real_token_counts(data)
   n = len(token_counts)
-  check_batch_size(batch_size, n, delta)
+  plan_lib.check_batch_size(batch_size, n, delta)
   reporting.say(f"{mixture_or_task_name} train split: {n} examples, "
                 f"feature lengths {lengths}")
-  steps = _steps(train_steps, epochs, n, batch_size)
+  steps = plan_lib.steps_for(train_steps, epochs, n, batch_size)
   mngr, resume = _existing_run(model_dir, keep_checkpoints)
   run_secret = _run_secret(model_dir, resuming=resume is not None,
                            pinned_seed=pinned_secret_seed)
-  sampler = make_sampler(sampling_method, n, batch_size,
+  sampler = plan_lib.make_sampler(sampling_method, n, batch_size,
                          run_secret.sampling_seed(), overflow_probability)
-  delta = resolve_delta(delta, n)
+  delta = plan_lib.resolve_delta(delta, n)
   bounds = loss_clip_norms(model, float(clip_norm), clip_norms)
   public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
   if redaction_schedule:
     public_data = data_arrays.load_task_arrays(
         public_task_name, "train", lengths, converter=model.converter)
     public_tokens = data_arrays.real_token_counts(public_data)
-    public_sampler = _public_sampler(len(public_tokens), batch_size, seed)
+    public_sampler = plan_lib.public_sampler(len(public_tokens), batch_size,
+                                             seed)
     reporting.say(f"{public_task_name} train split (public): "
                   f"{len(public_tokens)} examples")
-    public, redaction = plan_redaction(
+    public, redaction = plan_lib.plan_redaction(
         redaction_schedule, total_steps=steps, eta=redaction_schedule_eta,
         probability=redaction_probability, seed=seed,
         public_task=public_task_name, public_dataset_size=len(public_tokens))
@@ -698,8 +397,8 @@ def train(*, model_dir: str = gin.REQUIRED,
   dp_before = lambda t: int(np.count_nonzero(~public[:t]))  # DP steps < t
 
   # --- Privacy plan: resume the ledger or calibrate σ; refuse to overspend. -
-  prior = _read_prior_ledger(prior_ledger)
-  plan_from = lambda saved_meta: plan_privacy(
+  prior = plan_lib.read_prior_ledger(prior_ledger)
+  plan_from = lambda saved_meta: plan_lib.plan_privacy(
       sampler, saved_meta=saved_meta, steps=steps,
       batch_size=batch_size, sampling_method=sampling_method,
       clip_norm=float(clip_norm), delta=delta, target_epsilon=target_epsilon,
@@ -711,7 +410,7 @@ def train(*, model_dir: str = gin.REQUIRED,
     checkpoints.check_compatible(_architecture(resume[1]["model_config"]),
                                  _architecture(_config_json(model_config)), "model")
   sigma = ledger.noise_multiplier
-  multipliers = plan_multipliers(plan)
+  multipliers = plan_lib.plan_multipliers(plan)
   planned_eps = accounting.epsilon(
       ledger.all_events + ledger.planned_events(plan.dp_steps, multipliers),
       delta, accountant)
@@ -761,7 +460,7 @@ def train(*, model_dir: str = gin.REQUIRED,
     if start_step != resume[0]:  # newer ones unreadable: this one's ledger
       ledger, plan = plan_from(saved)
     ledger.secret = run_secret.source
-    check_release_counts(
+    plan_lib.check_release_counts(
         ledger, checkpoint_step=start_step, dp_steps=dp_before(start_step),
         noise_count=int(dp_optimizers.noise_count(state.opt_state)))
     reporting.say(f"resumed {model_dir} at step {start_step}, "
@@ -994,19 +693,6 @@ def init_from_run(model: trainable_lib.Trainable, mngr, step: int,
     reporting.say(f"{missing}: not in the run's checkpoint, freshly "
                   f"initialised (seed {seed})")
   return params
-
-
-def _public_sampler(n: int, batch_size: int, seed: int
-                    ) -> sampling.ShuffleSampler:
-  """Shuffled batches of exactly BATCH_SIZE public rows. Public data needs no
-  Poisson sampling; its seed is drawn apart from the run's so that public
-  batches say nothing about the secret Poisson samples."""
-  public_seed = int(np.random.SeedSequence(
-      [seed, _PUBLIC_SAMPLER_STREAM]).generate_state(1)[0])
-  try:
-    return sampling.ShuffleSampler(n, batch_size, seed=public_seed)
-  except ValueError as e:
-    raise gin_cli.UsageError(f"train.public_task_name: {e}") from None
 
 
 def _window_metrics(dp: list[dict], public: list[dict], dp_steps: int,

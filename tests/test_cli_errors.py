@@ -12,7 +12,7 @@ import sys
 import gin
 import pytest
 
-from dpjax import gin_cli, infer, inference, train, trainer
+from dpjax import gin_cli, infer, inference, plan as plan_lib, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Short features: the one case that reads the data tokenises it quickly.
@@ -105,10 +105,10 @@ def test_batch_size_above_n_names_both(tmp_path, capsys):
 
 def test_check_batch_size_empty_split_and_delta_1_over_n():
   with pytest.raises(gin_cli.UsageError, match=r"no examples \(n = 0\)"):
-    trainer.check_batch_size(1, 0)
+    plan_lib.check_batch_size(1, 0)
   with pytest.raises(gin_cli.UsageError, match="'1/n' is 1"):
-    trainer.check_batch_size(1, 1, "1/n")
-  trainer.check_batch_size(2, 2, "1/n")
+    plan_lib.check_batch_size(1, 1, "1/n")
+  plan_lib.check_batch_size(2, 2, "1/n")
 
 
 def test_empty_msmarco_files_name_the_file(tmp_path, capsys):

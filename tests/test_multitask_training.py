@@ -13,7 +13,7 @@ import optax
 import pytest
 from dp_accounting import rdp
 
-from dpjax import gin_cli, trainer
+from dpjax import gin_cli, plan as plan_lib, trainer
 from dpjax.models import gpt2, gpt2_disc, trainable
 from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
 from dpjax.privacy.secret import RunSecret
@@ -117,13 +117,13 @@ def test_both_releases_are_counted_in_epsilon():
   directly, and exceeds the ε of one release with the same σ."""
   n, batch, steps, delta = 800, 32, 10, 1 / 800
   sampler = sampling.PoissonSampler(n, batch, seed=0)
-  ledger, plan = trainer.plan_privacy(
+  ledger, plan = plan_lib.plan_privacy(
       sampler, saved_meta=None, steps=steps, batch_size=batch, sampling_method="poisson",
-      clip_norm=0.1, delta=trainer.resolve_delta("1/n", n), target_epsilon=3.0,
+      clip_norm=0.1, delta=plan_lib.resolve_delta("1/n", n), target_epsilon=3.0,
       noise_multiplier=None, accountant="rdp", seed=0,
       clip_norms={"lm": 0.1, "disc": 0.1})
   assert plan.delta == delta and plan.guarantee()["clip_norms"] == {"lm": 0.1, "disc": 0.1}
-  ledger.record_dp_steps(steps, noise_multipliers=trainer.plan_multipliers(plan))
+  ledger.record_dp_steps(steps, noise_multipliers=plan_lib.plan_multipliers(plan))
   sigma, q = plan.noise_multiplier, batch / n
 
   def direct(releases):
@@ -139,14 +139,14 @@ def test_both_releases_are_counted_in_epsilon():
 
 def test_single_loss_plans_are_unchanged():
   sampler = sampling.PoissonSampler(800, 32, seed=0)
-  _, plan = trainer.plan_privacy(
+  _, plan = plan_lib.plan_privacy(
       sampler, saved_meta=None, steps=10, batch_size=32, sampling_method="poisson",
-      clip_norm=0.1, delta=trainer.resolve_delta(None, 800), target_epsilon=3.0,
+      clip_norm=0.1, delta=plan_lib.resolve_delta(None, 800), target_epsilon=3.0,
       noise_multiplier=1.5, accountant="rdp", seed=0)
   # δ = 1/(2n) by default; the saved plan has no new field (old checkpoints
   # stay compatible) and one release per step.
   assert plan.delta == 1 / 1600 and "clip_norms" not in plan.guarantee()
-  assert trainer.plan_multipliers(plan) == (1.5,)
+  assert plan_lib.plan_multipliers(plan) == (1.5,)
 
 
 def test_multi_loss_configuration_errors():
@@ -165,4 +165,4 @@ def test_multi_loss_configuration_errors():
   with pytest.raises(gin_cli.UsageError, match="has one"):
     build(single, clip_norms={"lm": 0.1})
   with pytest.raises(gin_cli.UsageError, match="1/n"):
-    trainer.resolve_delta("1/N", 800)
+    plan_lib.resolve_delta("1/N", 800)

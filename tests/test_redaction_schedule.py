@@ -21,7 +21,7 @@ import optax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from dpjax import checkpoints, gin_cli, train_step, trainer
+from dpjax import checkpoints, gin_cli, plan as plan_lib, train_step, trainer
 from dpjax.data import arrays as data_arrays
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
@@ -108,7 +108,7 @@ def _plan(dp_steps, **kw):
               target_epsilon=8.0, noise_multiplier=None, accountant="rdp",
               seed=0, redaction={"dp_steps": dp_steps,
                                  "public_steps": 40 - dp_steps})
-  return trainer.plan_privacy(sampler, **(args | kw))
+  return plan_lib.plan_privacy(sampler, **(args | kw))
 
 
 def test_noise_is_calibrated_for_the_planned_dp_steps_only():
@@ -347,7 +347,7 @@ def test_all_redacted_run_spends_nothing_and_is_plain_adam(redacted_only):
   initial, _ = model.init_params(jax.random.PRNGKey(0))
   data = data_arrays.load_task_arrays("smcalflow_utterance_lm", "train",
                                       lengths, converter="decoder_only")
-  batches = trainer._public_sampler(len(data["tokens"]), 16, seed=0)
+  batches = plan_lib.public_sampler(len(data["tokens"]), 16, seed=0)
   adam = optax.adam(1e-2)  # semparse_sample.gin's optimizer and rate
 
   @jax.jit

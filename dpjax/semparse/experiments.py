@@ -32,8 +32,7 @@ from typing import Iterable, Sequence
 import gin
 import numpy as np
 
-from dpjax import checkpoints, fileio
-from dpjax.privacy import accounting
+from dpjax import checkpoints, fileio, plan as plan_lib
 from dpjax.semparse import pipeline
 
 METHODS = ("1-stage", "1.5-stage", "2-stage")
@@ -87,13 +86,18 @@ class _Runs:
 
   def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
                    delta: float | None = None) -> dict:
-    """Batch, δ, (T1, T2) and the one σ for T1 + T2 Poisson-sampled steps on
-    n examples at ε (δ = 1/(2n) unless DELTA or `delta` is set)."""
+    """Batch, δ, (T1, T2) and the one σ for T1 + T2 steps under the gin's
+    sampler and accountant (`plan.calibrate`) on n examples at ε (δ = 1/(2n)
+    unless DELTA or `delta` is set)."""
     batch = int(self.query("%BATCH_SIZE"))
     delta = delta or self.query("%DELTA") or 1.0 / (2 * n)
     t1, t2 = (math.ceil(e * n / batch) for e in epochs)
-    sigma = (0.0 if math.isinf(eps) else accounting.dpsgd_noise_multiplier(
-        eps, delta, batch / n, t1 + t2))
+    # Only the description: no batch is drawn, so no secret is needed.
+    sampling = plan_lib.make_sampler(
+        self.query("train.sampling_method", "poisson"), n, batch, 0,
+        self.query("train.overflow_probability", 0.01)).describe()
+    sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2],
+                               accountant=self.query("train.accountant", "rdp"))
     return dict(batch=batch, delta=delta, steps=(t1, t2), sigma=sigma)
 
 

@@ -70,10 +70,10 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import fileio, gin_cli, inference, pplm, text_classifier, trainer
+from dpjax import (fileio, gin_cli, inference, plan as plan_lib, pplm,
+                   text_classifier, trainer)
 from dpjax.eval import text_quality
 from dpjax.models import bert
-from dpjax.privacy import accounting
 from tasks import textcls
 
 EPSILONS = (3.0, 8.0, 16.0, 256.0, math.inf)
@@ -243,18 +243,16 @@ def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
     tasks.register_tasks()
     n = _train_size(_train_arg("mixture_or_task_name"))
     batch = int(_train_arg("batch_size"))
-    t1 = trainer._steps(_train_arg("train_steps"), _train_arg("epochs"), n, batch)
-    t2 = t1 if head_epochs is None else trainer._steps(None, head_epochs, n, batch)
+    t1 = plan_lib.steps_for(_train_arg("train_steps"), _train_arg("epochs"), n, batch)
+    t2 = t1 if head_epochs is None else plan_lib.steps_for(None, head_epochs, n, batch)
     # Only the description: no batch is drawn, so no secret is needed.
-    sampling = trainer.make_sampler(_train_arg("sampling_method"), n, batch, 0,
+    sampling = plan_lib.make_sampler(_train_arg("sampling_method"), n, batch, 0,
                                     _train_arg("overflow_probability")).describe()
-    delta = trainer.resolve_delta(_train_arg("delta"), n)
+    delta = plan_lib.resolve_delta(_train_arg("delta"), n)
     accountant = _train_arg("accountant")
   finally:
     gin.clear_config()
-  events = lambda s: (accounting.training_events(sampling, (s,), t1)
-                      + accounting.training_events(sampling, (s,), t2))
-  sigma = accounting.calibrate_noise_multiplier(eps, delta, events, accountant)
+  sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2], accountant=accountant)
   return {"dataset_size": n, "delta": delta, "steps": (t1, t2), "noise_multiplier": sigma}
 
 
