@@ -70,12 +70,7 @@ def check_decoding_args(*, top_p, top_k, temperature, greedy, batch_size,
   the setting (`prefix`: "--" for `dpjax.infer`'s flags, else gin's
   `generate_synthetic.`): top_p in (0, 1], temperature > 0 unless greedy,
   top_k >= 0, batch_size >= 1, limit and max_decode_length None or >= 1."""
-  def number(x):
-    return isinstance(x, (int, float, np.integer, np.floating)) and \
-        not isinstance(x, bool)
-
-  def integer(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+  number, integer = gin_cli.is_number, gin_cli.is_int
 
   def refuse(name, want, got):
     raise gin_cli.UsageError(f"{prefix}{name} must be {want}, got {got!r}")

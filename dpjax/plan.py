@@ -259,15 +259,6 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
       "public_steps": int(np.count_nonzero(public))}
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float, np.integer, np.floating)) and \
-      not isinstance(value, bool)
-
-
 def check_run_inputs(*, model_dir: str, target_epsilon, delta, batch_size,
                      train_steps, epochs, clip_norm, clip_norms=None,
                      microbatch_size=None) -> float:
@@ -278,45 +269,37 @@ def check_run_inputs(*, model_dir: str, target_epsilon, delta, batch_size,
   `model_dir` (absolute): must not be an existing file, and the nearest
   existing directory on its path must be writable.
   """
-  eps = None
-  if _is_number(target_epsilon) or isinstance(target_epsilon, str):
-    try:
-      eps = float(target_epsilon)
-    except ValueError:
-      pass
+  eps = gin_cli.as_float(target_epsilon)
   if eps is None or not eps > 0:  # NaN too
     raise gin_cli.UsageError(
         "TARGET_EPSILON (train.target_epsilon) must be a positive number or "
         f"'inf', got {target_epsilon!r}")
   if delta is not None and delta not in ("1/n", "1/(2n)"):
-    value = None
-    if _is_number(delta) or isinstance(delta, str):
-      try:
-        value = float(delta)
-      except ValueError:
-        pass
+    value = gin_cli.as_float(delta)
     if value is None or not 0 < value < 1:
       raise gin_cli.UsageError(
           "DELTA (train.delta) must be a number strictly between 0 and 1, "
           f"'1/n' or '1/(2n)' (None: 1/(2n)), got {delta!r}")
-  if not _is_int(batch_size) or batch_size < 1:
+  if not gin_cli.is_int(batch_size) or batch_size < 1:
     raise gin_cli.UsageError("BATCH_SIZE (train.batch_size) must be a "
                              f"positive integer, got {batch_size!r}")
-  if microbatch_size is not None and (not _is_int(microbatch_size)
+  if microbatch_size is not None and (not gin_cli.is_int(microbatch_size)
                                       or microbatch_size < 1):
     raise gin_cli.UsageError(
         "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer "
         f"or None, got {microbatch_size!r}")
-  if train_steps is not None and (not _is_int(train_steps) or train_steps < 1):
+  if train_steps is not None and (not gin_cli.is_int(train_steps)
+                                  or train_steps < 1):
     raise gin_cli.UsageError("TRAIN_STEPS (train.train_steps) must be a "
                              f"positive integer or None, got {train_steps!r}")
-  if epochs is not None and (not _is_number(epochs) or not 0 < epochs < math.inf):
+  if epochs is not None and (not gin_cli.is_number(epochs)
+                             or not 0 < epochs < math.inf):
     raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
   for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
                   *((f"train.clip_norms[{k!r}]", v)
                     for k, v in dict(clip_norms or {}).items())]:
-    if not _is_number(c) or not 0 < c < math.inf:
+    if not gin_cli.is_number(c) or not 0 < c < math.inf:
       raise gin_cli.UsageError(f"{name} must be a positive finite number, "
                                f"got {c!r}")
   if os.path.lexists(model_dir) and not os.path.isdir(model_dir):

@@ -377,7 +377,8 @@ def train(*, model_dir: str = gin.REQUIRED,
   run_secret = _run_secret(model_dir, resuming=resume is not None,
                            pinned_seed=pinned_secret_seed)
   sampler = plan_lib.make_sampler(sampling_method, n, batch_size,
-                         run_secret.sampling_seed(), overflow_probability)
+                                  run_secret.sampling_seed(),
+                                  overflow_probability)
   delta = plan_lib.resolve_delta(delta, n)
   bounds = loss_clip_norms(model, float(clip_norm), clip_norms)
   public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
@@ -398,14 +399,18 @@ def train(*, model_dir: str = gin.REQUIRED,
 
   # --- Privacy plan: resume the ledger or calibrate σ; refuse to overspend. -
   prior = plan_lib.read_prior_ledger(prior_ledger)
-  plan_from = lambda saved_meta: plan_lib.plan_privacy(
-      sampler, saved_meta=saved_meta, steps=steps,
-      batch_size=batch_size, sampling_method=sampling_method,
-      clip_norm=float(clip_norm), delta=delta, target_epsilon=target_epsilon,
-      noise_multiplier=noise_multiplier, accountant=accountant, seed=seed,
-      prior=prior, redaction=redaction, clip_norms=bounds)
+
+  def plan_from(saved_meta):  # the ledger records where its keys came from
+    ledger, plan = plan_lib.plan_privacy(
+        sampler, saved_meta=saved_meta, steps=steps,
+        batch_size=batch_size, sampling_method=sampling_method,
+        clip_norm=float(clip_norm), delta=delta, target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier, accountant=accountant, seed=seed,
+        prior=prior, redaction=redaction, clip_norms=bounds)
+    ledger.secret = run_secret.source
+    return ledger, plan
+
   ledger, plan = plan_from(resume[1] if resume else None)
-  ledger.secret = run_secret.source
   if resume:
     checkpoints.check_compatible(_architecture(resume[1]["model_config"]),
                                  _architecture(_config_json(model_config)), "model")
@@ -459,7 +464,6 @@ def train(*, model_dir: str = gin.REQUIRED,
                                                           model_dir)
     if start_step != resume[0]:  # newer ones unreadable: this one's ledger
       ledger, plan = plan_from(saved)
-    ledger.secret = run_secret.source
     plan_lib.check_release_counts(
         ledger, checkpoint_step=start_step, dp_steps=dp_before(start_step),
         noise_count=int(dp_optimizers.noise_count(state.opt_state)))

@@ -137,9 +137,9 @@ def privatize(
     Gaussian mechanism with noise multiplier `noise_multiplier`: it returns
     `(updates + N(0, (noise_multiplier * sensitivity)^2 I)) / normalizer`,
     with noise keyed by `noise_key(noise_secret, count)` and `count`
-    incremented by one. Call it exactly once per logical batch, however many microbatches
-    built the sum. `noise_multiplier == 0` (epsilon = inf) takes the same code
-    path and returns exactly `updates / normalizer`.
+    incremented by one. Call it exactly once per logical batch, however many
+    microbatches built the sum. `noise_multiplier == 0` (epsilon = inf)
+    takes the same code path and returns exactly `updates / normalizer`.
 
   Args:
     noise_multiplier: Noise standard deviation in units of the sensitivity.
@@ -198,9 +198,9 @@ def privatize_releases(
     `noise_multipliers[name]`, all on the same batch: account for them as
     `accounting.PoissonGaussian(q, tuple(noise_multipliers.values()), T)`.
     Release k (in `noise_multipliers`' order) is keyed by
-    `fold_in(noise_key(noise_secret, count), k)`, so the draws are independent of
-    each other and of every other step's. The sum over names and the
-    division are post-processing.
+    `fold_in(noise_key(noise_secret, count), k)`, so the draws are
+    independent of each other and of every other step's. The sum over names
+    and the division are post-processing.
 
   Args:
     noise_multipliers: name -> noise multiplier (>= 0).
