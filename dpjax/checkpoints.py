@@ -19,13 +19,20 @@ ledger file are written by process 0 alone.
 
 A checkpoint that no longer reads back (truncated or missing files) is skipped
 on resume for the newest one that does, and said so (`restore_newest`).
+
+The meta is a typed record (`RunMeta`); what a run may resume from, or start
+from, is decided here too: the model must be the saved one up to settings
+that change only how a step computes (`check_model`), or one that extends it
+(`init_from_run`: the subtrees the run lacks, e.g. a discriminator head, are
+freshly initialised).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -48,6 +55,69 @@ class CheckpointSaveError(OSError):
   """A checkpoint was not saved (a fault: disk full, orbax declined)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+  """Where the data stream of a run stands after `step` optimizer steps:
+  batches are pure functions of (secret, release index), so the step and the
+  split of the steps into DP releases and public steps are the position.
+  `seed` is the run's public seed (dropout, redaction coins)."""
+  step: int
+  seed: int
+  dp_steps: int
+  public_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMeta:
+  """The JSON metadata saved with every checkpoint of a run.
+
+  `ledger` is the privacy ledger's JSON (`PrivacyLedger.from_json`: the one
+  source of truth for ε), `plan` the plan's guarantee (`plan.Plan`),
+  `model_class`/`model_config` the model (`trainable.config_from_json`),
+  `sampler` the DP sampler's description, and the task, feature lengths,
+  pretrained start and tokenizer files the run was trained with.
+  """
+  ledger: dict
+  plan: dict
+  model_class: str
+  model_config: dict
+  data_position: DataPosition
+  sampler: dict
+  mixture_or_task_name: str
+  task_feature_lengths: Mapping[str, int]
+  initial_checkpoint_path: str | None = None
+  tokenizer_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  @property
+  def step(self) -> int:
+    return self.data_position.step
+
+  def privacy_ledger(self) -> ledger_lib.PrivacyLedger:
+    return ledger_lib.PrivacyLedger.from_json(self.ledger)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, meta: Any, step: int) -> "RunMeta":
+    """The meta of checkpoint `step`; checkpoints from before a field was
+    saved read back with its old meaning (no class: T5; no split of the
+    steps: all DP; no tokenizer files: the task's own)."""
+    if not isinstance(meta, dict) or "ledger" not in meta:
+      raise UnreadableCheckpointError(f"checkpoint {step} has no run metadata")
+    position = dict(meta["data_position"])
+    position.setdefault("dp_steps", position["step"])
+    return cls(
+        ledger=meta["ledger"], plan=meta["plan"],
+        model_class=meta.get("model_class") or "T5Config",
+        model_config=meta["model_config"],
+        data_position=DataPosition(**position), sampler=meta["sampler"],
+        mixture_or_task_name=meta["mixture_or_task_name"],
+        task_feature_lengths=meta["task_feature_lengths"],
+        initial_checkpoint_path=meta.get("initial_checkpoint_path"),
+        tokenizer_files=meta.get("tokenizer_files") or {})
+
+
 def manager(model_dir: str, *, max_to_keep: int | None = 3,
             create: bool = True) -> ocp.CheckpointManager:
   """The run's checkpoint manager; `create=False` to only read."""
@@ -60,7 +130,7 @@ def manager(model_dir: str, *, max_to_keep: int | None = 3,
                      "meta": ocp.JsonCheckpointHandler()})
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict,
+def save(mngr: ocp.CheckpointManager, step: int, state, meta: RunMeta,
          model_dir: str) -> None:
   """Saves checkpoint `step`, then the ledger file from its meta.
 
@@ -72,7 +142,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict,
   try:
     saved = mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state._asdict()),
-        meta=ocp.args.JsonSave(meta)))
+        meta=ocp.args.JsonSave(meta.to_json())))
     mngr.wait_until_finished()
   except Exception as e:
     _remove_temporaries(mngr.directory)
@@ -85,7 +155,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict,
         f"the checkpoint at step {step} was not saved in {mngr.directory} "
         "(orbax declined: a checkpoint of that step is already there?)")
   if distributed.is_primary():
-    write_ledger(model_dir, meta["ledger"])
+    write_ledger(model_dir, meta.ledger)
 
 
 def write_ledger(model_dir: str, ledger_json: dict) -> bool:
@@ -122,19 +192,13 @@ def _remove_temporaries(directory) -> None:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def _checked_meta(meta, step: int) -> dict:
-  if not isinstance(meta, dict) or "ledger" not in meta:
-    raise UnreadableCheckpointError(f"checkpoint {step} has no run metadata")
-  return meta
-
-
-def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The JSON meta of checkpoint `step` (raises if it does not read back)."""
-  return _checked_meta(mngr.restore(step, args=ocp.args.Composite(
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> RunMeta:
+  """The meta of checkpoint `step` (raises if it does not read back)."""
+  return RunMeta.from_json(mngr.restore(step, args=ocp.args.Composite(
       meta=ocp.args.JsonRestore()))["meta"], step)
 
 
-def latest_meta(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
+def latest_meta(mngr: ocp.CheckpointManager) -> tuple[int, RunMeta] | None:
   """(step, meta) of the newest checkpoint whose meta reads back; None if
   there is no checkpoint. Checkpoints none of whose metas reads back raise
   UnreadableCheckpointError: a run is never silently started over them."""
@@ -153,7 +217,7 @@ def latest_meta(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
 
 
 def restore_newest(mngr: ocp.CheckpointManager, target_state,
-                   model_dir: str) -> tuple[int, Any, dict]:
+                   model_dir: str) -> tuple[int, Any, RunMeta]:
   """(step, state, meta) of the newest checkpoint that reads back whole.
 
   The state is restored into `target_state`'s shapes and shardings (any
@@ -173,7 +237,7 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
     restored, reason = None, "unreadable on another host"
     try:
       restored = mngr.restore(step, args=args)
-      _checked_meta(restored["meta"], step)
+      meta = RunMeta.from_json(restored["meta"], step)
     except Exception as e:  # any unreadable file: try the previous checkpoint
       restored = None
       reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
@@ -188,7 +252,7 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
       reporting.say(f"resuming from the previous checkpoint, step {step} "
                     f"(not {unreadable[0][0]}), with the privacy ledger "
                     "saved with it")
-    return step, type(target_state)(**restored["state"]), restored["meta"]
+    return step, type(target_state)(**restored["state"]), meta
   raise UnreadableCheckpointError(
       f"no checkpoint in {mngr.directory} reads back: "
       + "; ".join(f"step {s}: {r}" for s, r in unreadable))
@@ -240,10 +304,10 @@ def run_ledger(model_dir: str) -> ledger_lib.PrivacyLedger:
   if found is None:
     raise UnreadableCheckpointError(f"{model_dir} holds no checkpoints/")
   found[0].close()
-  return ledger_lib.PrivacyLedger.from_json(found[2]["ledger"])
+  return found[2].privacy_ledger()
 
 
-def read_run(path: str) -> tuple[ocp.CheckpointManager, int, dict] | None:
+def read_run(path: str) -> tuple[ocp.CheckpointManager, int, RunMeta] | None:
   """(manager, step, meta) of the newest readable checkpoint of the dpjax run
   directory `path`, or None if `path` holds no `checkpoints/` (e.g. a
   Hugging Face directory); the caller closes the manager. A run directory
@@ -277,3 +341,82 @@ def check_compatible(
     raise CheckpointMismatchError(
         f"{source} was written with a different {what}:\n  "
         + "\n  ".join(diffs) + "\n" + fix)
+
+
+# Model settings that change how a step computes, not the params: a run may
+# resume, or start from another run, with a different value.
+_COMPUTE_ONLY = ("remat",)
+
+
+def architecture(model_json: dict) -> dict:
+  """A model's JSON without `_COMPUTE_ONLY` keys, nested configs too."""
+  return {k: architecture(v) if isinstance(v, dict) else v
+          for k, v in model_json.items() if k not in _COMPUTE_ONLY}
+
+
+def config_json(model_config) -> dict:
+  """The config as a checkpoint's JSON meta reads back (tuples as lists)."""
+  return json.loads(json.dumps(model_config.to_json()))
+
+
+def model_json(model_config) -> dict:
+  """The config's JSON with its class name: what identifies a model."""
+  return {"class": type(model_config).__name__, **config_json(model_config)}
+
+
+def saved_model_json(meta: RunMeta) -> dict:
+  return {"class": meta.model_class, **meta.model_config}
+
+
+def model_and_parts(model_config) -> list[dict]:
+  """The architecture of the config and of each model config among its
+  fields (e.g. a GPT2DiscConfig's `lm`): the models whose runs can
+  initialise it."""
+  parts = [getattr(model_config, f.name)
+           for f in dataclasses.fields(model_config)]
+  return [architecture(model_json(c)) for c in (model_config, *parts)
+          if dataclasses.is_dataclass(c) and hasattr(c, "to_json")]
+
+
+def check_model(meta: RunMeta, model_config) -> None:
+  """Refuses to resume a checkpoint of another model (compute-only settings
+  such as remat may differ)."""
+  check_compatible(architecture(meta.model_config),
+                   architecture(config_json(model_config)), "model")
+
+
+def check_initialises(meta: RunMeta, model_config) -> None:
+  """Refuses a run as INITIAL_CHECKPOINT_PATH unless its model is this one
+  or one this model extends (a field of its config)."""
+  saved = architecture(saved_model_json(meta))
+  if saved not in model_and_parts(model_config):
+    check_compatible(
+        saved, architecture(model_json(model_config)), "model",
+        source="the run in INITIAL_CHECKPOINT_PATH",
+        fix="Configure the model it was trained with (or one that extends "
+            "it, e.g. GPT2DiscConfig.lm = that model).")
+
+
+def init_from_run(model, mngr: ocp.CheckpointManager, step: int, shardings,
+                  seed: int):
+  """The params of checkpoint `step` of a run, placed by `shardings` (a
+  params-shaped tree): every top-level subtree the checkpoint holds is read
+  back; those it lacks (the head of a model extending the run's) are
+  `model.init_params(PRNGKey(seed))`'s, computed alone (jit drops the rest
+  of the init) and named on the console."""
+  saved = mngr.item_metadata(step)["state"]["params"]
+  extra = sorted(set(saved) - set(shardings))
+  if extra:
+    raise CheckpointMismatchError(
+        f"the run in INITIAL_CHECKPOINT_PATH has params {extra} this model "
+        "does not have")
+  params = restore_params(mngr, step, {k: shardings[k] for k in saved})
+  missing = [k for k in shardings if k not in saved]
+  if missing:
+    params.update(jax.jit(
+        lambda: {k: model.init_params(jax.random.PRNGKey(seed))[0][k]
+                 for k in missing},
+        out_shardings={k: shardings[k] for k in missing})())
+    reporting.say(f"{missing}: not in the run's checkpoint, freshly "
+                  f"initialised (seed {seed})")
+  return params

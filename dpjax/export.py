@@ -129,12 +129,12 @@ def unit_and_adjacency(ledger_json: dict, config, redaction: dict | None
   return ledger_json.get("unit") or unit, adjacency
 
 
-def privacy_statement(meta: dict, config) -> dict:
+def privacy_statement(meta: checkpoints.RunMeta, config) -> dict:
   """The privacy statement of a checkpoint's meta; ε recomputed from the
   ledger's events. Reads only the fields it names."""
-  ledger_json = meta["ledger"]
+  ledger_json = meta.ledger
   ledger = ledger_lib.PrivacyLedger.from_json(ledger_json)
-  plan = meta.get("plan", {})
+  plan = meta.plan
   redaction = plan.get("redaction")
   unit, adjacency = unit_and_adjacency(ledger_json, config, redaction)
   origin = noise_key_origin(ledger_json)
@@ -153,7 +153,7 @@ def privacy_statement(meta: dict, config) -> dict:
       "dataset_size": ledger.dataset_size,
       "dp_steps": ledger.steps,
       "target_epsilon": _float(ledger.target_epsilon),
-      "model_step": int(meta["step"]),
+      "model_step": int(meta.step),
       "public_steps": (redaction or {}).get("public_steps", 0),
       "noise_key": origin,
       "guarantee_excludes": ("whoever pinned the noise key"
@@ -161,7 +161,7 @@ def privacy_statement(meta: dict, config) -> dict:
       "events": [e.to_json() for e in ledger.events],
       "prior_events": [e.to_json() for e in ledger.prior_events],
       "model_class": type(config).__name__,
-      "task": meta.get("mixture_or_task_name"),
+      "task": meta.mixture_or_task_name,
   }
 
 
@@ -269,7 +269,7 @@ def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False
                          prefix=f".{os.path.basename(output_dir)}.tmp-")
   try:
     files = write_params(params, config, tmp)
-    files += copy_tokenizer(meta.get("tokenizer_files") or {}, tmp)
+    files += copy_tokenizer(meta.tokenizer_files, tmp)
     released = {"model_class": type(config).__name__,
                 "model_config": public_config(config.to_json())}
     for name, text in (

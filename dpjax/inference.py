@@ -31,8 +31,8 @@ from dpjax.privacy import ledger as ledger_lib
 
 
 def load_trained(model_dir: str):
-  """(config, params, meta) of the newest checkpoint in model_dir that reads
-  back whole; newer ones that do not are named on the console and skipped,
+  """(config, params, `checkpoints.RunMeta`) of the newest checkpoint in
+  model_dir that reads back whole; newer ones that do not are named on the console and skipped,
   as training skips them."""
   steps = []
   if os.path.isdir(os.path.join(model_dir, "checkpoints")):
@@ -46,8 +46,8 @@ def load_trained(model_dir: str):
     for step in steps:
       try:
         meta = checkpoints.read_meta(mngr, step)
-        config = trainable.config_from_json(meta.get("model_class"),
-                                            meta["model_config"])
+        config = trainable.config_from_json(meta.model_class,
+                                            meta.model_config)
         params = checkpoints.restore_params(mngr, step)
       except Exception as e:  # any unreadable file: the previous checkpoint
         unreadable.append(f"step {step} ({checkpoints.first_line(e)})")
@@ -55,7 +55,7 @@ def load_trained(model_dir: str):
       if unreadable:
         reporting.say(f"{model_dir}: checkpoint {', '.join(unreadable)} does "
                       f"not read back; using the previous one, step {step}")
-      return config, params, dict(meta, step=step)
+      return config, params, meta
   finally:
     mngr.close()
   raise checkpoints.UnreadableCheckpointError(
@@ -110,9 +110,9 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
   if not isinstance(config, t5.T5Config):
     raise gin_cli.UsageError(f"{model_dir} holds a {type(config).__name__} "
                             "run; synthetic queries need a T5 model")
-  tasks.register_tasks(tokenizer_files=meta.get("tokenizer_files"))
-  task_name = meta["mixture_or_task_name"]
-  lengths = meta["task_feature_lengths"]
+  tasks.register_tasks(tokenizer_files=meta.tokenizer_files)
+  task_name = meta.mixture_or_task_name
+  lengths = meta.task_feature_lengths
   max_len = max_decode_length or lengths["targets"]
   inputs, info = data_arrays.load_task_inputs(task_name, "train",
                                               lengths["inputs"])
@@ -140,8 +140,8 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
     tokens = np.asarray(run(params, jax.device_put(padded, sharding), rng))
     outputs.extend(tokens[:len(chunk)])
 
-  ledger = ledger_lib.PrivacyLedger.from_json(meta["ledger"])
-  provenance = {"model_dir": model_dir, "step": meta["step"],
+  ledger = meta.privacy_ledger()
+  provenance = {"model_dir": model_dir, "step": meta.step,
                 "epsilon": ledger.epsilon_spent(), "delta": ledger.delta,
                 "target_epsilon": ledger.target_epsilon, "decoding": settings}
   out = os.path.abspath(output_dir or os.path.join(model_dir, "synthetic"))

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dpjax import checkpoints, gin_cli
+from dpjax import checkpoints, gin_cli, run_config
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import redaction_schedule as redaction_lib, sampling
 
@@ -259,16 +259,19 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
       "public_steps": int(np.count_nonzero(public))}
 
 
-def check_run_inputs(*, model_dir: str, target_epsilon, delta, batch_size,
-                     train_steps, epochs, clip_norm, clip_norms=None,
-                     microbatch_size=None) -> float:
+def check_run_inputs(config: run_config.RunConfig) -> float:
   """Refuses bad values of the run's settings before anything is read or
   written: one UsageError naming the gin macro and binding. Returns the
   target ε as a float (a number or 'inf').
 
-  `model_dir` (absolute): must not be an existing file, and the nearest
+  `model_dir` (made absolute): must not be an existing file, and the nearest
   existing directory on its path must be writable.
   """
+  model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
+  target_epsilon, delta = config.target_epsilon, config.delta
+  batch_size, microbatch_size = config.batch_size, config.microbatch_size
+  train_steps, epochs = config.train_steps, config.epochs
+  clip_norm, clip_norms = config.clip_norm, config.clip_norms
   eps = gin_cli.as_float(target_epsilon)
   if eps is None or not eps > 0:  # NaN too
     raise gin_cli.UsageError(
@@ -315,6 +318,10 @@ def check_run_inputs(*, model_dir: str, target_epsilon, delta, batch_size,
     raise gin_cli.UsageError(
         f"MODEL_DIR (train.model_dir) {model_dir} is not writable: no write "
         f"permission on {existing}")
+  if (config.public_task_name is None) != (config.redaction_schedule is None):
+    raise gin_cli.UsageError(
+        "train.public_task_name and train.redaction_schedule go together: "
+        f"got {config.public_task_name!r} and {config.redaction_schedule!r}")
   return eps
 
 
@@ -344,3 +351,106 @@ def public_sampler(n: int, batch_size: int, seed: int
     return sampling.ShuffleSampler(n, batch_size, seed=public_seed)
   except ValueError as e:
     raise gin_cli.UsageError(f"train.public_task_name: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """What a run will do, decided before it starts (`make_plan`).
+
+  `public[t]` says whether step t is a public step of the redaction
+  schedule (all False without one); a DP step's index is its release
+  number, a public step's its place in the public stream (`kind_index`).
+  `ledger` is the run's ledger (the checkpoint's on resume), to which the
+  loop records each release; `privacy` the plan the checkpoint keeps.
+  """
+  steps: int
+  sampler: sampling.PoissonSampler | sampling.ShuffleSampler
+  delta: float
+  target_epsilon: float
+  public: np.ndarray
+  kind_index: np.ndarray
+  ledger: ledger_lib.PrivacyLedger
+  privacy: Plan
+  planned_epsilon: float
+
+  @property
+  def noise_multiplier(self) -> float:
+    return self.ledger.noise_multiplier
+
+  @property
+  def noise_multipliers(self) -> tuple[float, ...]:
+    """The noise multipliers of one DP step's releases."""
+    return plan_multipliers(self.privacy)
+
+  @property
+  def normalizer(self) -> float:
+    """The expected batch the noisy sum is divided by: q·n (Poisson), else
+    the batch size."""
+    if isinstance(self.sampler, sampling.PoissonSampler):
+      return self.sampler.sampling_rate * self.sampler.dataset_size
+    return self.privacy.batch_size
+
+  def dp_steps_before(self, step: int) -> int:
+    return int(np.count_nonzero(~self.public[:step]))
+
+  def summary(self) -> str:
+    """The plan in one console line."""
+    plan, redaction = self.privacy, self.privacy.redaction
+    steps = (f"{self.steps} DP steps" if redaction is None else
+             f"{self.steps} steps ({redaction['schedule']} redaction "
+             f"schedule): {plan.dp_steps} DP steps and "
+             f"{self.steps - plan.dp_steps} public steps on "
+             f"{redaction['public_task']}")
+    return (f"{steps}, {self.sampler.describe()['method']} sampling "
+            f"(q={plan.batch_size / plan.dataset_size:.4g}), "
+            f"σ={self.noise_multiplier:.4f}, "
+            f"C={plan.clip_norms if plan.clip_norms else plan.clip_norm}, "
+            f"δ={self.delta:.3g}, planned ε={self.planned_epsilon:.4f} "
+            f"(target {self.target_epsilon})")
+
+
+def make_plan(config: run_config.RunConfig, *, n: int,
+              sampling_seed: int, secret_source: dict,
+              clip_norms: Mapping[str, float] | None = None,
+              public_n: int | None = None,
+              saved: checkpoints.RunMeta | None = None) -> RunPlan:
+  """The run's plan from its settings and the data: `n` training examples
+  (and `public_n` public ones with a redaction schedule), the secret
+  `sampling_seed`, a multi-loss model's per-loss bounds (`clip_norms`,
+  from `steps.loss_clip_norms`), and on resume the checkpoint's meta, whose
+  plan must be this one and whose ledger is taken over. `secret_source`
+  is where the run's secret came from (`RunSecret.source`), recorded in
+  the ledger. Raises before anything is written if the settings are bad or
+  the budget would be exceeded.
+  """
+  target_epsilon = check_run_inputs(config)
+  check_batch_size(config.batch_size, n, config.delta)
+  steps = steps_for(config.train_steps, config.epochs, n, config.batch_size)
+  sampler = make_sampler(config.sampling_method, n, config.batch_size,
+                         sampling_seed, config.overflow_probability)
+  delta = resolve_delta(config.delta, n)
+  public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
+  if config.redaction_schedule:
+    public, redaction = plan_redaction(
+        config.redaction_schedule, total_steps=steps,
+        eta=config.redaction_schedule_eta,
+        probability=config.redaction_probability, seed=config.seed,
+        public_task=config.public_task_name, public_dataset_size=public_n)
+  ledger, privacy = plan_privacy(
+      sampler, saved_meta=saved.to_json() if saved else None, steps=steps,
+      batch_size=config.batch_size, sampling_method=config.sampling_method,
+      clip_norm=float(config.clip_norm), delta=delta,
+      target_epsilon=target_epsilon,
+      noise_multiplier=config.noise_multiplier,
+      accountant=config.accountant, seed=config.seed,
+      prior=read_prior_ledger(config.prior_ledger), redaction=redaction,
+      clip_norms=clip_norms)
+  ledger.secret = secret_source
+  planned = accounting.epsilon(
+      ledger.all_events + ledger.planned_events(
+          privacy.dp_steps, plan_multipliers(privacy)),
+      delta, config.accountant)
+  return RunPlan(steps=steps, sampler=sampler, delta=delta,
+                 target_epsilon=target_epsilon, public=public,
+                 kind_index=redaction_lib.kind_indices(public), ledger=ledger,
+                 privacy=privacy, planned_epsilon=planned)

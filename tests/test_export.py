@@ -3,6 +3,7 @@
 secret file, and every refusal writes nothing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -80,7 +81,7 @@ def test_release_round_trips_and_states_the_recomputed_epsilon(run_dir,
 
   s = json.loads((out / "privacy_statement.json").read_text())
   step, meta = _meta(run_dir)
-  ledger = meta["ledger"]
+  ledger = meta.ledger
   assert s["dp_steps"] == s["model_step"] == step == 2
   assert s["dataset_size"] == N and s["delta"] == pytest.approx(1 / (2 * N))
   assert s["sampling_rate"] == pytest.approx(16 / N)
@@ -101,7 +102,7 @@ def test_release_round_trips_and_states_the_recomputed_epsilon(run_dir,
 def test_release_holds_no_seed_and_no_secret(run_dir, release):
   out, _ = release
   _, meta = _meta(run_dir)
-  assert meta["plan"]["seed"] == meta["data_position"]["seed"] == SEED
+  assert meta.plan["seed"] == meta.data_position.seed == SEED
   needles = [str(seed).encode() for seed in (SEED, PINNED)]
   needles += [struct.pack(f"{e}{w}", seed) for seed in (SEED, PINNED)
               for e in "<>" for w in "iq"]
@@ -125,15 +126,15 @@ def test_release_holds_no_seed_and_no_secret(run_dir, release):
 
 
 def test_statement_recomputes_epsilon_and_warns_of_a_pinned_key(run_dir):
-  step, meta = _meta(run_dir)
-  meta = dict(meta, step=step, ledger=dict(meta["ledger"], epsilon_spent=0.0,
-                                           secret="pinned"))
+  _, meta = _meta(run_dir)
+  meta = dataclasses.replace(meta, ledger=dict(meta.ledger, epsilon_spent=0.0,
+                                               secret="pinned"))
   s = export.privacy_statement(meta, t5.T5Config())
   assert s["epsilon"] > 0.5  # not the stored number
   assert s["noise_key"] == "pinned" and s["guarantee_excludes"]
   text = export.privacy_markdown(s)
   assert "WARNING: the noise key was pinned" in text.splitlines()[2]
-  meta["ledger"]["secret"] = "os_entropy"
+  meta.ledger["secret"] = "os_entropy"
   s = export.privacy_statement(meta, t5.T5Config())
   assert s["guarantee_excludes"] is None
   assert "WARNING" not in export.privacy_markdown(s)

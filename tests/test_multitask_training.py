@@ -13,7 +13,7 @@ import optax
 import pytest
 from dp_accounting import rdp
 
-from dpjax import gin_cli, plan as plan_lib, trainer
+from dpjax import gin_cli, plan as plan_lib, steps as steps_lib
 from dpjax.models import gpt2, gpt2_disc, trainable
 from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
 from dpjax.privacy.secret import RunSecret
@@ -154,8 +154,8 @@ def test_multi_loss_configuration_errors():
   assert multi.loss_names == ("lm", "disc") and multi.example_rng
   head = trainable.trainable(_config(head_only=True), LENGTHS)
   assert head.loss_names == ("disc",)
-  assert trainer.loss_clip_norms(multi, 0.1, {"disc": 0.5}) == {"lm": 0.1, "disc": 0.5}
-  build = functools.partial(trainer.build_dp_step, optimizer="adam", learning_rate=1e-3,
+  assert steps_lib.loss_clip_norms(multi, 0.1, {"disc": 0.5}) == {"lm": 0.1, "disc": 0.5}
+  build = functools.partial(steps_lib.build_dp_step, optimizer="adam", learning_rate=1e-3,
                             noise_multiplier=1.0, normalizer=1.0, seed=0, clip_norm=0.1)
   with pytest.raises(gin_cli.UsageError, match="ghost"):
     build(multi, clipping_method="ghost")

@@ -59,7 +59,7 @@ def _public_seeds(run_dir, release_dir) -> set[int]:
            glob.glob(os.path.join(release_dir, "*.json"))
            + glob.glob(os.path.join(release_dir, "*.md"))
            + [os.path.join(run_dir, "config.gin")]]
-  texts.append(json.dumps(checkpoints.read_run(str(run_dir))[2]))
+  texts.append(json.dumps(checkpoints.read_run(str(run_dir))[2].to_json()))
   found = {int(m) for t in texts
            for m in re.findall(r"seed\W{0,4}(\d+)", t)}
   return found | set(range(16))
@@ -69,10 +69,9 @@ def _released_noisy_sum(run_dir, release_dir):
   """B / lr * (params_0 - params_1) = clipped sum + noise: params_0 is the
   init the public `train.seed` gives, params_1 the released params."""
   _, _, meta = checkpoints.read_run(str(run_dir))
-  config = trainable.config_from_json(meta["model_class"],
-                                      meta["model_config"])
-  model = trainable.trainable(config, meta["task_feature_lengths"])
-  init = model.init_params(jax.random.PRNGKey(meta["plan"]["seed"]))[0]
+  config = trainable.config_from_json(meta.model_class, meta.model_config)
+  model = trainable.trainable(config, meta.task_feature_lengths)
+  init = model.init_params(jax.random.PRNGKey(meta.plan["seed"]))[0]
   released = pretrained.load_pretrained(str(release_dir), config)
   return jax.tree.map(lambda a, b: 16 / 1e-2 * (np.asarray(a, np.float64)
                                                 - np.asarray(b)),
@@ -94,7 +93,7 @@ def test_a_trainer_update_carries_the_ledgers_noise(runs):
   """Wiring: SGD's first update times q n / lr is the clipped sum plus
   noise of standard deviation σ C (the ledger's σ); the sum is ~1% of it."""
   noisy, meta = _released_noisy_sum(runs / "p", runs / "p_release")
-  ledger = ledger_lib.PrivacyLedger.from_json(meta["ledger"])
+  ledger = meta.privacy_ledger()
   values = np.concatenate([np.ravel(x) for x in jax.tree.leaves(noisy)])
   assert ledger.noise_multiplier > 0.5
   assert np.std(values) == pytest.approx(
@@ -106,7 +105,7 @@ def _best_attack(run_dir, release_dir) -> float:
   guess: ~0.01 when a guess is the noise (what is left is the clipped sum),
   ~1.4 when it is not (~1.7 after two steps: two draws)."""
   noisy, meta = _released_noisy_sum(run_dir, release_dir)
-  ledger = ledger_lib.PrivacyLedger.from_json(meta["ledger"])
+  ledger = meta.privacy_ledger()
   stddev = ledger.noise_multiplier * ledger.clip_norm
   flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
   target = flat(noisy)
@@ -134,7 +133,7 @@ def test_identical_gin_draws_different_noise_and_batches(runs):
   a, b = (secret.RunSecret.load(str(runs / n)) for n in "ab")
   assert a != b and not a.is_pinned
   meta = checkpoints.read_run(str(runs / "a"))[2]
-  n, q = meta["ledger"]["dataset_size"], meta["ledger"]["sampling"][
+  n, q = meta.ledger["dataset_size"], meta.ledger["sampling"][
       "sampling_rate"]
   batches = lambda s: [sampling.PoissonSampler(
       n, sampling_rate=q, seed=s.sampling_seed()).indices(t) for t in range(4)]
@@ -195,7 +194,7 @@ def test_crash_between_checkpoint_and_ledger_file(runs, tmp_path, capsys):
   at step 1. Readers take the checkpoint's ledger; a rerun repairs the file."""
   d = _copy(runs, tmp_path)
   mngr = checkpoints.manager(str(d), create=False)
-  stale = checkpoints.read_meta(mngr, 1)["ledger"]
+  stale = checkpoints.read_meta(mngr, 1).ledger
   mngr.close()
   (d / ledger_lib.LEDGER_FILENAME).write_text(json.dumps(stale))
   truth = checkpoints.run_ledger(str(d))
@@ -238,7 +237,7 @@ def test_infer_falls_back_to_the_previous_checkpoint(runs, tmp_path, capsys):
   for f in glob.glob(str(d / "checkpoints" / "2" / "state" / "d" / "*")):
     open(f, "w").close()
   _, params, meta = inference.load_trained(str(d))
-  assert meta["step"] == 1
+  assert meta.step == 1
   mngr = checkpoints.manager(str(runs / "a"), create=False)
   jax.tree.map(np.testing.assert_array_equal, params,
                checkpoints.restore_params(mngr, 1))

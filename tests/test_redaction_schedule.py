@@ -7,6 +7,7 @@ redacted (public) data.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -27,6 +28,7 @@ from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import optimizers, sampling
 from dpjax.privacy import redaction_schedule as rs
+from tests import test_trainer
 from dpjax.privacy import secret
 
 # --- The schedules ------------------------------------------------------------
@@ -271,6 +273,7 @@ def mixed(tmp_path_factory):
   model_dir = tmp_path_factory.mktemp("mixed")
   with pytest.MonkeyPatch.context() as mp:
     counter = StepCounter(mp)
+    counter.fit = test_trainer.FitSpy(mp)
     result = run(model_dir, *LINEAR6)
   return model_dir, result, counter
 
@@ -278,7 +281,7 @@ def mixed(tmp_path_factory):
 def test_mixed_run_records_exactly_the_dp_steps_it_takes(mixed):
   model_dir, result, counter = mixed
   _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
-  planned = meta["plan"]["redaction"]
+  planned = meta.plan["redaction"]
   assert 0 < counter.dp < 6 and counter.dp + counter.public == 6
   assert planned["dp_steps"] == counter.dp == result["dp_steps"]
   assert planned["public_steps"] == counter.public == result["public_steps"]
@@ -294,7 +297,11 @@ def test_mixed_run_records_exactly_the_dp_steps_it_takes(mixed):
     summary = json.load(f)
   assert (summary["dp_steps"], summary["public_steps"]) == (
       counter.dp, counter.public)
-  assert meta["data_position"] == {"step": 6, "seed": 0,
+  # The trainer's state: every step moved it, only DP steps drew noise.
+  state = counter.fit.state
+  assert int(state.step) == 6
+  assert int(optimizers.noise_count(state.opt_state)) == counter.dp
+  assert dataclasses.asdict(meta.data_position) == {"step": 6, "seed": 0,
                                    "dp_steps": counter.dp,
                                    "public_steps": counter.public}
 
@@ -341,8 +348,8 @@ def test_all_redacted_run_spends_nothing_and_is_plain_adam(redacted_only):
   assert ledger.epsilon_spent() == 0.0
 
   _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
-  config = trainable.config_from_json(meta["model_class"], meta["model_config"])
-  lengths = meta["task_feature_lengths"]
+  config = trainable.config_from_json(meta.model_class, meta.model_config)
+  lengths = meta.task_feature_lengths
   model = trainable.trainable(config, lengths)
   initial, _ = model.init_params(jax.random.PRNGKey(0))
   data = data_arrays.load_task_arrays("smcalflow_utterance_lm", "train",

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax import checkpoints, gin_cli, trainer
+from dpjax import (checkpoints, gin_cli, loop, steps as steps_lib, train_step,
+                   trainer)
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
-from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
+from dpjax.privacy import (accounting, ledger as ledger_lib, optimizers,
+                           sampling, secret)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,7 +116,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(eight_steps, tmp_path,
   jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
                restored_params(reference_dir))
   _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
-  assert meta["data_position"]["step"] == 8
+  assert meta.data_position.step == 8
 
 
 def test_dp_steps_lower_the_loss(tmp_path):
@@ -216,7 +218,7 @@ def test_xl_eps3_train_step_builds_with_abstract_shapes():
   model = trainable.trainable(config, {"inputs": 384, "targets": 128})
   params, _ = model.abstract_params()
   assert 2.8e9 < t5.param_count(params) < 3.0e9
-  tx, accumulate, apply = trainer.build_dp_step(
+  tx, accumulate, apply = steps_lib.build_dp_step(
       model, clip_norm=0.1, optimizer="adam", learning_rate=1e-3,
       noise_multiplier=1.0, normalizer=1024.0, seed=0)
   k, m = 2, 1
@@ -226,11 +228,11 @@ def test_xl_eps3_train_step_builds_with_abstract_shapes():
       "decoder_target_tokens": jax.ShapeDtypeStruct((k, m, 128), np.int32),
       "decoder_loss_weights": jax.ShapeDtypeStruct((k, m, 128), np.int32)}
   mask = jax.ShapeDtypeStruct((k, m), np.float32)
-  grads = jax.eval_shape(trainer.train_step.zeros_like_f32, params)
+  grads = jax.eval_shape(train_step.zeros_like_f32, params)
   new_grads, metrics = jax.eval_shape(accumulate, params, grads, batch, mask,
                                       0, 0)
   assert jax.tree.structure(new_grads) == jax.tree.structure(params)
-  state = jax.eval_shape(lambda p: trainer.train_step.init_state(p, tx), params)
+  state = jax.eval_shape(lambda p: train_step.init_state(p, tx), params)
   new_state = jax.eval_shape(apply, state, new_grads,
                              secret.RunSecret.pinned(0).noise_key())
   assert jax.tree.map(lambda a: a.shape, new_state.params) == \
@@ -311,7 +313,7 @@ def test_initial_checkpoint_initialises_params_and_vocabulary(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
                params)
   _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
-  assert meta["tokenizer_files"]["sentencepiece"] == str(ckpt / "spiece.model")
+  assert meta.tokenizer_files["sentencepiece"] == str(ckpt / "spiece.model")
   import seqio
   vocab = seqio.get_mixture_or_task("msmarco_query_generation").output_features[
       "inputs"].vocabulary
@@ -367,7 +369,7 @@ def test_gpt2_trains_on_decoder_only_features(tmp_path):
       ledger.noise_multiplier, 16 / 2998, 30, ledger.delta), rel=1e-9)
   # It learned: eval loss (query tokens only) below the initial model's.
   config = gpt2.GPT2Config.from_json(checkpoints.latest_meta(
-      checkpoints.manager(str(tmp_path)))[1]["model_config"])
+      checkpoints.manager(str(tmp_path)))[1].model_config)
   model = trainable.trainable(config, {"inputs": 48, "targets": 16})
   params, _ = model.init_params(jax.random.PRNGKey(0))
   dev = data_arrays.load_task_arrays("msmarco_query_generation", "validation",
@@ -423,3 +425,44 @@ def test_ghost_clipping_and_fsdp_rules_train_like_vmap(eight_steps, tmp_path):
     run(tmp_path / "unknown", "TRAIN_STEPS = 1",
         "MIXTURE_OR_TASK_NAME = 'no_such_task'")
   assert not (tmp_path / "unknown").exists()
+
+
+class FitSpy:
+  """Wraps `loop.fit` as the trainer calls it: keeps the params the loop
+  starts from (fetched before the first step donates them) and the state it
+  ends with."""
+
+  def __init__(self, monkeypatch):
+    original = loop.fit
+
+    def fit(state, step_fn, **kw):
+      self.start_params = jax.device_get(state.params)
+      self.state, done = original(state, step_fn, **kw)
+      return self.state, done
+
+    monkeypatch.setattr(loop, "fit", fit)
+
+
+def test_a_trainer_update_carries_the_ledgers_noise(tmp_path, monkeypatch):
+  """One real DP-SGD step at learning rate 1 moves the params by
+  -(clipped sum + N(0, σ²C²·I)) / (q·n). The clipped sum of ~16 examples of
+  norm <= C spread over d coordinates has a per-coordinate RMS of about
+  C/√d, so the update's standard deviation is σ·C/(q·n) with the ledger's
+  σ: a trainer that handed its step σ = 0, another C or another normaliser
+  fails here, though every other trainer test would pass."""
+  spy = FitSpy(monkeypatch)
+  run(tmp_path, "TRAIN_STEPS = 1", "train.optimizer = 'sgd'",
+      "LEARNING_RATE = 1.0", "TARGET_EPSILON = 1.0")
+  ledger = checkpoints.run_ledger(str(tmp_path))
+  assert ledger.steps == 1 and ledger.noise_multiplier > 0.5
+  update = np.concatenate([
+      (np.asarray(a, np.float64) - np.asarray(b, np.float64)).ravel()
+      for a, b in zip(jax.tree.leaves(jax.device_get(spy.state.params)),
+                      jax.tree.leaves(spy.start_params))])
+  d, c, qn = update.size, 0.1, 16  # q·n = BATCH_SIZE
+  expected = ledger.noise_multiplier * c / qn
+  signal_rms = 2 * c / np.sqrt(d)  # generous: up to 32 sampled examples
+  assert signal_rms < 0.1 * expected
+  assert np.std(update) == pytest.approx(expected, rel=0.02)
+  assert abs(np.mean(update)) < 5 * expected / np.sqrt(d) + signal_rms
+  assert int(optimizers.noise_count(spy.state.opt_state)) == 1

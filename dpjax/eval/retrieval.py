@@ -183,11 +183,11 @@ def _dual_encoder(model_dir: str, vocabulary: str | None, mesh):
   from dpjax import inference  # pylint: disable=g-import-not-at-top
   from dpjax.models import dual_encoder  # pylint: disable=g-import-not-at-top
   config, params, meta = inference.load_trained(model_dir)
-  vocabulary = (vocabulary or (meta.get("tokenizer_files") or {}).get("sentencepiece")
+  vocabulary = (vocabulary or meta.tokenizer_files.get("sentencepiece")
                 or msmarco.DEFAULT_VOCABULARY_PATH)
   encode_fn = encoding.device_encode_fn(
       lambda p, tokens: dual_encoder.encode(config, p, tokens), params, mesh)
-  fingerprint = {"model_dir": os.path.abspath(model_dir), "step": meta["step"],
+  fingerprint = {"model_dir": os.path.abspath(model_dir), "step": meta.step,
                  "vocabulary": os.path.abspath(vocabulary)}
   return encode_fn, encoding.Tokenizer(vocabulary), fingerprint
 

@@ -318,10 +318,10 @@ def audit(model_dir: str, canaries: Sequence[Canary], *,
   """One row per canary: its rank, exposures and extraction (see above)
   under the T5 generator in `model_dir`."""
   config, params, meta = inference.load_trained(model_dir)
-  vocabulary_path = (vocabulary_path or (meta.get("tokenizer_files") or {})
+  vocabulary_path = (vocabulary_path or meta.tokenizer_files
                      .get("sentencepiece") or msmarco.DEFAULT_VOCABULARY_PATH)
   tokenizer = encoding.Tokenizer(vocabulary_path)
-  lengths = meta["task_feature_lengths"]
+  lengths = meta.task_feature_lengths
   inputs = tokenizer([msmarco.INPUT_PREFIX + c.document for c in canaries],
                      lengths["inputs"])
   score = make_sequence_scorer(config)

@@ -94,7 +94,7 @@ def evaluate(model_dir: str, data_dir: str | None) -> dict:
   out = os.path.join(model_dir, "retrieval")
   path = os.path.join(out, "metrics.json")
   if not os.path.isfile(path):
-    lengths = inference.load_trained(model_dir)[2]["task_feature_lengths"]
+    lengths = inference.load_trained(model_dir)[2].task_feature_lengths
     retrieval.main(["--model_dir", model_dir, "--output_dir", out,
                     "--doc_length", str(lengths["documents"]),
                     "--query_length", str(lengths["queries"])]
@@ -112,10 +112,10 @@ def _text_encoder(model_dir: str):
   config, params, meta = inference.load_trained(model_dir)
   fn = encoding.device_encode_fn(
       lambda p, tokens: dual_encoder.encode(config, p, tokens), params)
-  vocabulary = ((meta.get("tokenizer_files") or {}).get("sentencepiece")
+  vocabulary = (meta.tokenizer_files.get("sentencepiece")
                 or msmarco.DEFAULT_VOCABULARY_PATH)
   return encoding.TextEncoder(fn, encoding.Tokenizer(vocabulary),
-                              meta["task_feature_lengths"]["queries"], 256)
+                              meta.task_feature_lengths["queries"], 256)
 
 
 def text_quality(synthetic_jsonl: str, data_dir: str | None,

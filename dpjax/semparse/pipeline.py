@@ -25,7 +25,7 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import decoding, gin_cli, inference, trainer
+from dpjax import checkpoints, decoding, gin_cli, inference, trainer
 from dpjax.eval import mauve
 from dpjax.semparse import lispress, metrics
 
@@ -46,12 +46,12 @@ def train_run(model_dir: str, gin_files: Sequence[str],
   return trainer.train()
 
 
-def _task_vocabulary(meta: dict):
+def _task_vocabulary(meta: checkpoints.RunMeta):
   import seqio
   import tasks
-  tasks.register_tasks(tokenizer_files=meta.get("tokenizer_files"))
+  tasks.register_tasks(tokenizer_files=meta.tokenizer_files)
   return seqio.get_mixture_or_task(
-      meta["mixture_or_task_name"]).output_features["targets"].vocabulary
+      meta.mixture_or_task_name).output_features["targets"].vocabulary
 
 
 def _batches(rows: np.ndarray, batch_size: int):
@@ -117,7 +117,7 @@ def parse_utterances(parser_dir: str, utterances: Sequence[str], *,
   """Greedy parses (linearized Lispress text, maybe malformed) by a T5 run."""
   config, params, meta = inference.load_trained(parser_dir)
   vocab = _task_vocabulary(meta)
-  lengths = meta["task_feature_lengths"]
+  lengths = meta.task_feature_lengths
   eos = vocab.eos_id
   tokens = np.zeros((len(utterances), lengths["inputs"]), np.int32)
   for i, u in enumerate(utterances):

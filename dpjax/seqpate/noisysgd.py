@@ -92,4 +92,4 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
     finally:
       gin.clear_config()
   params, meta = inference.load_trained(model_dir)[1:]
-  return params, ledger_lib.PrivacyLedger.from_json(meta["ledger"])
+  return params, meta.privacy_ledger()

@@ -29,7 +29,7 @@ The baseline pipeline (`train_baselines`) is two runs under ONE budget, as
 shared/papers/000's two-stage pipeline: `G_tuned` for T1 DP steps (the
 gin's EPOCHS or TRAIN_STEPS, one release per step), then the head for T2
 steps at the same sampling rate and clip bound C, started from `G_tuned`'s
-params (`trainer.init_from_run`: the head is freshly initialised); σ is
+params (`checkpoints.init_from_run`: the head is freshly initialised); σ is
 calibrated once so that the T1 + T2 releases meet (ε, δ), and the head run
 composes its ledger with the LM's (`train.prior_ledger`). T2 = T1 by
 default (`Settings.head_epochs` = None): the pipeline then makes as many LM
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import inspect
 import io
 import json
 import math
@@ -71,7 +70,7 @@ import jax
 import numpy as np
 
 from dpjax import (fileio, gin_cli, inference, plan as plan_lib, pplm,
-                   text_classifier, trainer)
+                   run_config, text_classifier, trainer)
 from dpjax.eval import text_quality
 from dpjax.models import bert
 from tasks import textcls
@@ -133,9 +132,10 @@ def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
   gin.clear_config()
   try:
     gin_cli.configure(list(gin_files), list(bindings))
+    config = run_config.RunConfig()
     tasks.register_tasks(tokenizer_files=trainer.initial_tokenizer_files(
-        _train_arg("initial_checkpoint_path")))
-    name = _train_arg("mixture_or_task_name")
+        config.initial_checkpoint_path))
+    name = config.mixture_or_task_name
     if name not in by_task:
       raise gin_cli.UsageError(
           f"MIXTURE_OR_TASK_NAME = {name!r}: the label-conditioned experiments "
@@ -207,18 +207,6 @@ def train_run(out_dir: str, kind: str, eps: float, *,
                 _NAIVE if kind == "naive" else ())
 
 
-def _train_arg(name: str):
-  """`train.<name>` as the current gin config binds it (a macro evaluated),
-  else `trainer.train`'s default."""
-  try:
-    value = gin.query_parameter(f"train.{name}")
-  except ValueError:
-    return inspect.signature(trainer.train).parameters[name].default
-  if isinstance(value, gin.config.ConfigurableReference):
-    return value.scoped_configurable_fn()
-  return value
-
-
 def _train_size(task_name: str) -> int:
   """Examples in the train split of a registered task (what the trainer
   calls n)."""
@@ -241,18 +229,19 @@ def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
   try:
     gin_cli.configure(list(gin_files), list(bindings))
     tasks.register_tasks()
-    n = _train_size(_train_arg("mixture_or_task_name"))
-    batch = int(_train_arg("batch_size"))
-    t1 = plan_lib.steps_for(_train_arg("train_steps"), _train_arg("epochs"), n, batch)
-    t2 = t1 if head_epochs is None else plan_lib.steps_for(None, head_epochs, n, batch)
-    # Only the description: no batch is drawn, so no secret is needed.
-    sampling = plan_lib.make_sampler(_train_arg("sampling_method"), n, batch, 0,
-                                    _train_arg("overflow_probability")).describe()
-    delta = plan_lib.resolve_delta(_train_arg("delta"), n)
-    accountant = _train_arg("accountant")
+    config = run_config.RunConfig()  # as the gin files configure the runs
   finally:
     gin.clear_config()
-  sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2], accountant=accountant)
+  n = _train_size(config.mixture_or_task_name)
+  batch = int(config.batch_size)
+  t1 = plan_lib.steps_for(config.train_steps, config.epochs, n, batch)
+  t2 = t1 if head_epochs is None else plan_lib.steps_for(None, head_epochs, n, batch)
+  # Only the description: no batch is drawn, so no secret is needed.
+  sampling = plan_lib.make_sampler(config.sampling_method, n, batch, 0,
+                                   config.overflow_probability).describe()
+  delta = plan_lib.resolve_delta(config.delta, n)
+  sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2],
+                             accountant=config.accountant)
   return {"dataset_size": n, "delta": delta, "steps": (t1, t2), "noise_multiplier": sigma}
 
 

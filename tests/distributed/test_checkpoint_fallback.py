@@ -33,12 +33,20 @@ def ledger_at(step: int) -> ledger_lib.PrivacyLedger:
   return ledger
 
 
+def meta_at(step: int) -> checkpoints.RunMeta:
+  return checkpoints.RunMeta(
+      ledger=ledger_at(step).to_json(), plan={}, model_class="T5Config",
+      model_config={}, sampler={}, mixture_or_task_name="task",
+      data_position=checkpoints.DataPosition(step=step, seed=0, dp_steps=step),
+      task_feature_lengths={})
+
+
 @pytest.fixture
 def model_dir(tmp_path):
   mngr = checkpoints.manager(str(tmp_path))
   for step in STEPS:
     checkpoints.save(mngr, step, state_at(step),
-                     {"ledger": ledger_at(step).to_json()}, str(tmp_path))
+                     meta_at(step), str(tmp_path))
   mngr.close()
   return tmp_path
 
@@ -73,14 +81,14 @@ def test_unreadable_newest_falls_back_to_the_previous(model_dir, corrupt,
   assert step == 4
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(state_at(4))):
     np.testing.assert_array_equal(got, want)
-  assert meta["ledger"] == ledger_at(4).to_json()
+  assert meta.ledger == ledger_at(4).to_json()
   out = capsys.readouterr().out
   assert "checkpoint at step 6 is unreadable" in out
   assert "resuming from the previous checkpoint, step 4 (not 6)" in out
   # Moved aside, so the replayed step 6 is saved again.
   assert os.listdir(model_dir / checkpoints.CORRUPT_DIRNAME) == ["6"]
   assert mngr.all_steps() == [2, 4]
-  checkpoints.save(mngr, 6, state_at(6), {"ledger": ledger_at(6).to_json()},
+  checkpoints.save(mngr, 6, state_at(6), meta_at(6),
                    str(model_dir))
   assert checkpoints.latest_meta(mngr)[0] == 6
   assert ledger_lib.PrivacyLedger.load(
@@ -92,7 +100,7 @@ def test_unreadable_newest_falls_back_to_the_previous(model_dir, corrupt,
 def test_missing_meta_is_skipped_when_planning(model_dir):
   drop_meta(str(model_dir / "checkpoints" / "6"))
   step, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
-  assert step == 4 and meta["ledger"]["steps"] == 4
+  assert step == 4 and meta.ledger["steps"] == 4
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -126,7 +134,7 @@ def test_a_save_orbax_declines_is_an_error(model_dir):
   drop_meta(str(model_dir / "checkpoints" / "6"))
   mngr = checkpoints.manager(str(model_dir))
   with pytest.raises(checkpoints.CheckpointSaveError, match="step 6"):
-    checkpoints.save(mngr, 6, state_at(6), {"ledger": ledger_at(6).to_json()},
+    checkpoints.save(mngr, 6, state_at(6), meta_at(6),
                      str(model_dir))
   assert ledger_lib.PrivacyLedger.load(
       model_dir / ledger_lib.LEDGER_FILENAME).steps == 6  # not rewritten
@@ -144,7 +152,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_leaves_no_temporary(
 
   monkeypatch.setattr(type(mngr), "save", disk_full)
   with pytest.raises(checkpoints.CheckpointSaveError) as e:
-    checkpoints.save(mngr, 8, state_at(8), {"ledger": ledger_at(8).to_json()},
+    checkpoints.save(mngr, 8, state_at(8), meta_at(8),
                      str(model_dir))
   assert "step 8" in str(e.value) and "No space left" in str(e.value)
   assert "\n" not in str(e.value)

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -394,7 +395,7 @@ def test_cli_on_a_dual_encoder_run(tmp_path, monkeypatch):
   shapes, _ = dual_encoder.abstract_params(config)
   rng = np.random.default_rng(0)  # random weights without compiling an init
   params = jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(np.float32), shapes)
-  monkeypatch.setattr(inference, "load_trained", lambda _: (config, params, {"step": 3}))
+  monkeypatch.setattr(inference, "load_trained", lambda _: (config, params, types.SimpleNamespace(step=3, tokenizer_files={})))
   model_dir = str(tmp_path / "run")
   results = retrieval.main([f"--model_dir={model_dir}", "--dataset=beir", "--top_k=10",
                             "--shard_size=20", "--batch_size=8", "--doc_length=64",

@@ -82,7 +82,7 @@ def test_synthetic_pipeline_and_privacy(experiment):
   assert len(synthetic) == 40  # generate_synthetic.limit from the generator gin
   # The dual encoder trained on the synthetic pairs (not the original ones).
   meta = inference.load_trained(os.path.join(run, "dual_encoder"))[2]
-  assert meta["plan"]["dataset_size"] == math.ceil(40 / 32)  # groups of 32
+  assert meta.plan["dataset_size"] == math.ceil(40 / 32)  # groups of 32
   for name, approach in (("generator", "synthetic"),):
     ledger = ledger_lib.PrivacyLedger.load(
         os.path.join(run, name, ledger_lib.LEDGER_FILENAME))

@@ -256,7 +256,7 @@ def test_train_command_runs_and_the_run_encodes(tmp_path):
   config, params, meta = inference.load_trained(str(tmp_path))
   assert isinstance(config, dual_encoder.DualEncoderConfig)
   assert config.group_size == 6 and config.encoder.d_model == 16
-  assert meta["plan"]["dataset_size"] == -(-2998 // 6)
+  assert meta.plan["dataset_size"] == -(-2998 // 6)
   tokens = np.array([[5, 6, 7, 1, 0, 0], [9, 1, 0, 0, 0, 0]], np.int32)
   emb = np.asarray(dual_encoder.encode(config, params, tokens))
   np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-5)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.extend.core import primitives
 
-from dpjax import decoding, trainer
+from dpjax import checkpoints, decoding, steps as steps_lib
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, ghost
@@ -179,7 +179,7 @@ def test_trainer_ghost_with_remat_equals_vmap():
     model = trainable_lib.trainable(gpt2_config(remat), {"targets": 12})
     params = gpt2.init_params(model.config, jax.random.PRNGKey(0),
                               max_length=12)[0]
-    _, accumulate, _ = trainer.build_dp_step(model, clipping_method=method,
+    _, accumulate, _ = steps_lib.build_dp_step(model, clipping_method=method,
                                              **kw)
     zeros = jax.tree.map(jnp.zeros_like, params)
     sums[method], _ = jit(accumulate)(params, zeros, batch, mask, 0, 0)
@@ -202,13 +202,12 @@ def test_runs_resume_and_initialise_across_remat_settings():
   """The trainer's model comparison (resume, INITIAL_CHECKPOINT_PATH) ignores
   remat, including a checkpoint written before the field existed, but not
   an architecture change."""
-  from dpjax import checkpoints
-  saved_before_field = {k: v for k, v in trainer._model_json(gpt2_config("none")).items()
+  saved_before_field = {k: v for k, v in checkpoints.model_json(gpt2_config("none")).items()
                         if k != "remat"}
-  now = trainer._architecture(trainer._model_json(gpt2_config("layer")))
-  checkpoints.check_compatible(trainer._architecture(saved_before_field), now, "model")
-  assert trainer._architecture(saved_before_field) in trainer._model_and_parts(
+  now = checkpoints.architecture(checkpoints.model_json(gpt2_config("layer")))
+  checkpoints.check_compatible(checkpoints.architecture(saved_before_field), now, "model")
+  assert checkpoints.architecture(saved_before_field) in checkpoints.model_and_parts(
       gpt2_config("layer"))
-  wider = trainer._model_json(dataclasses.replace(gpt2_config("none"), d_model=64))
+  wider = checkpoints.model_json(dataclasses.replace(gpt2_config("none"), d_model=64))
   with pytest.raises(checkpoints.CheckpointMismatchError, match="d_model"):
-    checkpoints.check_compatible(trainer._architecture(wider), now, "model")
+    checkpoints.check_compatible(checkpoints.architecture(wider), now, "model")

@@ -108,7 +108,7 @@ def test_head_only_run_changes_only_the_head(out_dir):
 
 def _head_config(out_dir):
   _, _, meta = checkpoints.read_run(experiment.run_dir(out_dir, "baseline_disc", 8.0))
-  return trainable.config_from_json(meta["model_class"], meta["model_config"])
+  return trainable.config_from_json(meta.model_class, meta.model_config)
 
 
 def _head_init(config, seed):
@@ -119,7 +119,7 @@ def _head_init(config, seed):
 
 
 def test_init_from_run_reads_the_lm_and_initialises_the_head(out_dir):
-  """`trainer.init_from_run` of the head model from the LM run: the GPT-2
+  """`checkpoints.init_from_run` of the head model from the LM run: the GPT-2
   subtrees are the LM run's saved params, the head is the model's own init
   at the given seed."""
   config = _head_config(out_dir)
@@ -127,7 +127,7 @@ def test_init_from_run_reads_the_lm_and_initialises_the_head(out_dir):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = jax.tree.map(lambda _: device, model.abstract_params()[0])
   mngr, step, _ = checkpoints.read_run(experiment.run_dir(out_dir, "baseline_lm", 8.0))
-  params = trainer.init_from_run(model, mngr, step, shardings, seed=3)
+  params = checkpoints.init_from_run(model, mngr, step, shardings, seed=3)
   jax.tree.map(np.testing.assert_array_equal, gpt2_disc.lm_params(params),
                _params(out_dir, "baseline_lm"))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
