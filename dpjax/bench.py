@@ -138,7 +138,8 @@ def synthetic_batch(converter: str, vocab_size: int, lengths: dict,
 def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
                microbatch_size: int, clip_norm: float,
                noise_multiplier: float, learning_rate: float, seed: int
-               ) -> tuple[optax.GradientTransformation, Callable]:
+               ) -> tuple[optax.GradientTransformation | optimizers.DPOptimizer,
+                 Callable]:
   """(optimizer, step): `step(state, batch[K,m,...], mask[K,m]) -> (state,
   metrics)`, one logical batch, to be jitted."""
   if mode == "nodp":
@@ -158,13 +159,14 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       return train_step.TrainState(
           state.step + 1, optax.apply_updates(state.params, updates),
-          opt_state), {"loss_sum": losses.sum()}
+          opt_state, state.noise_count), {"loss_sum": losses.sum()}
 
     return tx, nodp_step
 
-  dp_adam = lambda sensitivity: optimizers.dp_adam(
-      learning_rate, noise_multiplier=noise_multiplier,
-      sensitivity=sensitivity, normalizer=batch_size)
+  dp_adam = lambda sensitivity: optimizers.dp_optimizer(
+      optax.adam(learning_rate),
+      noise_multipliers={train_step.LOSS: noise_multiplier},
+      sensitivities={train_step.LOSS: sensitivity}, normalizer=batch_size)
   # A benchmark releases nothing: its noise key may be a compiled constant.
   noise_secret = jnp.asarray(secret.RunSecret.draw().noise_key())
   if mode == "jax_privacy":
@@ -183,7 +185,7 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
       grads = clipped(state.params, flat,
                       is_padding_example=mask.reshape(-1) == 0)
-      return apply(state, grads, noise_secret), {}
+      return apply(state, {train_step.LOSS: grads}, noise_secret), {}
 
     return tx, jax_privacy_step
 
@@ -194,9 +196,9 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
   apply = train_step.make_apply(tx)
 
   def dp_step(state, batch, mask):
-    grads, metrics = accumulate(state.params,
-                                train_step.zeros_like_f32(state.params),
-                                batch, mask, state.step, 0)
+    grads, metrics = accumulate(
+        state.params, {train_step.LOSS: train_step.zeros_like_f32(state.params)},
+        batch, mask, state.step, 0)
     return apply(state, grads, noise_secret), metrics
 
   return tx, dp_step

@@ -1,7 +1,9 @@
 """Orbax checkpoints of a DP run: train state plus the run's JSON metadata.
 
 A checkpoint holds two items:
-  state: TrainState (params, optimizer state incl. the noise counter, step)
+  state: TrainState (step, params, the base optimizer's state and the noise
+         counter; checkpoints from before the counter moved out of the
+         optimizer state read back into the current layout)
   meta:  JSON with the privacy ledger, the model config, the sampler
          description and the data position (the step: batches are a pure
          function of (secret, step), so the step is the data position; with
@@ -32,7 +34,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -229,14 +231,15 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
   checkpoint stays exact. If none reads back, raises
   UnreadableCheckpointError and moves nothing.
   """
-  args = ocp.args.Composite(
-      state=ocp.args.StandardRestore(jax_abstract(target_state._asdict())),
-      meta=ocp.args.JsonRestore())
   unreadable: list[tuple[int, str]] = []
   for step in sorted(mngr.all_steps(), reverse=True):
     restored, reason = None, "unreadable on another host"
     try:
-      restored = mngr.restore(step, args=args)
+      legacy = _legacy_layout(mngr, step)
+      restored = mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(jax_abstract(
+              _saved_layout(target_state, legacy))),
+          meta=ocp.args.JsonRestore()))
       meta = RunMeta.from_json(restored["meta"], step)
     except Exception as e:  # any unreadable file: try the previous checkpoint
       restored = None
@@ -252,10 +255,38 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
       reporting.say(f"resuming from the previous checkpoint, step {step} "
                     f"(not {unreadable[0][0]}), with the privacy ledger "
                     "saved with it")
-    return step, type(target_state)(**restored["state"]), meta
+    return step, _current_layout(target_state, restored["state"], legacy), meta
   raise UnreadableCheckpointError(
       f"no checkpoint in {mngr.directory} reads back: "
       + "; ".join(f"step {s}: {r}" for s, r in unreadable))
+
+
+class _LegacyNoiseState(NamedTuple):
+  count: Any
+
+
+def _legacy_layout(mngr: ocp.CheckpointManager, step: int) -> bool:
+  """Whether checkpoint `step` keeps the noise counter inside the optimizer
+  state, as dpjax did before `TrainState.noise_count`: `opt_state =
+  (PrivatizeState(count), base state)`."""
+  return "noise_count" not in mngr.item_metadata(step)["state"]
+
+
+def _saved_layout(state, legacy: bool) -> dict:
+  """`state` (a TrainState) as a dict in the layout it was saved in."""
+  saved = state._asdict()
+  if legacy:
+    count = saved.pop("noise_count")
+    saved["opt_state"] = (_LegacyNoiseState(count), saved["opt_state"])
+  return saved
+
+
+def _current_layout(target_state, restored: dict, legacy: bool):
+  """A restored state dict as `type(target_state)`."""
+  if legacy:
+    noise, opt_state = restored.pop("opt_state")
+    restored.update(opt_state=opt_state, noise_count=noise.count)
+  return type(target_state)(**restored)
 
 
 def _move_aside(mngr: ocp.CheckpointManager, steps: list[int],

@@ -37,6 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dpjax import train_step
+from dpjax.privacy import optimizers
 
 PyTree = Any
 # (logical axis name, mesh axis | tuple of mesh axes | None = replicated).
@@ -147,16 +148,17 @@ def _moment_axes(param_axes: P, param_shape, shape) -> tuple:
   return (None,) * len(shape)
 
 
-def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation,
-                    params: PyTree, logical_axes: PyTree,
-                    rules: Rules | None = None) -> train_step.TrainState:
+def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
+                    optimizers.DPOptimizer, params: PyTree,
+                    logical_axes: PyTree, rules: Rules | None = None
+                    ) -> train_step.TrainState:
   """Shardings of `train_step.init_state(params, optimizer)`.
 
   Optimizer states that mirror the params (Adam's moments, Adafactor's
   factored statistics, momentum; found structurally by
   `optax.tree_map_params`) are laid out like their parameters; everything
-  else (step and update counters, the noise counter of `privatize`) is
-  replicated. `params` may be arrays or ShapeDtypeStructs.
+  else (step and update counters, the noise counter) is replicated.
+  `params` may be arrays or ShapeDtypeStructs.
   """
   rules = rules if rules is not None else logical_axis_rules()
   state = jax.eval_shape(lambda p: train_step.init_state(p, optimizer), params)
@@ -166,13 +168,15 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation,
     logical = _moment_axes(axes, np.shape(param), leaf.shape)
     return NamedSharding(mesh, mesh_axes(logical, mesh, rules, leaf.shape))
 
+  base = (optimizer.base if isinstance(optimizer, optimizers.DPOptimizer)
+          else optimizer)
   opt = optax.tree_map_params(
-      optimizer, mirror, state.opt_state, params, logical_axes,
+      base, mirror, state.opt_state, params, logical_axes,
       transform_non_params=lambda t: jax.tree.map(lambda _: everywhere, t))
   return train_step.TrainState(
       step=everywhere,
       params=param_shardings(mesh, logical_axes, rules, shapes=params),
-      opt_state=opt)
+      opt_state=opt, noise_count=everywhere)
 
 
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,

@@ -27,7 +27,7 @@ from dpjax.privacy import clipping
 from dpjax.privacy import optimizers as dp_optimizers
 
 # Base optimizers: a DP step runs `dp_optimizers.dp_optimizer(base)`, a public
-# step `base` alone on the same state (`dp_optimizers.public_update`).
+# step `base` alone on the same state.
 OPTIMIZERS = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
               "adafactor": optax.adafactor}
 CLIPPING_METHODS = ("vmap", "ghost", "auto")
@@ -108,7 +108,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   no per-example weight gradients) or 'auto' (ghost when the
   model has intercepted layers); all give the same clipped sum and bound.
   A multi-loss model (`loss_clip_norms`) clips by vmap only ('auto' is vmap):
-  one clipped sum per loss, noised separately with the one σ. With
+  one clipped sum per loss, noised separately with the one σ; a one-loss
+  model is the case of one sum, `{train_step.LOSS: sum}`. With
   rematerialised layers (a config's `remat`) ghost clipping takes its sum
   from a second backward pass instead of book-keeping (`ghost.py`).
   `seed` keys dropout only (public); `apply(state, grads, noise_secret)`
@@ -117,25 +118,23 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   if clipping_method not in CLIPPING_METHODS:
     raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
                              f"'auto', got {clipping_method!r}")
-  base = base_optimizer(model, optimizer, learning_rate)
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
   if bounds is None:
     clipped = clipping.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
                                          method=clipping_method)
-    tx = dp_optimizers.dp_optimizer(base, noise_multiplier=noise_multiplier,
-                                    sensitivity=clipped.sensitivity,
-                                    normalizer=normalizer)
+  elif clipping_method == "ghost":
+    raise gin_cli.UsageError(
+        "train.clipping_method = 'ghost' does not support a model with "
+        "several losses or frozen layers; use 'vmap'")
   else:
-    if clipping_method == "ghost":
-      raise gin_cli.UsageError(
-          "train.clipping_method = 'ghost' does not support a model with "
-          "several losses or frozen layers; use 'vmap'")
     clipped = clipping.multi_loss_clipped_grad(
         model.example_losses, clip_norms=bounds, trainable=trainable_mask(model))
-    tx = dp_optimizers.dp_optimizer_releases(
-        base, noise_multipliers={k: noise_multiplier for k in bounds},
-        sensitivities=clipped.sensitivities, normalizer=normalizer,
-        trainable=trainable_mask(model))
+  sensitivities = train_step.sensitivities(clipped)
+  tx = dp_optimizers.dp_optimizer(
+      base_optimizer(model, optimizer, learning_rate),
+      noise_multipliers={k: noise_multiplier for k in sensitivities},
+      sensitivities=sensitivities, normalizer=normalizer,
+      trainable=trainable_mask(model))
   accumulate = train_step.make_accumulate(clipped, seed=seed,
                                           dropout=model.example_rng)
   return tx, accumulate, train_step.make_apply(tx)
@@ -146,18 +145,16 @@ def build_public_step(model: trainable_lib.Trainable, *, optimizer: str,
   """The un-jitted non-private step on a public batch, on the state of
   `build_dp_step`'s DP optimizer (same `optimizer` and `learning_rate`)."""
   return train_step.make_public_step(
-      model.example_loss,
-      dp_optimizers.public_update(base_optimizer(model, optimizer,
-                                                 learning_rate)),
+      model.example_loss, base_optimizer(model, optimizer, learning_rate),
       seed=seed, dropout=model.example_rng)
 
 
 class PlacedSteps(NamedTuple):
   """A run's steps, jitted for its mesh (see `place_steps`)."""
-  optimizer: optax.GradientTransformation
+  optimizer: dp_optimizers.DPOptimizer
   state_shardings: train_step.TrainState
   abstract_state: train_step.TrainState  # ShapeDtypeStructs with shardings
-  zero_grads: Callable  # params -> zero clipped sum(s)
+  zero_grads: Callable  # params -> {name: zero clipped sum}
   accumulate: Callable  # (params, grads, batch, mask, index, call)
   apply: Callable  # (state, grads, noise_secret) -> state
   public: Callable  # (state, batch, mask, index) -> (state, metrics)
@@ -184,15 +181,14 @@ def place_steps(model: trainable_lib.Trainable, *, mesh, rules,
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract),
       state_sh)
-  bounds = loss_clip_norms(model, clip_norm, clip_norms)
-  grads_sh = ({k: state_sh.params for k in bounds} if bounds
-              else state_sh.params)  # a multi-loss model: one sum per loss
+  names = list(loss_clip_norms(model, clip_norm, clip_norms)
+               or [train_step.LOSS])
+  grads_sh = {k: state_sh.params for k in names}  # one sum per loss
   replicated = partitioning.replicated(mesh)
   return PlacedSteps(
       optimizer=tx, state_shardings=state_sh, abstract_state=target,
       zero_grads=jax.jit(
-          lambda p: ({k: train_step.zeros_like_f32(p) for k in bounds}
-                     if bounds else train_step.zeros_like_f32(p)),
+          lambda p: {k: train_step.zeros_like_f32(p) for k in names},
           out_shardings=grads_sh),
       accumulate=jax.jit(accumulate, donate_argnums=(1,),
                          out_shardings=(grads_sh, replicated)),

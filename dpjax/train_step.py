@@ -8,22 +8,24 @@ One logical batch (one noisy release) is processed as:
   state = apply(state, grads)                             # noise once, update
 
 `accumulate` scans over K microbatches of m examples each, clipping every
-example's gradient inside its microbatch and adding to the running sum.
-`apply` hands the clipped sum to a DP optimizer (dpjax.privacy.optimizers),
-which adds the Gaussian noise exactly once and normalises before the base
-optimizer. A Poisson sample larger than K*m (rare by construction of the
+example's gradient inside its microbatch and adding to the running sums, one
+per named loss (`{LOSS: sum}` for a model with one loss). `apply` hands the
+clipped sums to a DP optimizer (dpjax.privacy.optimizers), which adds the
+Gaussian noise exactly once per sum, keyed by the state's `noise_count`, and
+normalises before the base optimizer. A Poisson sample larger than K*m (rare by construction of the
 sampler) costs one more `accumulate` call with the same compiled shapes, so no
 sampled example is ever dropped and the accountant's model stays exact.
 
 A model with several named losses (`clipping.multi_loss_clipped_grad`, e.g.
-GPT-2 + discriminator head) accumulates one clipped sum per loss; `apply`
-then noises each as its own release (`optimizers.dp_optimizer_releases`) and
-its metrics are those of one loss per `name/` prefix.
+GPT-2 + discriminator head) is the same path with more names: each sum is its
+own release, and the metrics are those of one loss per `name/` prefix (a
+single loss keeps plain names).
 
 A run with a redaction schedule (dpjax.privacy.redaction_schedule) also takes
 non-private steps on public (redacted) batches: `public_step` is the plain
 mean gradient over the real rows, scanned over K microbatches, and the DP
-optimizer's base update on the same optimizer state; it makes no release.
+optimizer's base update on the same optimizer state; it makes no release
+and leaves `noise_count` alone.
 
 Nothing here imports TensorFlow.
 """
@@ -36,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dpjax.privacy import clipping
+from dpjax.privacy import clipping, optimizers
 
 PyTree = Any
+# The name of a model's one loss: its clipped sum is release {LOSS: sum}.
+LOSS = "loss"
 
 NORM_QUANTILES = (0.5, 0.9, 0.99)
 _DROPOUT_STREAM = 0x0D50
@@ -46,17 +50,28 @@ _PUBLIC_DROPOUT_STREAM = 0x9D50
 
 
 class TrainState(NamedTuple):
-  """`step`: optimizer updates taken, DP and public (int32 scalar). The DP
-  releases are counted by `privatize`'s noise counter in `opt_state`; in a run
-  without public steps the two are equal."""
+  """`step`: optimizer updates taken, DP and public (int32 scalar);
+  `opt_state`: the base optimizer's; `noise_count`: the DP releases made,
+  the index that keys the next one's noise. In a run without public steps
+  `step == noise_count`."""
   step: jax.Array
   params: PyTree
   opt_state: optax.OptState
+  noise_count: jax.Array
 
 
-def init_state(params: PyTree, optimizer: optax.GradientTransformation
-               ) -> TrainState:
-  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+def init_state(params: PyTree, optimizer: optimizers.DPOptimizer |
+               optax.GradientTransformation) -> TrainState:
+  zero = jnp.zeros((), jnp.int32)
+  return TrainState(zero, params, optimizer.init(params), zero)
+
+
+def sensitivities(clipped_grad) -> dict[str, float]:
+  """The L2 sensitivity of each named sum `make_accumulate` builds from a
+  clipped-gradient function (one loss: `{LOSS: its sensitivity}`)."""
+  if isinstance(clipped_grad, clipping.MultiClippedGrad):
+    return dict(clipped_grad.sensitivities)
+  return {LOSS: clipped_grad.sensitivity}
 
 
 def dropout_keys(seed: int, step, call: int, shape, *,
@@ -77,14 +92,22 @@ def _sum_stats(stats: clipping.ClipStats) -> dict[str, jax.Array]:
   )
 
 
-def make_accumulate(clipped_grad: clipping.ClippedGradFn, *, seed: int,
-                    dropout: bool) -> Callable:
-  """(params, grads, batch[K,m,...], mask[K,m], step, call) -> (grads, metrics).
+def make_accumulate(clipped_grad, *, seed: int, dropout: bool) -> Callable:
+  """(params, sums, batch[K,m,...], mask[K,m], step, call) -> (sums, metrics).
 
-  Metrics are sums over real examples, plus quantiles of the per-example
-  gradient norms before clipping. `dropout`: give every example a
-  `dropout_rng` key (`dropout_keys`), for dropout or a loss's own randomness.
+  `clipped_grad`: a `clipping.ClippedGradFn` (one loss) or a
+  `multi_loss_clipped_grad`; `sums` is `{name: running clipped sum}` with the
+  names of `sensitivities(clipped_grad)`. Metrics are sums over real
+  examples, plus quantiles of the per-example gradient norms before
+  clipping (`name/metric` with several losses). `dropout`: give every
+  example a `dropout_rng` key (`dropout_keys`), for dropout or a loss's own
+  randomness.
   """
+  single = not isinstance(clipped_grad, clipping.MultiClippedGrad)
+
+  def named(params, mb, mb_mask):
+    grad_sum, stats = clipped_grad(params, mb, mb_mask)
+    return ({LOSS: grad_sum}, {LOSS: stats}) if single else (grad_sum, stats)
 
   def accumulate(params, grads, batch, mask, step, call):
     if dropout:
@@ -92,22 +115,17 @@ def make_accumulate(clipped_grad: clipping.ClippedGradFn, *, seed: int,
                                                    mask.shape))
 
     def one_microbatch(acc, microbatch):
-      mb, mb_mask = microbatch
-      grad_sum, stats = clipped_grad(params, mb, mb_mask)
-      acc = jax.tree.map(jnp.add, acc, grad_sum)
-      if isinstance(stats, clipping.ClipStats):
-        return acc, (_sum_stats(stats), stats.norms)
+      grad_sums, stats = named(params, *microbatch)
+      acc = jax.tree.map(jnp.add, acc, grad_sums)
       return acc, ({k: _sum_stats(s) for k, s in stats.items()},
                    {k: s.norms for k, s in stats.items()})
 
     grads, (sums, norms) = jax.lax.scan(one_microbatch, grads, (batch, mask))
-    if isinstance(norms, dict):  # several losses: `name/metric`
-      metrics = {}
-      for name in norms:
-        for key, value in _metrics(sums[name], norms[name], mask).items():
-          metrics[f"{name}/{key}"] = value
-      return grads, metrics
-    return grads, _metrics(sums, norms, mask)
+    if single:
+      return grads, _metrics(sums[LOSS], norms[LOSS], mask)
+    return grads, {f"{name}/{key}": value for name in norms
+                   for key, value in _metrics(sums[name], norms[name],
+                                              mask).items()}
 
   return accumulate
 
@@ -120,29 +138,33 @@ def _metrics(sums, norms, mask):
   return metrics
 
 
-def make_apply(optimizer: optax.GradientTransformationExtraArgs) -> Callable:
-  """(state, clipped_grad_sum, noise_secret) -> state: one noisy release and
-  update. `noise_secret` (uint32[4], the run's `RunSecret.noise_key()`) is an
-  argument, so it is never a constant of the compiled program."""
+def make_apply(optimizer: optimizers.DPOptimizer) -> Callable:
+  """(state, clipped sums, noise_secret) -> state: one noisy release (index
+  `state.noise_count`) and update. `noise_secret` (uint32[4], the run's
+  `RunSecret.noise_key()`) is an argument, so it is never a constant of the
+  compiled program."""
 
-  def apply(state: TrainState, grads, noise_secret) -> TrainState:
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
-                                          noise_secret=noise_secret)
+  def apply(state: TrainState, sums, noise_secret) -> TrainState:
+    updates, opt_state = optimizer.update(
+        sums, state.opt_state, state.params, count=state.noise_count,
+        noise_secret=noise_secret)
     params = optax.apply_updates(state.params, updates)
-    return TrainState(state.step + 1, params, opt_state)
+    return TrainState(state.step + 1, params, opt_state,
+                      state.noise_count + 1)
 
   return apply
 
 
-def make_public_step(example_loss: Callable, update: optax.TransformUpdateFn,
-                     *, seed: int, dropout: bool) -> Callable:
+def make_public_step(example_loss: Callable,
+                     base: optax.GradientTransformation, *, seed: int,
+                     dropout: bool) -> Callable:
   """(state, batch[K,m,...], mask[K,m], index) -> (state, metrics).
 
   One NON-private step on a public batch: the mean over its real rows of the
   unclipped per-example loss gradients (a scan over the K microbatches), then
-  `update` (`optimizers.public_update(base)`: the DP optimizer's base on the
-  shared state, noise counter untouched). `index` numbers the public steps
-  (their dropout keys). Metrics: loss sum and number of real examples.
+  `base` (the DP optimizer's base) on the shared optimizer state; the noise
+  counter is untouched. `index` numbers the public steps (their dropout
+  keys). Metrics: loss sum and number of real examples.
   """
   per_example = jax.vmap(example_loss, in_axes=(None, 0))
 
@@ -163,9 +185,9 @@ def make_public_step(example_loss: Callable, update: optax.TransformUpdateFn,
                                  zeros_like_f32(state.params), (batch, mask))
     count = mask.sum()
     grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
-    updates, opt_state = update(grads, state.opt_state, state.params)
+    updates, opt_state = base.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return (TrainState(state.step + 1, params, opt_state),
+    return (TrainState(state.step + 1, params, opt_state, state.noise_count),
             {"loss_sum": losses.sum(), "num_examples": count})
 
   return public_step

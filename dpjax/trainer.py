@@ -59,7 +59,7 @@ from dpjax import (checkpoints, distributed, fileio, gin_cli, loop,
                    partitioning, plan as plan_lib, reporting, run_config,
                    steps as steps_lib, train_step)
 from dpjax.models import trainable as trainable_lib
-from dpjax.privacy import ledger as ledger_lib, optimizers as dp_optimizers
+from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import secret as secret_lib
 
 RunConfig = run_config.RunConfig
@@ -166,7 +166,7 @@ def train(config: RunConfig | None = None) -> dict:
     plan_lib.check_release_counts(
         plan.ledger, checkpoint_step=start_step,
         dp_steps=plan.dp_steps_before(start_step),
-        noise_count=int(dp_optimizers.noise_count(state.opt_state)))
+        noise_count=int(state.noise_count))
     reporting.say(f"resumed {model_dir} at step {start_step}, "
                   f"ε spent {plan.ledger.epsilon_spent():.4f}")
   else:  # built in place on the mesh, the same on every process

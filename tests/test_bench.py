@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from dpjax import bench, train_step
@@ -151,12 +152,13 @@ def test_bfloat16_step_keeps_float32_params_grads_and_norms():
 
   # The update (noise, Adam) keeps params and moments float32; dtypes only,
   # so traced, not compiled.
-  tx = optimizers.dp_adam(1e-3, noise_multiplier=1.0, sensitivity=1.0,
-                          normalizer=4)
+  tx = optimizers.dp_optimizer(optax.adam(1e-3),
+                               noise_multipliers={"loss": 1.0},
+                               sensitivities={"loss": 1.0}, normalizer=4)
   state = jax.eval_shape(train_step.make_apply(tx),
-                         train_step.init_state(params, tx), grads,
+                         train_step.init_state(params, tx), {"loss": grads},
                          RunSecret.pinned(0).noise_key())
-  adam = state.opt_state[1][0]
+  adam = state.opt_state[0]
   assert {x.dtype for x in jax.tree.leaves((state.params, adam.mu, adam.nu))
           } == {jnp.dtype("float32")}
 

@@ -84,14 +84,12 @@ def test_each_release_gets_its_own_independent_noise():
   params = {"w": jnp.zeros(40_000), "frozen": jnp.zeros(50)}
   trains = {"w": True, "frozen": False}
   zeros = jax.tree.map(jnp.zeros_like, params)
-  tx = noise.privatize_releases(noise_multipliers={"lm": 1.0, "disc": 1.0},
-                                sensitivities={"lm": 1.0, "disc": 3.0}, normalizer=1.0,
-                                trainable=trains)
-  state = tx.init(params)
+  privatize = noise.privatizer(noise_multipliers={"lm": 1.0, "disc": 1.0},
+                               sensitivities={"lm": 1.0, "disc": 3.0}, normalizer=1.0,
+                               trainable=trains)
   key = RunSecret.pinned(3).noise_key()
-  first, state = tx.update({"lm": zeros, "disc": zeros}, state, noise_secret=key)
-  second, state = tx.update({"lm": zeros, "disc": zeros}, state, noise_secret=key)
-  assert int(state.count) == 2
+  first = privatize({"lm": zeros, "disc": zeros}, 0, key)
+  second = privatize({"lm": zeros, "disc": zeros}, 1, key)
   for update in (first, second):
     assert np.std(np.asarray(update["w"])) == pytest.approx(math.sqrt(10), rel=0.02)
     assert np.all(np.asarray(update["frozen"]) == 0)
@@ -101,12 +99,12 @@ def test_each_release_gets_its_own_independent_noise():
 def test_frozen_leaves_are_not_updated_even_with_weight_decay():
   params = {"w": jnp.ones(3), "frozen": jnp.ones(2)}
   trains = {"w": True, "frozen": False}
-  tx = optimizers.dp_optimizer_releases(
+  tx = optimizers.dp_optimizer(
       optimizers.freeze(optax.adamw(0.1, weight_decay=0.5), trains),
       noise_multipliers={"lm": 1.0}, sensitivities={"lm": 1.0}, normalizer=1.0,
       trainable=trains)
   grads = {"lm": {"w": jnp.ones(3), "frozen": jnp.zeros(2)}}
-  updates, _ = tx.update(grads, tx.init(params), params,
+  updates, _ = tx.update(grads, tx.init(params), params, count=0,
                          noise_secret=RunSecret.pinned(0).noise_key())
   assert np.all(np.asarray(updates["frozen"]) == 0) and np.all(np.asarray(updates["w"]) != 0)
 

@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -66,19 +67,21 @@ def test_optimizer_state_follows_params():
             "b": jax.ShapeDtypeStruct((512,), np.float32)}
   axes = {"w": P("embed", "mlp"), "b": P("mlp")}
   rules = partitioning.FSDP_TENSOR_RULES
-  dp = dict(noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0)
+  dp = lambda base: optimizers.dp_optimizer(
+      base, noise_multipliers={"loss": 1.0}, sensitivities={"loss": 1.0},
+      normalizer=1.0)
   spec = lambda s: s.spec
 
   adam = jax.tree.map(spec, partitioning.state_shardings(
-      mesh, optimizers.dp_adam(1e-3, **dp), params, axes, rules))
+      mesh, dp(optax.adam(1e-3)), params, axes, rules))
   assert adam.params == {"w": P("fsdp", "tensor"), "b": P("tensor")}
-  privatize, (scale_by_adam, _) = adam.opt_state
-  assert privatize.count == P() and scale_by_adam.count == P() and adam.step == P()
+  scale_by_adam, _ = adam.opt_state
+  assert adam.noise_count == P() and scale_by_adam.count == P() and adam.step == P()
   assert scale_by_adam.mu == adam.params and scale_by_adam.nu == adam.params
 
   factored = jax.tree.map(spec, partitioning.state_shardings(
-      mesh, optimizers.dp_adafactor(1e-3, **dp), params, axes, rules))
-  state = factored.opt_state[1][0]
+      mesh, dp(optax.adafactor(1e-3)), params, axes, rules))
+  state = factored.opt_state[0]
   # optax factors [256, 512] into rows [256] and columns [512].
   assert state.v_row["w"] == P("fsdp") and state.v_col["w"] == P("tensor")
   assert state.v["w"] == P(None) and state.v["b"] == P("tensor")
@@ -116,14 +119,16 @@ def _dp_step(example_loss, method="vmap"):
   # eps far above the rounding of the gradient sums, so that Adam's
   # normalisation does not blow reassociation differences (sharded sums
   # add in another order) up to the size of a step.
-  tx = optimizers.dp_adam(1e-2, noise_multiplier=0.5, sensitivity=CLIP,
-                          normalizer=K * M, eps=1e-3)
+  tx = optimizers.dp_optimizer(optax.adam(1e-2, eps=1e-3),
+                               noise_multipliers={"loss": 0.5},
+                               sensitivities={"loss": CLIP}, normalizer=K * M)
   accumulate = train_step.make_accumulate(clipped, seed=0, dropout=False)
   apply = train_step.make_apply(tx)
 
   def step(state, batch, mask):
-    grads, _ = accumulate(state.params, train_step.zeros_like_f32(state.params),
-                          batch, mask, state.step, 0)
+    grads, _ = accumulate(
+        state.params, {"loss": train_step.zeros_like_f32(state.params)},
+        batch, mask, state.step, 0)
     return apply(state, grads, RunSecret.pinned(0).noise_key())
 
   return tx, step
@@ -165,7 +170,7 @@ def _sharded_run():
           state, reference)
       # Stored sharded where the mesh has a parameter axis: every parameter
       # with a d_model axis, and both its Adam moments.
-      adam = state.opt_state[1][0]
+      adam = state.opt_state[0]
       for tree in (state.params, adam.mu, adam.nu):
         for x, logical in zip(jax.tree.leaves(tree), jax.tree.leaves(axes)):
           local = x.addressable_shards[0].data.shape

@@ -144,20 +144,30 @@ def test_no_dp_step_planned_needs_no_noise_and_spends_nothing():
 # --- The non-private update ---------------------------------------------------
 
 
-def test_public_update_moves_the_base_state_and_not_the_noise_counter():
+def test_dp_and_public_steps_share_the_base_state_and_only_dp_counts():
+  """A DP step (`make_apply`) advances the base optimizer and the noise
+  counter; a public step after it runs the same base optimizer on the same
+  state (here on a zero loss: the base's own update of a zero gradient) and
+  leaves the counter, so the next release keeps its index."""
   params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
   grads = {"w": jnp.full((2, 3), 0.5), "b": jnp.array([1.0, -2.0, 3.0])}
   base = optax.adamw(1e-2)
-  tx = optimizers.dp_optimizer(base, noise_multiplier=1.0, sensitivity=0.1,
-                               normalizer=16.0)
-  _, state = jax.jit(tx.update)(grads, tx.init(params), params,  # a release
-                                noise_secret=secret.RunSecret.pinned(0).noise_key())
-  updates, new_state = jax.jit(optimizers.public_update(base))(grads, state,
-                                                               params)
-  want_updates, want_base = jax.jit(base.update)(grads, state[1], params)
-  assert int(new_state[0].count) == int(state[0].count) == 1
-  jax.tree.map(np.testing.assert_array_equal, updates, want_updates)
-  jax.tree.map(np.testing.assert_array_equal, new_state[1], want_base)
+  tx = optimizers.dp_optimizer(base, noise_multipliers={"loss": 1.0},
+                               sensitivities={"loss": 0.1}, normalizer=16.0)
+  state = jax.jit(train_step.make_apply(tx))(
+      train_step.init_state(params, tx), {"loss": grads},
+      secret.RunSecret.pinned(0).noise_key())
+  assert int(state.noise_count) == int(state.step) == 1
+  public = jax.jit(train_step.make_public_step(
+      lambda p, ex: 0.0 * jnp.sum(p["w"]) * ex["x"], base, seed=0,
+      dropout=False))
+  new, _ = public(state, {"x": jnp.ones((1, 2))}, jnp.ones((1, 2)), 0)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  want_updates, want_base = base.update(zero, state.opt_state, state.params)
+  assert int(new.noise_count) == 1 and int(new.step) == 2
+  jax.tree.map(np.testing.assert_allclose, new.opt_state, want_base)
+  jax.tree.map(np.testing.assert_allclose, new.params,
+               optax.apply_updates(state.params, want_updates))
 
 
 def test_public_step_is_sgd_on_the_mean_gradient_of_the_real_rows():
@@ -170,11 +180,11 @@ def test_public_step_is_sgd_on_the_mean_gradient_of_the_real_rows():
   example_loss = lambda params, ex: (ex["x"] @ params["w"] - ex["y"]) ** 2
   params = {"w": np.array([0.5, -1.0, 2.0], np.float32)}
   base = optax.sgd(0.1)
-  tx = optimizers.dp_optimizer(base, noise_multiplier=1.0, sensitivity=1.0,
-                               normalizer=4.0)
-  state = train_step.TrainState(jnp.int32(0), params, tx.init(params))
+  tx = optimizers.dp_optimizer(base, noise_multipliers={"loss": 1.0},
+                               sensitivities={"loss": 1.0}, normalizer=4.0)
+  state = train_step.init_state(params, tx)
   step = jax.jit(train_step.make_public_step(
-      example_loss, optimizers.public_update(base), seed=0, dropout=False))
+      example_loss, base, seed=0, dropout=False))
   new, metrics = step(state, {"x": x.reshape(2, 3, 3), "y": y.reshape(2, 3)},
                       mask.reshape(2, 3), 0)
   xr, yr = x[:4], y[:4]  # by hand: grad of mean (x w - y)^2 = 2 x^T r / 4
@@ -183,7 +193,7 @@ def test_public_step_is_sgd_on_the_mean_gradient_of_the_real_rows():
                              rtol=1e-5)
   np.testing.assert_allclose(metrics["loss_sum"],
                              np.sum((xr @ params["w"] - yr) ** 2), rtol=1e-5)
-  assert int(new.step) == 1 and int(new.opt_state[0].count) == 0
+  assert int(new.step) == 1 and int(new.noise_count) == 0
 
 
 # --- Mixed runs of the trainer ------------------------------------------------
@@ -300,7 +310,7 @@ def test_mixed_run_records_exactly_the_dp_steps_it_takes(mixed):
   # The trainer's state: every step moved it, only DP steps drew noise.
   state = counter.fit.state
   assert int(state.step) == 6
-  assert int(optimizers.noise_count(state.opt_state)) == counter.dp
+  assert int(state.noise_count) == counter.dp
   assert dataclasses.asdict(meta.data_position) == {"step": 6, "seed": 0,
                                    "dp_steps": counter.dp,
                                    "public_steps": counter.public}

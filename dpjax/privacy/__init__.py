@@ -14,10 +14,10 @@ The privacy contract of a DP training step, module by module:
    per-example gradients of the weight matrices; book-keeping, or a second
    backward pass through rematerialised layers);
    `make_clipped_grad(method='vmap'|'ghost'|'auto')` picks one.
-3. `noise` / `optimizers`: `privatize` adds N(0, (sigma * sensitivity)^2) to
-   that sum exactly once per logical batch, keyed by (secret, step), and divides
-   by a data-independent normalizer; the base optax optimizer after it is
-   post-processing.
+3. `noise` / `optimizers`: `privatizer` adds N(0, (sigma * sensitivity)^2) to
+   each named sum (one per loss) exactly once per logical batch, keyed by
+   (secret, release index), and divides by a data-independent normalizer;
+   the base optax optimizer after it (`DPOptimizer`) is post-processing.
 4. `accounting` / `ledger`: each release is recorded as an event
    (`PoissonGaussian` per Poisson step, `Gaussian` per shuffled epoch with
    sigma / 2, or any other Gaussian query); epsilon at delta is the
@@ -57,19 +57,8 @@ from dpjax.privacy.ledger import (
     BudgetExceededError,
     PrivacyLedger,
 )
-from dpjax.privacy.noise import (
-    PrivatizeState,
-    add_gaussian_noise,
-    noise_key,
-    privatize,
-)
-from dpjax.privacy.optimizers import (
-    dp_adafactor,
-    dp_adam,
-    dp_adamw,
-    dp_optimizer,
-    dp_sgd,
-)
+from dpjax.privacy.noise import add_gaussian_noise, noise_key, privatizer
+from dpjax.privacy.optimizers import DPOptimizer, dp_optimizer
 from dpjax.privacy.sampling import PoissonSampler, ShuffleSampler
 from dpjax.privacy.secret import RunSecret
 
@@ -77,24 +66,20 @@ __all__ = [
     "BudgetExceededError",
     "ClipStats",
     "ClippedGradFn",
+    "DPOptimizer",
     "Event",
     "Gaussian",
     "LEDGER_FILENAME",
     "PoissonGaussian",
     "PoissonSampler",
     "PrivacyLedger",
-    "PrivatizeState",
     "RunSecret",
     "ShuffleSampler",
     "Site",
     "add_gaussian_noise",
     "calibrate_noise_multiplier",
     "clipped_grad",
-    "dp_adafactor",
-    "dp_adam",
-    "dp_adamw",
     "dp_optimizer",
-    "dp_sgd",
     "dpsgd_epsilon",
     "dpsgd_noise_multiplier",
     "effective_noise_multiplier",
@@ -105,7 +90,7 @@ __all__ = [
     "make_clipped_grad",
     "noise_key",
     "per_group_clipped_grad",
-    "privatize",
+    "privatizer",
     "shuffle_epochs_event",
     "training_events",
 ]

@@ -3,7 +3,7 @@
 A clipped-gradient function maps `(params, batch, mask)` to the SUM over real
 examples of per-example gradients, each clipped to a bounded L2 norm, and
 carries that bound as its `sensitivity`. Noise is added elsewhere
-(`dpjax.privacy.noise.privatize`), once per logical batch, scaled by this
+(`dpjax.privacy.noise.privatizer`), once per logical batch, scaled by this
 `sensitivity`; keeping the bound on the callable means the two cannot drift.
 Here the per-example gradients come from `vmap`; `dpjax.privacy.ghost`
 computes the same sum without them, and `make_clipped_grad` picks one.

@@ -1,21 +1,22 @@
-"""Gaussian noise for DP releases, as an optax gradient transformation.
+"""Gaussian noise for DP releases.
 
 Formal guarantees
 -----------------
-`privatize(noise_multiplier=z, sensitivity=C, ...)` turns a sum `S(D)` whose
-L2 sensitivity is at most `C` (see `dpjax.privacy.clipping`) into the release
-`(S(D) + N(0, (z C)^2 I)) / normalizer`: one Gaussian mechanism with noise
-multiplier `z` per `update` call. `privatize_releases` does the same for
-several sums at once (one per named loss, `clipping.multi_loss_clipped_grad`):
-one Gaussian per sum, with independent keys, added up afterwards. Dividing by a data-independent `normalizer`
-and everything downstream (the base optimizer, which only sees this release
-and the parameters) is post-processing. How many releases were made, and on
+`privatizer(noise_multipliers={name: z}, sensitivities={name: C}, ...)` turns
+a sum `S(D)` whose L2 sensitivity is at most `C` (see
+`dpjax.privacy.clipping`) into the release `(S(D) + N(0, (z C)^2 I)) /
+normalizer`: one Gaussian mechanism with noise multiplier `z` per call. With
+several named sums (one per loss, `clipping.multi_loss_clipped_grad`) it makes
+one Gaussian per sum, with independent keys, added up afterwards. Dividing by
+a data-independent `normalizer` and everything downstream (the base
+optimizer, which only sees this release and the parameters) is
+post-processing. How many releases were made, and on
 which sampled batches, is what `dpjax.privacy.accounting` composes.
 
 The noise comes from a counter-based PRNG keyed by `(secret, step)`, so it
 is identical on every host and reproducible on resume. `secret` is 128 bits
-from the run's `secret.RunSecret` (OS entropy), passed to `update` as the
-extra argument `noise_secret` (a jit argument, never a compiled constant).
+from the run's `secret.RunSecret` (OS entropy), passed to `privatize` as the
+argument `noise_secret` (a jit argument, never a compiled constant).
 jax's threefry takes a 64-bit key, so each draw is the XOR of the bits of two
 threefry streams keyed by the secret's two independent halves, then mapped
 to a Gaussian as `jax.random.normal` maps its bits: guessing the noise means
@@ -27,12 +28,11 @@ attacks).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 PyTree = Any
 
@@ -117,101 +117,46 @@ def add_gaussian_noise(
   return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
-class PrivatizeState(NamedTuple):
-  """`count`: number of noisy releases made so far (the DP step index)."""
-
-  count: jax.Array
-
-
-def privatize(
-    *,
-    noise_multiplier: float,
-    sensitivity: float,
-    normalizer: float,
-) -> optax.GradientTransformationExtraArgs:
-  """Adds calibrated Gaussian noise to a clipped-gradient sum, then normalizes.
-
-  Formal guarantees:
-    Given `updates` = the sum of clipped per-example gradients of one logical
-    batch, with L2 sensitivity `<= sensitivity`, each `update` call is one
-    Gaussian mechanism with noise multiplier `noise_multiplier`: it returns
-    `(updates + N(0, (noise_multiplier * sensitivity)^2 I)) / normalizer`,
-    with noise keyed by `noise_key(noise_secret, count)` and `count`
-    incremented by one. Call it exactly once per logical batch, however many
-    microbatches built the sum. `noise_multiplier == 0` (epsilon = inf)
-    takes the same code path and returns exactly `updates / normalizer`.
-
-  Args:
-    noise_multiplier: Noise standard deviation in units of the sensitivity.
-    sensitivity: L2 sensitivity of `updates`, e.g. `ClippedGradFn.sensitivity`.
-    normalizer: Data-independent divisor: the expected batch size `q * N` for
-      Poisson sampling, or the fixed batch size for shuffling. Dividing by the
-      realised batch size instead would leak it.
-
-  Returns:
-    An optax `GradientTransformationExtraArgs` with state `PrivatizeState`
-    whose `update(updates, state, params, *, noise_secret)` takes the run's
-    secret noise key (uint32[4], `RunSecret.noise_key()`); there is no
-    default key.
-  """
-  if not noise_multiplier >= 0:
-    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
-  if not sensitivity > 0:
-    raise ValueError(f"sensitivity must be > 0, got {sensitivity}.")
-  if not normalizer > 0:
-    raise ValueError(f"normalizer must be > 0, got {normalizer}.")
-  stddev = noise_multiplier * sensitivity
-
-  def init_fn(params):
-    del params
-    return PrivatizeState(count=jnp.zeros([], jnp.int32))
-
-  def update_fn(updates, state, params=None, *, noise_secret, **extra_args):
-    del params, extra_args
-    noisy = add_gaussian_noise(updates, noise_key(noise_secret, state.count),
-                               stddev)
-    updates = jax.tree_util.tree_map(lambda x: x / normalizer, noisy)
-    return updates, PrivatizeState(count=state.count + 1)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def privatize_releases(
+def privatizer(
     *,
     noise_multipliers: Mapping[str, float],
     sensitivities: Mapping[str, float],
     normalizer: float,
     trainable: PyTree | None = None,
-) -> optax.GradientTransformationExtraArgs:
-  """`privatize` for several clipped sums of one batch, noised separately.
+) -> Callable[[Mapping[str, PyTree], jax.Array, jax.Array], PyTree]:
+  """The noisy release of one logical batch's clipped sums.
 
-  `updates` is `{name: clipped grad sum}` (the output of
-  `clipping.multi_loss_clipped_grad`); each sum gets its own
-  `N(0, (noise_multipliers[name] * sensitivities[name])^2 I)`, then the noisy
+  Returns `privatize(sums, count, noise_secret) -> update`: `sums` is
+  `{name: clipped gradient sum}` (one entry per named loss; a model with one
+  loss is the case of one name), `count` the release index (the DP step:
+  `TrainState.noise_count`) and `noise_secret` the run's secret noise key
+  (uint32[4], `RunSecret.noise_key()`; there is no default). Each sum gets its
+  own `N(0, (noise_multipliers[name] * sensitivities[name])^2 I)`; the noisy
   sums are added and divided by `normalizer`, giving one update shaped like
   the params. Leaves where `trainable` is False (frozen) are never noised:
   their sums are zero, and so are their updates.
 
   Formal guarantees:
-    If each `updates[name]` has L2 sensitivity `<= sensitivities[name]`, each
-    `update` call is one Gaussian mechanism per name, with noise multiplier
-    `noise_multipliers[name]`, all on the same batch: account for them as
+    If each `sums[name]` has L2 sensitivity `<= sensitivities[name]`, each
+    call is one Gaussian mechanism per name, with noise multiplier
+    `noise_multipliers[name]`, all on the same batch: account for T calls as
     `accounting.PoissonGaussian(q, tuple(noise_multipliers.values()), T)`.
-    Release k (in `noise_multipliers`' order) is keyed by
-    `fold_in(noise_key(noise_secret, count), k)`, so the draws are
-    independent of each other and of every other step's. The sum over names
-    and the division are post-processing.
+    Call it exactly once per logical batch, however many microbatches built
+    the sums, with a new `count` each time. A single release is keyed by
+    `noise_key(noise_secret, count)`; release k of several by
+    `fold_in(noise_key(noise_secret, count), k)` (in `noise_multipliers`'
+    order), so the draws are independent of each other and of every other
+    step's. The sum over names and the division by the data-independent
+    `normalizer` are post-processing. A noise multiplier of 0 (ε = ∞) takes
+    the same code path and adds exactly nothing.
 
   Args:
     noise_multipliers: name -> noise multiplier (>= 0).
     sensitivities: name -> L2 sensitivity (> 0); the same names.
-    normalizer: As in `privatize`.
+    normalizer: Data-independent divisor: the expected batch size `q * N` for
+      Poisson sampling, or the fixed batch size for shuffling. Dividing by the
+      realised batch size instead would leak it.
     trainable: Optional bools shaped like the params.
-
-  Returns:
-    An optax `GradientTransformationExtraArgs` with state `PrivatizeState`
-    (the same state as `privatize`'s, so public steps treat both alike) and
-    `privatize`'s `noise_secret` argument.
   """
   names = list(noise_multipliers)
   if not names or set(names) != set(sensitivities):
@@ -228,26 +173,20 @@ def privatize_releases(
     raise ValueError(f"normalizer must be > 0, got {normalizer}.")
   stddevs = {k: noise_multipliers[k] * sensitivities[k] for k in names}
 
-  def init_fn(params):
-    del params
-    return PrivatizeState(count=jnp.zeros([], jnp.int32))
-
-  def update_fn(updates, state, params=None, *, noise_secret, **extra_args):
-    del params, extra_args
-    if set(updates) != set(names):
-      raise ValueError(f"expected the sums {names}, got {sorted(updates)}.")
-    step_keys = noise_key(noise_secret, state.count)
+  def privatize(sums, count, noise_secret):
+    if set(sums) != set(names):
+      raise ValueError(f"expected the sums {names}, got {sorted(sums)}.")
+    step_keys = noise_key(noise_secret, count)
     total = None
     for k, name in enumerate(names):
-      noisy = add_gaussian_noise(updates[name], fold_in(step_keys, k),
-                                 stddevs[name])
+      keys = step_keys if len(names) == 1 else fold_in(step_keys, k)
+      noisy = add_gaussian_noise(sums[name], keys, stddevs[name])
       if trainable is not None:  # frozen leaves: exactly the (zero) sum
         noisy = jax.tree_util.tree_map(
             lambda n, u, t: n if t else u.astype(jnp.float32), noisy,
-            updates[name], trainable)
+            sums[name], trainable)
       total = noisy if total is None else jax.tree_util.tree_map(
           jnp.add, total, noisy)
-    updates = jax.tree_util.tree_map(lambda x: x / normalizer, total)
-    return updates, PrivatizeState(count=state.count + 1)
+    return jax.tree_util.tree_map(lambda x: x / normalizer, total)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return privatize

@@ -10,7 +10,7 @@ configuration sets (a default seed, `train.seed`) protects nothing.
 `RunSecret.draw()` takes 256 bits from the operating system's entropy
 (`secrets`). Everything the guarantee depends on is derived from it, one
 independent key per purpose (keyed BLAKE2b, so one purpose's key says
-nothing about another's): `noise_key()` (128 bits for `noise.privatize`:
+nothing about another's): `noise_key()` (128 bits for `noise.privatizer`:
 two independent 64-bit threefry keys, since threefry's key is 64 bits),
 `sampling_seed()` (Poisson or shuffle sampling) and `purpose_key(name)`
 (e.g. SeqPATE's stored aggregator noise). Randomness the guarantee does not

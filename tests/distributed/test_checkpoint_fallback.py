@@ -5,6 +5,7 @@ import gc
 import glob
 import os
 import shutil
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ STEPS = (2, 4, 6)
 def state_at(step: int) -> train_step.TrainState:
   return train_step.TrainState(
       jnp.int32(step), {"w": jnp.full((3, 4), step, jnp.float32)},
-      {"mu": jnp.arange(5, dtype=jnp.float32) * step})
+      {"mu": jnp.arange(5, dtype=jnp.float32) * step}, jnp.int32(step))
 
 
 def ledger_at(step: int) -> ledger_lib.PrivacyLedger:
@@ -158,3 +159,30 @@ def test_a_full_disk_fails_the_save_in_one_line_and_leaves_no_temporary(
   assert "\n" not in str(e.value)
   assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4", "6"]
   mngr.close()
+
+
+class _LegacyNoiseState(NamedTuple):
+  count: jax.Array
+
+
+class _LegacyState(NamedTuple):
+  step: jax.Array
+  params: dict
+  opt_state: tuple
+
+
+def test_a_checkpoint_with_the_counter_in_the_optimizer_state_resumes(tmp_path):
+  """Checkpoints written before `TrainState.noise_count` kept the noise
+  counter as the first part of an optax chain state (`opt_state =
+  (PrivatizeState(count), base state)`). They restore into the current
+  layout with the counter and the base state as saved."""
+  mngr = checkpoints.manager(str(tmp_path))
+  want = state_at(6)._replace(noise_count=jnp.int32(5))
+  legacy = _LegacyState(want.step, want.params,
+                        (_LegacyNoiseState(want.noise_count), want.opt_state))
+  checkpoints.save(mngr, 6, legacy, meta_at(6), str(tmp_path))
+  step, state, _ = checkpoints.restore_newest(mngr, state_at(0), str(tmp_path))
+  mngr.close()
+  assert step == 6 and isinstance(state, train_step.TrainState)
+  jax.tree.map(np.testing.assert_array_equal, state, want)
+  assert int(state.noise_count) == 5 != int(state.step)
