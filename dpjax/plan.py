@@ -31,22 +31,23 @@ from dpjax.privacy import redaction_schedule as redaction_lib, sampling
 _PUBLIC_SAMPLER_STREAM = 0x70756273  # "pubs"
 
 
-def calibrate(target_epsilon: float, delta: float, sampling_description: dict,
+def calibrate(target_epsilon: float, delta: float,
+              scheme: sampling.PoissonScheme | sampling.ShuffleScheme,
               stage_steps: Sequence[int], *, releases_per_step: int = 1,
               accountant: str = "rdp",
               prior_events: Sequence[accounting.Event] = ()) -> float:
   """The smallest σ with which `prior_events` and then, for each stage, its
-  steps of `releases_per_step` Gaussians (one σ for all) under the sampler
-  `sampling_description` meet (target_epsilon, delta); 0 for ε = ∞ or no
-  step at all. Stages are separate runs on the same data (e.g. the LM and
+  steps of `releases_per_step` Gaussians (one σ for all) under the sampling
+  `scheme` (a sampler's `scheme`) meet (target_epsilon, delta); 0 for ε = ∞
+  or no step at all. Stages are separate runs on the same data (e.g. the LM and
   then a head on it frozen): a shuffled stage starts its own epochs."""
   if math.isinf(target_epsilon) or not any(stage_steps):
     return 0.0
 
   def events(s):
     return list(prior_events) + [
-        e for steps in stage_steps for e in accounting.training_events(
-            sampling_description, (s,) * releases_per_step, steps)]
+        e for steps in stage_steps
+        for e in scheme.events((s,) * releases_per_step, steps)]
 
   return accounting.calibrate_noise_multiplier(target_epsilon, delta, events,
                                                accountant=accountant)
@@ -139,7 +140,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
   elif noise_multiplier is not None:
     sigma = float(noise_multiplier)
   else:
-    sigma = calibrate(target_epsilon, delta, sampler.describe(), [releases],
+    sigma = calibrate(target_epsilon, delta, sampler.scheme, [releases],
                       releases_per_step=per_step, accountant=accountant,
                       prior_events=prior_events)
   plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,

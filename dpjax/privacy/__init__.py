@@ -42,7 +42,6 @@ from dpjax.privacy.accounting import (
     epsilon,
     event_from_json,
     shuffle_epochs_event,
-    training_events,
 )
 from dpjax.privacy.clipping import (
     ClippedGradFn,
@@ -92,5 +91,4 @@ __all__ = [
     "per_group_clipped_grad",
     "privatizer",
     "shuffle_epochs_event",
-    "training_events",
 ]

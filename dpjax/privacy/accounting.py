@@ -212,28 +212,6 @@ def shuffle_epochs_event(noise_multiplier: float, epochs: int) -> Gaussian:
   return Gaussian(noise_multiplier / 2, epochs)
 
 
-def training_events(sampling: dict, noise_multipliers: Sequence[float],
-                    stop: int, start: int = 0) -> list[Event]:
-  """Events of DP steps [start, stop) under a sampler's `describe()` dict.
-
-  Poisson: one sampled Gaussian per step. Shuffling: one Gaussian per epoch,
-  counted at the epoch's first step, so a partial epoch counts in full and
-  splitting a run into pieces never undercounts.
-  """
-  if stop <= start:
-    return []
-  _check_count("steps", stop - start)
-  method = sampling.get("method")
-  if method == "poisson":
-    return [PoissonGaussian(sampling["sampling_rate"],
-                            tuple(noise_multipliers), stop - start)]
-  if method == "shuffle":
-    per_epoch = sampling["steps_per_epoch"]
-    epochs = math.ceil(stop / per_epoch) - math.ceil(start / per_epoch)
-    return [shuffle_epochs_event(
-        effective_noise_multiplier(noise_multipliers), epochs)] if epochs else []
-  raise ValueError(f"Unknown sampling method {method!r}.")
-
 def _make_accountant(accountant: str) -> dp_accounting.PrivacyAccountant:
   if accountant == "rdp":
     return rdp.RdpAccountant(orders=RDP_ORDERS)

@@ -20,7 +20,7 @@ import os
 from typing import Sequence
 
 from dpjax import fileio
-from dpjax.privacy import accounting
+from dpjax.privacy import accounting, sampling as sampling_lib
 
 LEDGER_FILENAME = "privacy_ledger.json"
 # Slack for float noise when the plan was calibrated to exactly the target.
@@ -103,9 +103,9 @@ class PrivacyLedger:
                      noise_multipliers: Sequence[float] | None = None
                      ) -> list[accounting.Event]:
     """The events of the steps from `self.steps` up to `total_steps`."""
-    return accounting.training_events(
-        self.sampling, noise_multipliers or (self.noise_multiplier,),
-        total_steps, start=self.steps)
+    return sampling_lib.scheme_from_description(self.sampling).events(
+        noise_multipliers or (self.noise_multiplier,), total_steps,
+        start=self.steps)
 
   def events_for(self, steps: int,
                  noise_multipliers: Sequence[float] | None = None

@@ -3,7 +3,10 @@
 Samplers are host-side and stateless in the step: `indices(step)` depends only
 on `(seed, step)`, so every host computes the same batch and a run resumes from
 any step without replaying earlier ones. Their `describe()` dict is what the
-privacy ledger records as the sampling scheme.
+privacy ledger records as the sampling scheme; their `scheme` is what the
+accountant needs of them: the neighbouring relation the guarantee is stated
+for, the unit of privacy, and the accounting events of a run of steps
+(`scheme_from_description` rebuilds it from a ledger's record).
 
 Formal guarantees
 -----------------
@@ -29,14 +32,76 @@ and the indices and realised batch sizes must not be released.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
+from typing import ClassVar, Sequence
 
 import numpy as np
 from scipy import stats
 
+from dpjax.privacy import accounting
+
 # Separate random streams for the samplers, so the same seed may be reused.
 SAMPLER_STREAM = 0x73616D70  # "samp"
 SHUFFLE_STREAM = 0x73687566  # "shuf"
+
+
+class Neighbouring(enum.Enum):
+  """Which datasets are neighbours for the guarantee."""
+  ADD_OR_REMOVE_ONE = "add_or_remove_one"
+  REPLACE_ONE = "replace_one"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonScheme:
+  """Poisson sampling at rate q: each DP step is one Poisson-subsampled
+  Gaussian per release, under add-or-remove-one adjacency."""
+  sampling_rate: float
+  unit: str = "example"
+  neighbouring: ClassVar[Neighbouring] = Neighbouring.ADD_OR_REMOVE_ONE
+
+  def events(self, noise_multipliers: Sequence[float], stop: int,
+             start: int = 0) -> list[accounting.Event]:
+    """The events of DP steps [start, stop)."""
+    if stop <= start:
+      return []
+    return [accounting.PoissonGaussian(self.sampling_rate,
+                                       tuple(noise_multipliers), stop - start)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleScheme:
+  """Shuffled epochs of `steps_per_epoch` batches: one Gaussian per epoch
+  with noise multiplier σ/2 (`accounting.shuffle_epochs_event`), under
+  replace-one adjacency."""
+  steps_per_epoch: int
+  unit: str = "example"
+  neighbouring: ClassVar[Neighbouring] = Neighbouring.REPLACE_ONE
+
+  def events(self, noise_multipliers: Sequence[float], stop: int,
+             start: int = 0) -> list[accounting.Event]:
+    """The events of DP steps [start, stop): an epoch is counted at its
+    first step, so a partial epoch counts in full and splitting a run into
+    pieces never undercounts."""
+    if stop <= start:
+      return []
+    epochs = (math.ceil(stop / self.steps_per_epoch)
+              - math.ceil(start / self.steps_per_epoch))
+    if not epochs:
+      return []
+    return [accounting.shuffle_epochs_event(
+        accounting.effective_noise_multiplier(noise_multipliers), epochs)]
+
+
+def scheme_from_description(description: dict) -> PoissonScheme | ShuffleScheme:
+  """The scheme of a sampler's `describe()` record (a ledger's `sampling`)."""
+  method = description.get("method")
+  if method == "poisson":
+    return PoissonScheme(description["sampling_rate"])
+  if method == "shuffle":
+    return ShuffleScheme(description["steps_per_epoch"])
+  raise ValueError(f"Unknown sampling method {method!r}.")
 
 
 def _pack(sample: np.ndarray, num_microbatches: int,
@@ -158,6 +223,10 @@ class PoissonSampler:
     needed = math.ceil(sample.size / microbatch_size)
     return _pack(sample, max(planned, needed), microbatch_size)
 
+  @property
+  def scheme(self) -> PoissonScheme:
+    return PoissonScheme(self.sampling_rate)
+
   def describe(self) -> dict:
     return {
         "method": "poisson",
@@ -165,7 +234,7 @@ class PoissonSampler:
         "dataset_size": self.dataset_size,
         "expected_batch_size": self.expected_batch_size,
         "max_batch_size": self.max_batch_size,
-        "adjacency": "add_or_remove_one",
+        "adjacency": self.scheme.neighbouring.value,
         "overflow_policy": (
             "extra microbatches of the same shape; no example is dropped, so "
             "Poisson accounting is exact"),
@@ -215,13 +284,17 @@ class ShuffleSampler:
     return _pack(self.indices(step),
                  math.ceil(self.batch_size / microbatch_size), microbatch_size)
 
+  @property
+  def scheme(self) -> ShuffleScheme:
+    return ShuffleScheme(self.steps_per_epoch)
+
   def describe(self) -> dict:
     return {
         "method": "shuffle",
         "dataset_size": self.dataset_size,
         "batch_size": self.batch_size,
         "steps_per_epoch": self.steps_per_epoch,
-        "adjacency": "replace_one",
+        "adjacency": self.scheme.neighbouring.value,
         "accounting": (
             "each example is in one batch per epoch; replace-one sensitivity "
             "2C, so each (partial) epoch is one Gaussian mechanism with noise "

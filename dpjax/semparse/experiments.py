@@ -92,10 +92,10 @@ class _Runs:
     batch = int(self.query("%BATCH_SIZE"))
     delta = delta or self.query("%DELTA") or 1.0 / (2 * n)
     t1, t2 = (math.ceil(e * n / batch) for e in epochs)
-    # Only the description: no batch is drawn, so no secret is needed.
+    # Only the scheme: no batch is drawn, so no secret is needed.
     sampling = plan_lib.make_sampler(
         self.query("train.sampling_method", "poisson"), n, batch, 0,
-        self.query("train.overflow_probability", 0.01)).describe()
+        self.query("train.overflow_probability", 0.01)).scheme
     sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2],
                                accountant=self.query("train.accountant", "rdp"))
     return dict(batch=batch, delta=delta, steps=(t1, t2), sigma=sigma)

@@ -7,7 +7,7 @@ from dp_accounting import pld
 from dp_accounting import rdp
 import pytest
 
-from dpjax.privacy import accounting
+from dpjax.privacy import accounting, sampling
 
 DELTA = 1e-5
 
@@ -142,15 +142,26 @@ def test_events_round_trip_through_json_and_merge():
 
 def test_shuffle_accounting():
   assert accounting.shuffle_epochs_event(2.0, 3) == accounting.Gaussian(1.0, 3)
-  sampling = {"method": "shuffle", "steps_per_epoch": 10}
-  assert accounting.training_events(sampling, (2.0,), 25) == [
+  shuffle = sampling.scheme_from_description(
+      {"method": "shuffle", "steps_per_epoch": 10})
+  assert shuffle == sampling.ShuffleSampler(105, 10, seed=0).scheme
+  assert shuffle.neighbouring is sampling.Neighbouring.REPLACE_ONE
+  assert shuffle.events((2.0,), 25) == [
       accounting.Gaussian(1.0, 3)]  # 2.5 epochs count as 3.
-  assert accounting.training_events(sampling, (2.0,), 25, start=20) == [
+  assert shuffle.events((2.0,), 25, start=20) == [
       accounting.Gaussian(1.0, 1)]  # epoch 3 starts at step 20
-  assert accounting.training_events(sampling, (2.0,), 25, start=21) == []
-  poisson = {"method": "poisson", "sampling_rate": 0.1}
-  assert accounting.training_events(poisson, (1.0, 2.0), 7) == [
+  assert shuffle.events((2.0,), 25, start=21) == []
+  poisson = sampling.scheme_from_description(
+      {"method": "poisson", "sampling_rate": 0.1})
+  assert poisson == sampling.PoissonSampler(1000, 100, seed=0).scheme
+  assert poisson.neighbouring is sampling.Neighbouring.ADD_OR_REMOVE_ONE
+  assert poisson.events((1.0, 2.0), 7) == [
       accounting.PoissonGaussian(0.1, (1.0, 2.0), 7)]
+  for sampler in (sampling.PoissonSampler(1000, 100, seed=0),
+                  sampling.ShuffleSampler(105, 10, seed=0)):
+    assert sampler.describe()["adjacency"] == sampler.scheme.neighbouring.value
+  with pytest.raises(ValueError, match="method"):
+    sampling.scheme_from_description({"method": "cyclic"})
 
 
 @pytest.mark.parametrize("acc", ["rdp", "pld"])
