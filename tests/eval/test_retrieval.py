@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli
+from dpjax.datasets import msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, retrieval, search
-from tasks import msmarco
+from tasks import msmarco as msmarco_tasks
 
 DIM = 16
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  return encoding.Tokenizer(msmarco.DEFAULT_VOCABULARY_PATH)
+  return encoding.Tokenizer(msmarco_tasks.DEFAULT_VOCABULARY_PATH)
 
 
 def _table(vocab=2000):
@@ -153,7 +154,7 @@ def test_search_backends_agree_on_random_embeddings():
 
 def test_tokenizer_cuts_appends_eos_and_pads(tokenizer):
   import sentencepiece as spm
-  sp = spm.SentencePieceProcessor(model_file=msmarco.DEFAULT_VOCABULARY_PATH)
+  sp = spm.SentencePieceProcessor(model_file=msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   texts = ["when was culthaethport founded?", "a", ""]
   ids = [sp.encode(t) for t in texts]
   assert len(ids[0]) > 4
