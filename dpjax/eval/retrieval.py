@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dpjax import fileio, gin_cli, partitioning, reporting
-from dpjax.datasets import msmarco
+from dpjax.datasets import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, search
 from tasks import msmarco as msmarco_tasks
 
@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
 def load_dataset(name: str, data_dir: str | None, split: str) -> ir_data.IRDataset:
   if name == "msmarco":
     return ir_data.load_msmarco(data_dir or msmarco.DEFAULT_SAMPLE_DIR, split)
-  return ir_data.load_beir(data_dir or ir_data.BEIR_SAMPLE_DIR, split)
+  return ir_data.load_beir(data_dir or beir.SAMPLE_DIR, split)
 
 
 def _dual_encoder(model_dir: str, vocabulary: str | None, mesh):

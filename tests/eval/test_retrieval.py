@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli
-from dpjax.datasets import msmarco
+from dpjax.datasets import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, retrieval, search
 from tasks import msmarco as msmarco_tasks
 
@@ -241,8 +241,8 @@ def test_resumable_encoder_skips_finished_shards(tmp_path, tokenizer):
 
 
 def test_beir_loader_reads_the_sample():
-  dataset = ir_data.load_beir(ir_data.BEIR_SAMPLE_DIR)
-  root = ir_data.BEIR_SAMPLE_DIR
+  dataset = ir_data.load_beir(beir.SAMPLE_DIR)
+  root = beir.SAMPLE_DIR
   with open(os.path.join(root, "corpus.jsonl"), encoding="utf-8") as f:
     raw = [json.loads(line) for line in f]
   with open(os.path.join(root, "queries.jsonl"), encoding="utf-8") as f:
@@ -336,7 +336,7 @@ def test_job_on_beir_sample_matches_brute_force(tmp_path, tokenizer):
     return mean / jnp.linalg.norm(mean, axis=1, keepdims=True)
 
   encode_fn = encoding.device_encode_fn(encode, table)
-  dataset = ir_data.load_beir(ir_data.BEIR_SAMPLE_DIR)
+  dataset = ir_data.load_beir(beir.SAMPLE_DIR)
   out = str(tmp_path / "out")
   results = retrieval.evaluate_retrieval(
       dataset, encode_fn, tokenizer, out, fingerprint={"model": "bag"},
@@ -422,5 +422,5 @@ def test_beir_sample_is_what_its_generator_writes(tmp_path):
   for name in ("corpus.jsonl", "queries.jsonl", os.path.join("qrels", "test.tsv"),
                "README.md"):
     with open(tmp_path / name, "rb") as f, \
-        open(os.path.join(ir_data.BEIR_SAMPLE_DIR, name), "rb") as g:
+        open(os.path.join(beir.SAMPLE_DIR, name), "rb") as g:
       assert f.read() == g.read(), name
