@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 def user_errors() -> tuple[type[Exception], ...]:
   """Errors caused by the user's input: reported in one message, exit 2."""
   from dpjax.pretrained import hf
-  from tasks import msmarco
+  from dpjax.datasets import msmarco
   return (gin_cli.UsageError, FileNotFoundError, msmarco.MalformedLineError,
           checkpoints.CheckpointMismatchError, ledger_lib.BudgetExceededError,
           hf.CheckpointError, checkpoints.UnreadableCheckpointError)

@@ -1,5 +1,7 @@
 """seqio tasks of dpjax (data layer: TensorFlow/seqio live here and in
 `dpjax.data`, never in `dpjax.privacy`, `dpjax.models` or the train step).
+The datasets' readers are `dpjax.datasets`; this package only registers the
+tasks built on them.
 
 Importing this package registers nothing: it only makes the gin configurables
 available (`register_tasks`, `register_msmarco_query_generation`,
@@ -17,18 +19,19 @@ from __future__ import annotations
 
 import gin
 
+from dpjax.datasets.malformed import MalformedLineError  # noqa: F401
+from dpjax.datasets.msmarco import (  # noqa: F401  (tests/test_trainer.py)
+    DEFAULT_SAMPLE_DIR,
+    load_collection_ids,
+)
 from tasks import msmarco
 from tasks import multidogo
 from tasks import semparse
 from tasks import textcls
 from tasks.msmarco import (  # noqa: F401  (re-exported)
-    DEFAULT_SAMPLE_DIR,
     DEFAULT_TASK_NAME,
     DEFAULT_VOCABULARY_PATH,
     TASK_FEATURE_LENGTHS,
-    MalformedLineError,
-    load_collection_ids,
-    load_query_passage_pairs,
     register_msmarco_query_generation,
 )
 from tasks.semparse import (  # noqa: F401  (re-exported)

@@ -3,9 +3,9 @@ separable labelling and is scored on held-out texts."""
 import numpy as np
 import tokenizers
 
-from dpjax.models import bert
 from dpjax import text_classifier as classifier
-from tasks import textcls
+from dpjax.datasets import textcls
+from dpjax.models import bert
 
 MARKERS = ("splendid", "dreadful")  # the class of a text is its marker word
 FILLER = ("the", "film", "cast", "plot", "is", "a", "and", "story", "of", "ending", "quite")

@@ -21,7 +21,12 @@ text; a ledger built on redacted data inherits that assumption.
 A saved classifier is a directory: `config.json` (BERT config, labels,
 window and token lengths), `params.msgpack` (flax msgpack of the params) and
 the tokenizer's `vocab.json` + `merges.txt`, so `DomainClassifier.load` (and
-`redaction.ClassifierPolicy.from_dir`) need nothing else.
+`classifier_policy`, the redaction policy it drives) need nothing else. The
+MultiDoGo tasks take that policy from the pipeline, as gin bindings::
+
+    register_multidogo_tasks.classifier_policy = @classifier_policy
+    classifier_policy.classifier_dir = '/tmp/dogo_clf'
+    classifier_policy.threshold = 0.9
 
     python -m dpjax.dialog.classifier --output_dir /tmp/dogo_clf
 
@@ -41,13 +46,15 @@ import time
 from typing import Any, Mapping, Sequence
 
 import flax.serialization
+import gin
 import jax
 import numpy as np
 import tokenizers
 
-from dpjax import fileio, text_classifier
-from dpjax.dialog import redaction
+from dpjax import fileio, gin_cli, text_classifier
+from dpjax.datasets import multidogo
 from dpjax.models import bert
+from dpjax.text import redaction
 
 PyTree = Any
 _FILES = ("config.json", "params.msgpack", "vocab.json", "merges.txt")
@@ -125,6 +132,20 @@ class DomainClassifier:
                window_words=int(meta["window_words"]))
 
 
+@gin.configurable
+def classifier_policy(classifier_dir: str, *, threshold: float = 0.9,
+                      stride: int | None = None) -> redaction.ClassifierPolicy:
+  """The redaction policy of the classifier saved in `classifier_dir`: its
+  windows are as long as those it was trained on, `stride` defaults to half
+  of that, and a window is flagged above probability `threshold` (the
+  paper's z)."""
+  model = DomainClassifier.load(classifier_dir)
+  return redaction.ClassifierPolicy(
+      model.probabilities, model.labels, threshold=threshold,
+      window_words=model.window_words,
+      stride=stride or max(model.window_words // 2, 1))
+
+
 def train_classifier(texts_by_domain: Mapping[str, Sequence[str]], *,
                      config: bert.BertConfig, vocab_path: str, merges_path: str,
                      window_words: int = 16, stride: int = 8,
@@ -173,9 +194,6 @@ def accuracy(model: DomainClassifier, texts_by_domain: Mapping[str, Sequence[str
 
 def main(argv: Sequence[str] | None = None) -> None:
   """Trains a classifier on MultiDoGo's training split and saves it."""
-  from dpjax import gin_cli  # pylint: disable=g-import-not-at-top
-  from tasks import multidogo  # pylint: disable=g-import-not-at-top
-
   def add_arguments(parser):
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--data_dir", default=None,

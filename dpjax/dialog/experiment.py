@@ -48,9 +48,12 @@ from typing import Sequence
 import gin
 import numpy as np
 
+import tasks
 from dpjax import checkpoints, fileio, gin_cli, inference
-from dpjax.dialog import lira, redaction
+from dpjax.datasets import multidogo
+from dpjax.dialog import classifier, lira
 from dpjax.semparse import pipeline
+from dpjax.text import redaction
 
 MODES = ("domain_only", "public", "pub_redacted", "private", "jft",
          "redaction_schedule")
@@ -133,7 +136,6 @@ def _train_classifier(path: str, settings: _Settings, domains: Sequence[str],
   """The classifier policy's model, trained once on the training split."""
   if os.path.isfile(os.path.join(path, "config.json")):
     return
-  from dpjax.dialog import classifier
   settings.configure()
   argv = [f"--output_dir={path}", f"--domains={','.join(domains)}",
           f"--epochs={epochs}",
@@ -182,8 +184,9 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
     epsilon: ε of the DP runs (the paper's 8).
     gin_files, bindings: the GPT-2 settings every run shares
       (`gin/dialog_sample.gin` on the embedded sample, `gin/dialog_gpt2.gin`
-      for the paper's); the MultiDoGo data, chunking and classifier
-      threshold come from their `register_multidogo_tasks` bindings.
+      for the paper's); the MultiDoGo data and chunking come from their
+      `register_multidogo_tasks` bindings, the classifier policy's threshold
+      from `classifier_policy.threshold`.
     num_conversations, prompts_per_conversation: the prompts (paper: 10 x
       10 = 100 test contexts of d_i).
     num_samples, max_new_tokens, top_k: generations per prompt (paper: 10,
@@ -193,13 +196,12 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
     classifier_epochs: training epochs of the classifier policy's model.
     seed, batch_size: sampling seed; batch of generation and scoring.
   """
-  import tasks
-  from dpjax.data import arrays as data_arrays
+  from dpjax.data import arrays as data_arrays  # lazy: TensorFlow
   root = os.path.abspath(out_dir)
   settings = _Settings(gin_files, bindings)
   settings.configure()
   domains = tuple(settings.query("register_multidogo_tasks.domains", None)
-                  or tasks.multidogo.PAPER_DOMAINS)
+                  or multidogo.PAPER_DOMAINS)
   if prompt_domain not in domains or len(domains) < 2:
     raise gin_cli.UsageError(f"prompt_domain {prompt_domain!r} must be one of "
                              f"at least two domains {list(domains)}")
@@ -210,7 +212,8 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   if "classifier" in policies:
     clf_dir = os.path.join(root, "domain_classifier")
     _train_classifier(clf_dir, settings, domains, classifier_epochs)
-    extra.append(f"register_multidogo_tasks.classifier_dir = '{clf_dir}'")
+    extra += ["register_multidogo_tasks.classifier_policy = @classifier_policy",
+              f"classifier_policy.classifier_dir = '{clf_dir}'"]
   settings = _Settings(gin_files, [*bindings, *extra])
 
   run_dir = lambda name: os.path.join(root, "runs", name)
@@ -231,7 +234,7 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   tasks.register_tasks()
   vocabulary = _task_vocabulary("multidogo_lm")
   split_seed = settings.query("register_multidogo_tasks.split_seed", 0)
-  conversations = [c for c in tasks.multidogo.load_split(
+  conversations = [c for c in multidogo.load_split(
       "test", settings.query("register_multidogo_tasks.data_dir"), domains,
       seed=split_seed) if c.domain == prompt_domain]
   prompts = lira.conversation_prompts(
@@ -278,23 +281,20 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
 
 
 def _task_vocabulary(task: str):
-  import seqio
+  import seqio  # lazy: TensorFlow
   return seqio.get_mixture_or_task(task).output_features["targets"].vocabulary
 
 
 def _policies(names: Sequence[str], settings: _Settings
               ) -> dict[str, redaction.Policy]:
-  import tasks
+  """The attack's policies, as the redacted tasks are configured."""
   out = {}
   if "keyword" in names:
     out["keyword"] = redaction.KeywordPolicy.from_json(
         settings.query("register_multidogo_tasks.keywords_path")
-        or tasks.multidogo.DEFAULT_KEYWORDS_PATH)
+        or multidogo.DEFAULT_KEYWORDS_PATH)
   if "classifier" in names:
-    out["classifier"] = redaction.ClassifierPolicy.from_dir(
-        settings.query("register_multidogo_tasks.classifier_dir"),
-        threshold=settings.query("register_multidogo_tasks.classifier_threshold",
-                                 0.9))
+    out["classifier"] = classifier.classifier_policy()  # as gin binds it
   return out
 
 
@@ -364,7 +364,7 @@ def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
 
 def _plot(rows: list[dict], prompt_domain: str, path: str) -> None:
   """Success rate vs test perplexity, one point per (mode, attack policy)."""
-  import matplotlib
+  import matplotlib  # lazy: only for the plot
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 5))

@@ -49,11 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import decoding
-from dpjax.dialog import redaction
+from dpjax.datasets import multidogo
 from dpjax.models.gpt2 import GPT2, GPT2Config
-from tasks import multidogo
+from dpjax.text import redaction
 
-# Generation stops at any control token (`<REDACTED>` is banned instead).
 STOP_TOKENS = tuple(t for t in multidogo.CONTROL_TOKENS if t != redaction.REDACTED)
 PAPER_TOP_K = 40
 PAPER_NUM_SAMPLES = 10

@@ -40,8 +40,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dpjax import fileio, gin_cli, partitioning, reporting
+from dpjax.datasets import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, search
-from tasks import msmarco
+from tasks import msmarco as msmarco_tasks
 
 CUTOFF = 10  # the paper's @10
 DEFAULT_SPLITS = {"msmarco": "dev", "beir": "test"}
@@ -163,9 +164,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--batch_size", type=int, default=256)
   p.add_argument("--backend", choices=search.BACKENDS, default="device",
                  help="exact search with JAX on the default devices, or numpy")
-  p.add_argument("--doc_length", type=int, default=msmarco.TASK_FEATURE_LENGTHS["inputs"])
+  p.add_argument("--doc_length", type=int, default=msmarco_tasks.TASK_FEATURE_LENGTHS["inputs"])
   p.add_argument("--query_length", type=int,
-                 default=msmarco.TASK_FEATURE_LENGTHS["targets"])
+                 default=msmarco_tasks.TASK_FEATURE_LENGTHS["targets"])
   p.add_argument("--vocabulary", help="SentencePiece model (default: the "
                  "checkpoint's tokenizer, else the embedded sample's)")
   p.add_argument("--run_name", default="dpjax")
@@ -175,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
 def load_dataset(name: str, data_dir: str | None, split: str) -> ir_data.IRDataset:
   if name == "msmarco":
     return ir_data.load_msmarco(data_dir or msmarco.DEFAULT_SAMPLE_DIR, split)
-  return ir_data.load_beir(data_dir or ir_data.BEIR_SAMPLE_DIR, split)
+  return ir_data.load_beir(data_dir or beir.SAMPLE_DIR, split)
 
 
 def _dual_encoder(model_dir: str, vocabulary: str | None, mesh):
@@ -184,7 +185,7 @@ def _dual_encoder(model_dir: str, vocabulary: str | None, mesh):
   from dpjax.models import dual_encoder  # pylint: disable=g-import-not-at-top
   config, params, meta = inference.load_trained(model_dir)
   vocabulary = (vocabulary or meta.tokenizer_files.get("sentencepiece")
-                or msmarco.DEFAULT_VOCABULARY_PATH)
+                or msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   encode_fn = encoding.device_encode_fn(
       lambda p, tokens: dual_encoder.encode(config, p, tokens), params, mesh)
   fingerprint = {"model_dir": os.path.abspath(model_dir), "step": meta.step,

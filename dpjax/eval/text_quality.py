@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import sacrebleu
 
+from dpjax.datasets import msmarco
 from dpjax.eval import encoding, mauve
 from dpjax.models import t5
-from tasks import msmarco
 
 
 def bleu_one_to_one(synthetic: Sequence[str], original: Sequence[str]) -> dict:

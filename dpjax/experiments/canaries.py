@@ -60,9 +60,10 @@ import sentencepiece as spm
 from scipy import optimize, stats
 
 from dpjax import decoding, fileio, inference
+from dpjax.datasets import msmarco
 from dpjax.eval import encoding
 from dpjax.models import t5
-from tasks import msmarco
+from tasks import msmarco as msmarco_tasks
 
 KINDS = ("digits_document", "own_document", "other_document")
 REPETITIONS = (1, 10, 100)
@@ -319,10 +320,10 @@ def audit(model_dir: str, canaries: Sequence[Canary], *,
   under the T5 generator in `model_dir`."""
   config, params, meta = inference.load_trained(model_dir)
   vocabulary_path = (vocabulary_path or meta.tokenizer_files
-                     .get("sentencepiece") or msmarco.DEFAULT_VOCABULARY_PATH)
+                     .get("sentencepiece") or msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   tokenizer = encoding.Tokenizer(vocabulary_path)
   lengths = meta.task_feature_lengths
-  inputs = tokenizer([msmarco.INPUT_PREFIX + c.document for c in canaries],
+  inputs = tokenizer([msmarco_tasks.INPUT_PREFIX + c.document for c in canaries],
                      lengths["inputs"])
   score = make_sequence_scorer(config)
   rng = np.random.default_rng(seed)

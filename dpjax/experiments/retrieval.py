@@ -51,9 +51,16 @@ from typing import Sequence
 import gin
 import numpy as np
 
+import tasks  # noqa: F401  (gin configurables of the data layer)
 from dpjax import checkpoints, fileio, gin_cli, inference
+from dpjax import trainer  # noqa: F401  (gin configurables)
+from dpjax.datasets import msmarco
+from dpjax.eval import encoding, retrieval
+from dpjax.eval import text_quality as tq
 from dpjax.experiments import canaries as canaries_lib
+from dpjax.models import dual_encoder
 from dpjax.semparse import pipeline
+from tasks import msmarco as msmarco_tasks
 
 EPSILONS = (3.0, 8.0, 16.0, math.inf)
 METRICS = ("ndcg@10", "recall@10", "mrr@10")
@@ -90,7 +97,6 @@ def _with_config(model_dir: str):
 
 def evaluate(model_dir: str, data_dir: str | None) -> dict:
   """Dev-split retrieval metrics of a dual encoder run (cached)."""
-  from dpjax.eval import retrieval
   out = os.path.join(model_dir, "retrieval")
   path = os.path.join(out, "metrics.json")
   if not os.path.isfile(path):
@@ -106,14 +112,11 @@ def evaluate(model_dir: str, data_dir: str | None) -> dict:
 
 def _text_encoder(model_dir: str):
   """The queries' embeddings under a dual encoder run."""
-  from dpjax.eval import encoding
-  from dpjax.models import dual_encoder
-  from tasks import msmarco
   config, params, meta = inference.load_trained(model_dir)
   fn = encoding.device_encode_fn(
       lambda p, tokens: dual_encoder.encode(config, p, tokens), params)
   vocabulary = (meta.tokenizer_files.get("sentencepiece")
-                or msmarco.DEFAULT_VOCABULARY_PATH)
+                or msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   return encoding.TextEncoder(fn, encoding.Tokenizer(vocabulary),
                               meta.task_feature_lengths["queries"], 256)
 
@@ -121,8 +124,6 @@ def _text_encoder(model_dir: str):
 def text_quality(synthetic_jsonl: str, data_dir: str | None,
                  feature_model_dir: str) -> dict:
   """BLEU, MAUVE and memorisation of a synthetic set (cached beside it)."""
-  from dpjax.eval import text_quality as tq
-  from tasks import msmarco
   data_dir = data_dir or msmarco.DEFAULT_SAMPLE_DIR
 
   def run():
@@ -205,7 +206,6 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
 
   audit_rows = []
   if canary_epsilons:
-    from tasks import msmarco
     canary_data = os.path.join(root, "canaries", "data")
     inserted = canaries_lib.insert_canaries(
         data_dir or msmarco.DEFAULT_SAMPLE_DIR, canary_data,
@@ -367,8 +367,6 @@ def main(argv=None) -> dict:
       argv, "The retrieval experiment of shared/papers/003.", _add_arguments)
   if files:
     raise gin_cli.UsageError("use --generator_gin / --dual_encoder_gin")
-  import tasks  # noqa: F401  (gin configurables of the data layer)
-  from dpjax import trainer  # noqa: F401  (gin configurables)
   if args.dual_encoder_gin is None:
     dual_encoder_bindings = [*SAMPLE_DUAL_ENCODER_BINDINGS,
                              *dual_encoder_bindings]

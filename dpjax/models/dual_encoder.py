@@ -181,7 +181,7 @@ class DualEncoder(nn.Module):
 
   def setup(self):
     cfg = self.config.encoder
-    self.token_embedder = t5.Embed(cfg.vocab_size, cfg.d_model, cfg.compute_dtype)
+    self.token_embedder = t5.shared_embedding(cfg)
     self.encoder = t5.Encoder(cfg, self.token_embedder)
 
   def embed(self, tokens: Array, *, enable_dropout: bool = False) -> Array:

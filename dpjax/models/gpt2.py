@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.models import common, losses, t5
+from dpjax.privacy import layers
 
 Array = jax.Array
 PyTree = Any
@@ -89,19 +90,9 @@ def _param(module: nn.Module, name: str, init, shape, axes):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
-class Dense(nn.Module):
-  """Affine map `x @ kernel + bias` on the last axis, computed in `dtype`."""
-  features: int
-  kernel_axes: tuple[str, str]
-  stddev: float
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    kernel = _param(self, "kernel", nn.initializers.normal(self.stddev),
-                    (x.shape[-1], self.features), self.kernel_axes)
-    bias = _param(self, "bias", nn.initializers.zeros, (self.features,), self.kernel_axes[1:])
-    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+# GPT-2's linear layers have a bias; its embeddings GPT-2's initialiser.
+Dense = functools.partial(layers.Dense, use_bias=True)
+Embed = functools.partial(layers.Embed, stddev=_INIT_STDDEV)
 
 
 class LayerNorm(nn.Module):
@@ -117,24 +108,6 @@ class LayerNorm(nn.Module):
     centered = x - jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
     return (centered * jax.lax.rsqrt(var + self.epsilon) * scale + bias).astype(self.dtype)
-
-
-class Embed(nn.Module):
-  """Embedding table; `attend` reuses it as the (tied) output projection."""
-  num_embeddings: int
-  features: int
-  axes: tuple[str, str]
-
-  def setup(self):
-    self.embedding = _param(self, "embedding", nn.initializers.normal(_INIT_STDDEV),
-                            (self.num_embeddings, self.features), self.axes)
-
-  def __call__(self, ids: Array) -> Array:
-    return jnp.take(self.embedding, ids, axis=0)  # float32; the caller casts
-
-  def attend(self, x: Array) -> Array:
-    """`x @ embedding.T` in float32 (logits precision)."""
-    return jnp.dot(x.astype(jnp.float32), self.embedding.T)
 
 
 class CausalSelfAttention(nn.Module):

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.models import common, losses
+from dpjax.privacy import layers
 
 Array = jax.Array
 PyTree = Any
@@ -88,19 +89,6 @@ def _param(module: nn.Module, name: str, stddev: float, shape, axes):
   return module.param(name, init, shape, jnp.float32)
 
 
-class Dense(nn.Module):
-  """Bias-free linear map on the last axis, computed in `dtype`."""
-  features: int
-  kernel_axes: tuple[str, str]
-  stddev: float
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    kernel = _param(self, "kernel", self.stddev, (x.shape[-1], self.features), self.kernel_axes)
-    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
-
-
 class LayerNorm(nn.Module):
   """T5 RMS norm: statistics in float32, no mean subtraction, no bias."""
   dtype: Any = jnp.float32
@@ -116,22 +104,11 @@ class LayerNorm(nn.Module):
     return x.astype(self.dtype) * scale.astype(self.dtype)
 
 
-class Embed(nn.Module):
-  """Token embedding; `attend` reuses it as the (tied) output projection."""
-  vocab_size: int
-  features: int
-  dtype: Any = jnp.float32
-
-  def setup(self):
-    self.embedding = _param(self, "embedding", 1.0, (self.vocab_size, self.features),
-                            ("vocab", "embed"))
-
-  def __call__(self, tokens: Array) -> Array:
-    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
-
-  def attend(self, x: Array) -> Array:
-    """`x @ embedding.T` in float32 (logits precision)."""
-    return jnp.dot(x.astype(jnp.float32), self.embedding.T)
+def shared_embedding(cfg: T5Config) -> layers.Embed:
+  """T5's token embedding (stddev 1, looked up in the compute dtype), shared
+  by the encoder, the decoder and, if tied, the output projection."""
+  return layers.Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), 1.0,
+                      cfg.compute_dtype)
 
 
 def relative_position_bucket(relative_position: np.ndarray, *, bidirectional: bool,
@@ -210,7 +187,7 @@ class MultiHeadAttention(nn.Module):
     joined = h * dk
 
     def project(x, name, stddev):
-      y = Dense(joined, ("embed", "joined_kv"), stddev, dtype, name=name)(x)
+      y = layers.Dense(joined, ("embed", "joined_kv"), stddev, dtype, name=name)(x)
       return y.reshape(*y.shape[:-1], h, dk)
 
     # The query init absorbs the 1/sqrt(d_kv) that T5 never applies to logits.
@@ -240,7 +217,7 @@ class MultiHeadAttention(nn.Module):
     dropout = None if deterministic else (
         lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=False))
     out = common.scaled_attention(q, k, v, bias, dropout, dtype, scale=1.0)
-    return Dense(cfg.d_model, ("joined_kv", "embed"), joined ** -0.5, dtype, name="out")(out)
+    return layers.Dense(cfg.d_model, ("joined_kv", "embed"), joined ** -0.5, dtype, name="out")(out)
 
 
 class MlpBlock(nn.Module):
@@ -251,13 +228,13 @@ class MlpBlock(nn.Module):
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
     cfg = self.config
     dtype = cfg.compute_dtype
-    dense_in = functools.partial(Dense, cfg.d_ff, ("embed", "mlp"), cfg.d_model ** -0.5, dtype)
+    dense_in = functools.partial(layers.Dense, cfg.d_ff, ("embed", "mlp"), cfg.d_model ** -0.5, dtype)
     if cfg.feed_forward == "relu":
       hidden = jax.nn.relu(dense_in(name="wi")(x))
     else:  # gated-gelu; HF's "gelu_new" is the tanh approximation
       hidden = jax.nn.gelu(dense_in(name="wi_0")(x), approximate=True) * dense_in(name="wi_1")(x)
     hidden = nn.Dropout(cfg.dropout_rate)(hidden, deterministic=deterministic)
-    return Dense(cfg.d_model, ("mlp", "embed"), cfg.d_ff ** -0.5, dtype, name="wo")(hidden)
+    return layers.Dense(cfg.d_model, ("mlp", "embed"), cfg.d_ff ** -0.5, dtype, name="wo")(hidden)
 
 
 class EncoderLayer(nn.Module):
@@ -334,7 +311,7 @@ def _padding_bias(tokens: Array) -> Array:
 class Encoder(nn.Module):
   """Embedding, encoder layers, final norm. Token 0 is padding."""
   config: T5Config
-  shared_embedding: Embed
+  shared_embedding: layers.Embed
 
   @nn.compact
   def __call__(self, tokens: Array, *, deterministic: bool) -> Array:
@@ -357,7 +334,7 @@ class Decoder(nn.Module):
   bias for that single query row against all `max_decode_length` cache slots.
   """
   config: T5Config
-  shared_embedding: Embed
+  shared_embedding: layers.Embed
 
   @nn.compact
   def __call__(self, encoded: Array, encoder_tokens: Array, tokens: Array, *,
@@ -395,8 +372,8 @@ class Decoder(nn.Module):
     if cfg.tie_embeddings:
       # Rescale because the embedding (stddev 1) doubles as output projection.
       return self.shared_embedding.attend(x.astype(jnp.float32) * cfg.d_model ** -0.5)
-    return Dense(cfg.vocab_size, ("embed", "vocab"), cfg.d_model ** -0.5, jnp.float32,
-                 name="logits_dense")(x)
+    return layers.Dense(cfg.vocab_size, ("embed", "vocab"), cfg.d_model ** -0.5,
+                        jnp.float32, name="logits_dense")(x)
 
 
 class T5Transformer(nn.Module):
@@ -405,7 +382,7 @@ class T5Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.token_embedder = Embed(cfg.vocab_size, cfg.d_model, cfg.compute_dtype)
+    self.token_embedder = shared_embedding(cfg)
     self.encoder = Encoder(cfg, self.token_embedder)
     self.decoder = Decoder(cfg, self.token_embedder)
 

@@ -5,12 +5,13 @@ the large weight matrices.
 `grad`), which materialises an `[n, rows, cols]` gradient per weight matrix.
 Here every call where a large parameter meets the activations (a *site*:
 `Dense.__call__`, the embedding lookup `Embed.__call__` and the tied output
-projection `Embed.attend` of `dpjax.models.t5` and `dpjax.models.gpt2`, so
-BERT too) is intercepted with `flax.linen.intercept_methods`; no model code
-changes. One vmapped forward and backward pass sees, per example, each
-site's input and the gradient of the loss w.r.t. its output (a zero added to
-the output and differentiated, or a tap, below). A parameter's gradient
-through a site is `A^T B`, `A: [T, rows]`, `B: [T, cols]`:
+projection `Embed.attend` of `dpjax.privacy.layers`, whose docstring states
+what each computes; the dpjax models build their large matrices from them)
+is intercepted with `flax.linen.intercept_methods`; no model code changes.
+One vmapped forward and backward pass sees, per example, each site's input
+and the gradient of the loss w.r.t. its output (a zero added to the output
+and differentiated, or a tap, below). A parameter's gradient through a site
+is `A^T B`, `A: [T, rows]`, `B: [T, cols]`:
 
     dense   x @ kernel         A = x                  B = d loss / d output
     lookup  embedding[ids]     A = onehot(ids)        B = d loss / d output
@@ -102,20 +103,17 @@ from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.models import gpt2, t5
-from dpjax.privacy import clipping
+from dpjax.privacy import clipping, layers
 
 PyTree = Any
 Factors = tuple[jax.Array, jax.Array]
 
-# The intercepted methods: (module class, method) -> kind of site.
+# The intercepted methods: (module class, method) -> kind of site. Each
+# computes exactly what `layers` says it does, which the norms rely on.
 _KINDS = {
-    (t5.Dense, "__call__"): "dense",
-    (gpt2.Dense, "__call__"): "dense",
-    (t5.Embed, "__call__"): "lookup",
-    (gpt2.Embed, "__call__"): "lookup",
-    (t5.Embed, "attend"): "attend",
-    (gpt2.Embed, "attend"): "attend",
+    (layers.Dense, "__call__"): "dense",
+    (layers.Embed, "__call__"): "lookup",
+    (layers.Embed, "attend"): "attend",
 }
 _PARAM_NAMES = {"dense": "kernel", "lookup": "embedding", "attend": "embedding"}
 _NORMS = ("auto", "ghost", "direct")
@@ -260,9 +258,8 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from dpjax.models import gpt2
-    >>> from dpjax.privacy import clipping
-    >>> layer = gpt2.Dense(2, ("embed", "mlp"), stddev=1.0)
+    >>> from dpjax.privacy import clipping, layers
+    >>> layer = layers.Dense(2, ("embed", "mlp"), stddev=1.0, use_bias=True)
     >>> loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x))
     >>> params = {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}
     >>> xs = jnp.array([[3.0, 0.0], [0.1, 0.0], [jnp.nan, 1.0]])
@@ -294,8 +291,8 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     sites = find_sites(example_loss, params, example, norm=norm)
     if not sites:
       raise ValueError("ghost clipping found no intercepted site in the loss "
-                       "(no Dense/Embed of dpjax.models.t5 or gpt2 fed by a "
-                       "params leaf); use clipping.clipped_grad.")
+                       "(no Dense/Embed of dpjax.privacy.layers fed by "
+                       "a params leaf); use clipping.clipped_grad.")
     second_pass = _second_pass(summation, sites)
     leaves, treedef = jax.tree.flatten(params)
     large = sorted({s.leaf for s in sites})

@@ -32,8 +32,10 @@ from typing import Iterable, Sequence
 import gin
 import numpy as np
 
-from dpjax import checkpoints, fileio, plan as plan_lib
+from dpjax import checkpoints, fileio, gin_cli, plan as plan_lib
+from dpjax.datasets import semparse
 from dpjax.semparse import pipeline
+from tasks import semparse as semparse_tasks
 
 METHODS = ("1-stage", "1.5-stage", "2-stage")
 EPSILONS = (3.0, 8.0, 16.0, math.inf)
@@ -77,7 +79,6 @@ class _Runs:
     """A gin macro (`%NAME`) or parameter of these settings, or `default`
     if unbound."""
     gin.clear_config()
-    from dpjax import gin_cli
     gin_cli.configure(list(self.gin_files), list(self.bindings))
     try:
       return gin.query_parameter(name)
@@ -106,7 +107,6 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
                 sigma: float, domains: Sequence[str], max_tokens: dict
                 ) -> tuple[list[str], dict]:
   """Trains one method's models at (ε, seed) and samples `num` utterances."""
-  from tasks import semparse
   out = os.path.join(run_dir, "synthetic.jsonl")
   if os.path.isfile(out):
     rows = [json.loads(line) for line in open(out)]
@@ -125,7 +125,7 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
     parses = pipeline.generate_texts(
         parse_dir, [""] * num, num_beams=1, seed=seed,
         max_new_tokens=max_tokens["parse"])
-    prompts = [semparse.parse_prompt(p) for p in parses]
+    prompts = [semparse_tasks.parse_prompt(p) for p in parses]
     utterances = pipeline.generate_texts(utt_dir, prompts, num_beams=5, **gen)
     final_dir = utt_dir
   else:
@@ -133,7 +133,7 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
     final_dir = os.path.join(run_dir, kind)
     runs.train(final_dir, f"{dataset}_{kind}", kind, eps, seed, t1 + t2)
     prompts = ([""] * num if method == "1-stage" else
-               [semparse.domain_prompt(d) for d in rng.choice(domains, num)])
+               [semparse_tasks.domain_prompt(d) for d in rng.choice(domains, num)])
     utterances = pipeline.generate_texts(final_dir, prompts, num_beams=5,
                                          **gen)
   ledger = checkpoints.run_ledger(final_dir)
@@ -177,7 +177,6 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
     num_samples: synthetic utterances per run (default: as many as the
       human test utterances, as in the paper).
   """
-  from tasks import semparse
   methods = tuple(methods or [m for m in METHODS if dataset == "treedst"
                               or m != "1.5-stage"])
   if dataset != "treedst" and "1.5-stage" in methods:
@@ -312,7 +311,6 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   training-set sizes (|D_priv|, and the number of valid parses that sets
   the 2-stage sampling rate) are treated as public.
   """
-  from tasks import semparse
   root = os.path.join(os.path.abspath(out_dir), f"{dataset}_adaptation")
   focus = semparse.PAPER_EXCLUSIONS[missing]
   lengths = dict(FEATURE_LENGTHS, **(feature_lengths or {}))

@@ -12,7 +12,7 @@ synthetic and human utterances, so each compares two sets:
   distributions, and top-k function coverage.
 
 Function types come in as one list per program (e.g.
-`dpjax.semparse.lispress.function_calls`, one entry per call); the overlaps
+`dpjax.text.lispress.function_calls`, one entry per call); the overlaps
 only look at which types occur, the distributions count every entry.
 """
 from __future__ import annotations

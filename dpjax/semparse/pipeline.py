@@ -27,7 +27,8 @@ import numpy as np
 
 from dpjax import checkpoints, decoding, gin_cli, inference, trainer
 from dpjax.eval import mauve
-from dpjax.semparse import lispress, metrics
+from dpjax.semparse import metrics
+from dpjax.text import lispress
 
 _LENGTH_BUCKET = 16  # prompt lengths are rounded up to limit recompilation
 

@@ -92,7 +92,7 @@ from dpjax.models import gpt2, losses
 from dpjax.privacy import secret as secret_lib
 from dpjax.seqpate import (accounting, aggregation, cache, noisysgd,
                            partition, pseudo_data, student, teachers)
-from tasks import seqpate as data
+from dpjax.datasets import seqpate as data
 
 DATASETS = data.DATASETS
 

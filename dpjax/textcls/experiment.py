@@ -73,7 +73,7 @@ from dpjax import (fileio, gin_cli, inference, plan as plan_lib, pplm,
                    run_config, text_classifier, trainer)
 from dpjax.eval import text_quality
 from dpjax.models import bert
-from tasks import textcls
+from dpjax.datasets import textcls
 
 EPSILONS = (3.0, 8.0, 16.0, 256.0, math.inf)
 KINDS = ("naive", "multitask")

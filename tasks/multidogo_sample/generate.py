@@ -42,7 +42,7 @@ import json
 import os
 import random
 
-from tasks import multidogo
+from dpjax.datasets import multidogo
 from tasks.semparse_sample.generate import train_bpe
 
 SEEDS = {"AIRLINE": 8101, "MEDIA": 8102, "INSURANCE": 8103}

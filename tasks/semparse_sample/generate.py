@@ -42,8 +42,9 @@ import random
 import re
 import string
 
-from dpjax.semparse import lispress
-from tasks import semparse
+from dpjax.datasets import semparse
+from dpjax.text import lispress
+from tasks import semparse as semparse_tasks
 
 SEEDS = {("smcalflow", "train"): 3101, ("smcalflow", "valid"): 3102,
          ("treedst", "train"): 4101, ("treedst", "valid"): 4102}
@@ -54,7 +55,7 @@ SPM_SEED = 1234
 SPM_MODEL_NAME = "semparse_sample"
 EOS_TOKEN = "<|endoftext|>"
 
-DEFAULT_OUTPUT_DIR = os.path.dirname(semparse.DEFAULT_VOCAB_DIR)
+DEFAULT_OUTPUT_DIR = os.path.dirname(semparse_tasks.DEFAULT_VOCAB_DIR)
 DIRS = {"smcalflow": "smcalflow_sample", "treedst": "treedst_sample",
         "vocab": "semparse_vocab"}
 FILE_SPLITS = {"train": "train", "validation": "valid"}
@@ -786,9 +787,9 @@ def _task_texts(turns: list[semparse.Turn]) -> tuple[list[str], list[str]]:
   """(GPT-2 task texts, T5 parser texts) of the train turns, in order."""
   gpt2, t5 = [], []
   for t in turns:
-    gpt2 += [t.utterance, t.program, semparse.parse_prompt(t.program)]
+    gpt2 += [t.utterance, t.program, semparse_tasks.parse_prompt(t.program)]
     if t.domain is not None:
-      gpt2.append(semparse.domain_prompt(t.domain))
+      gpt2.append(semparse_tasks.domain_prompt(t.domain))
     t5 += [t.utterance, t.program]
   return gpt2, t5
 

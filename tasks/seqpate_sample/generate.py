@@ -36,7 +36,7 @@ import json
 import os
 import random
 
-from tasks import seqpate
+from dpjax.datasets import seqpate
 
 SEEDS = {"users": 6100, "train": 6101, "dev": 6102, "europarl": 6201}
 NUM_USERS = 120

@@ -35,7 +35,7 @@ import io
 import os
 import random
 
-from tasks import textcls
+from dpjax.datasets import textcls
 from tasks.semparse_sample.generate import train_bpe
 
 SEEDS = {("sst2", "train"): 9201, ("sst2", "test"): 9202,

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tasks import msmarco
+from dpjax.datasets import msmarco
 
 COLLECTION = """\
 0\tThe first passage is about apples.

@@ -8,7 +8,9 @@ import re
 import pytest
 import sentencepiece as spm
 
-from tasks import msmarco
+from dpjax.datasets import msmarco
+
+from tasks import msmarco as msmarco_tasks
 from tasks.msmarco_sample import generate
 
 SAMPLE_DIR = msmarco.DEFAULT_SAMPLE_DIR
@@ -87,10 +89,10 @@ def test_vocabulary_has_t5_special_ids():
       model_file=os.path.join(SAMPLE_DIR, SPM_MODEL))
   assert (sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id()) == (0, 1, 2, -1)
   assert 1500 <= sp.get_piece_size() <= 2500
-  assert generate.TASK_INPUT_PREFIX == msmarco.INPUT_PREFIX
+  assert generate.TASK_INPUT_PREFIX == msmarco_tasks.INPUT_PREFIX
   # No <unk> on the task's text, its prefix or printable ASCII.
   coll = _read_tsv(os.path.join(SAMPLE_DIR, "collection.tsv"))[:200]
-  texts = [msmarco.INPUT_PREFIX + t for _, t in coll] + ["x_y: [a] ~ {b}?"]
+  texts = [msmarco_tasks.INPUT_PREFIX + t for _, t in coll] + ["x_y: [a] ~ {b}?"]
   assert all(sp.unk_id() not in ids for ids in sp.encode(texts))
 
 

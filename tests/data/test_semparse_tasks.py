@@ -15,9 +15,10 @@ import seqio
 import sentencepiece as spm
 from tokenizers import ByteLevelBPETokenizer
 
+from dpjax.datasets import semparse
+from dpjax.text import lispress
 import tasks
-from dpjax.semparse import lispress
-from tasks import semparse
+from tasks import semparse as semparse_tasks
 from tasks.semparse_sample import generate
 
 SAMPLES = semparse.DEFAULT_DATA_DIRS
@@ -247,18 +248,18 @@ def test_eod_pattern_keeps_other_event_on_date_functions():
 
 @pytest.fixture(scope="module")
 def registered():
-  return {t.name: t for t in semparse.register_semparse_tasks()}
+  return {t.name: t for t in semparse_tasks.register_semparse_tasks()}
 
 
 @pytest.fixture(scope="module")
 def bpe():
-  return ByteLevelBPETokenizer(semparse.DEFAULT_BPE_VOCAB_PATH,
-                               semparse.DEFAULT_BPE_MERGES_PATH)
+  return ByteLevelBPETokenizer(semparse_tasks.DEFAULT_BPE_VOCAB_PATH,
+                               semparse_tasks.DEFAULT_BPE_MERGES_PATH)
 
 
 @pytest.fixture(scope="module")
 def sp():
-  return spm.SentencePieceProcessor(model_file=semparse.DEFAULT_SENTENCEPIECE_PATH)
+  return spm.SentencePieceProcessor(model_file=semparse_tasks.DEFAULT_SENTENCEPIECE_PATH)
 
 
 def _expected_texts(kind, utterance, program, domain):
@@ -323,7 +324,7 @@ def test_task_examples(registered, bpe, sp, name):
 def test_parser_portion_and_exclusion():
   name = "test_smcalflow_parser_public_no_weather"
   try:
-    task = semparse.register_semparse_task(
+    task = semparse_tasks.register_semparse_task(
         name, "smcalflow", "parser", portion="public", split_seed=7,
         exclude_functions=semparse.PAPER_EXCLUSIONS["weather"])
     counts = {}
@@ -359,20 +360,20 @@ def test_register_tasks_with_gin_and_errors(tmp_path):
         "lunch with Kim tomorrow", "what's the weather"]
   finally:
     gin.clear_config()
-    semparse.register_semparse_tasks()  # back to the samples
+    semparse_tasks.register_semparse_tasks()  # back to the samples
   with pytest.raises(FileNotFoundError, match="valid.dataflow_dialogues.jsonl"):
     (tmp_path / "only_train").mkdir()
     _write(tmp_path / "only_train" / "train.dataflow_dialogues.jsonl", [CAL_A])
-    semparse.register_semparse_task("test_never", "smcalflow", "parser",
+    semparse_tasks.register_semparse_task("test_never", "smcalflow", "parser",
                                     data_dir=str(tmp_path / "only_train"))
   with pytest.raises(ValueError, match="task kinds"):
-    semparse.register_semparse_task("test_never", "smcalflow", "domain_to_utterance")
+    semparse_tasks.register_semparse_task("test_never", "smcalflow", "domain_to_utterance")
   with pytest.raises(ValueError, match="portion"):
-    semparse.register_semparse_task("test_never", "treedst", "parser", portion="half")
+    semparse_tasks.register_semparse_task("test_never", "treedst", "parser", portion="half")
   with pytest.raises(ValueError, match="both bpe_vocab_path and bpe_merges_path"):
-    semparse.register_semparse_tasks(bpe_vocab_path=semparse.DEFAULT_BPE_VOCAB_PATH)
+    semparse_tasks.register_semparse_tasks(bpe_vocab_path=semparse_tasks.DEFAULT_BPE_VOCAB_PATH)
   with pytest.raises(FileNotFoundError, match="SentencePiece"):
-    semparse.register_semparse_tasks(sentencepiece_path=str(tmp_path / "x.model"))
+    semparse_tasks.register_semparse_tasks(sentencepiece_path=str(tmp_path / "x.model"))
   assert "test_never" not in seqio.TaskRegistry.names()
 
 
@@ -388,7 +389,7 @@ def _sha(path):
 
 def test_committed_sample_equals_fresh_generation(tmp_path):
   generate.generate(str(tmp_path))
-  committed = os.path.dirname(semparse.DEFAULT_VOCAB_DIR)
+  committed = os.path.dirname(semparse_tasks.DEFAULT_VOCAB_DIR)
   names = [os.path.join(generate.DIRS[d], f) for d in semparse.DATASETS
            for f in list(semparse.SPLIT_FILES.values()) + ["README.md"]]
   names += [os.path.join(generate.DIRS["vocab"], f)

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli, inference, trainer
-from dpjax.dialog import experiment, lira, redaction
+from dpjax.datasets import multidogo
+from dpjax.dialog import experiment, lira
 from dpjax.models import gpt2
 from dpjax.privacy import accounting
 from dpjax.privacy import ledger as ledger_lib
-from tasks import multidogo
+from dpjax.text import redaction
 
 LENGTHS = {"inputs": 1, "targets": 63}
 FAST = ["register_multidogo_tasks.domains = ['AIRLINE', 'MEDIA']",

@@ -13,10 +13,11 @@ import pytest
 import seqio
 
 from dpjax.data import arrays
-from dpjax.dialog import redaction
-from dpjax.dialog.redaction import REDACTED as R
-from tasks import multidogo
-from tasks.multidogo import Conversation, Utterance
+from dpjax.datasets import multidogo
+from dpjax.datasets.multidogo import Conversation, Utterance
+from dpjax.text import redaction
+from dpjax.text.redaction import REDACTED as R
+from tasks import multidogo as multidogo_tasks
 from tasks.multidogo_sample import generate
 
 HEADER = "conversationId\tturnNumber\tutteranceId\tutterance\tauthorRole"
@@ -215,7 +216,7 @@ def hand_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vocabulary():
-  return multidogo.dialog_vocabulary()
+  return multidogo_tasks.dialog_vocabulary()
 
 
 def _decoded_targets(name, split, vocabulary):
@@ -229,10 +230,10 @@ def _decoded_targets(name, split, vocabulary):
 def test_task_text(hand_dir, vocabulary):
   policy = lambda: redaction.KeywordPolicy(
       {"AIRLINE": ["seat", "Skylark Airways"], "MEDIA": ["zip code"]})
-  multidogo.register_multidogo_task(
+  multidogo_tasks.register_multidogo_task(
       "test_dogo", data_dir=hand_dir, domains=("AIRLINE", "MEDIA"),
       chunk_length=4096, vocabulary=vocabulary)
-  multidogo.register_multidogo_task(
+  multidogo_tasks.register_multidogo_task(
       "test_dogo_red", data_dir=hand_dir, domains=("AIRLINE", "MEDIA"), policy=policy,
       chunk_length=4096, vocabulary=vocabulary)
   conversations = multidogo.load_conversations(hand_dir, ("AIRLINE", "MEDIA"))
@@ -248,7 +249,7 @@ def test_task_text(hand_dir, vocabulary):
 
 
 def test_task_chunks_and_features(hand_dir, vocabulary):
-  multidogo.register_multidogo_task(
+  multidogo_tasks.register_multidogo_task(
       "test_dogo_small", data_dir=hand_dir, domains=("MEDIA",), chunk_length=7,
       domain_tokens=False, pack=False, vocabulary=vocabulary)
   train = multidogo.split_conversations(
@@ -270,7 +271,7 @@ def test_task_chunks_and_features(hand_dir, vocabulary):
 
 def test_register_multidogo_tasks():
   gin.clear_config()  # the defaults, whatever ran before
-  names = [t.name for t in multidogo.register_multidogo_tasks()]
+  names = [t.name for t in multidogo_tasks.register_multidogo_tasks()]
   assert names == ["multidogo_lm", "multidogo_lm_redacted_keyword",
                    "multidogo_lm_only_airline", "multidogo_lm_without_airline",
                    "multidogo_lm_only_media", "multidogo_lm_without_media",

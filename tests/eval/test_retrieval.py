@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli
+from dpjax.datasets import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, retrieval, search
-from tasks import msmarco
+from tasks import msmarco as msmarco_tasks
 
 DIM = 16
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  return encoding.Tokenizer(msmarco.DEFAULT_VOCABULARY_PATH)
+  return encoding.Tokenizer(msmarco_tasks.DEFAULT_VOCABULARY_PATH)
 
 
 def _table(vocab=2000):
@@ -154,7 +155,7 @@ def test_search_backends_agree_on_random_embeddings():
 
 def test_tokenizer_cuts_appends_eos_and_pads(tokenizer):
   import sentencepiece as spm
-  sp = spm.SentencePieceProcessor(model_file=msmarco.DEFAULT_VOCABULARY_PATH)
+  sp = spm.SentencePieceProcessor(model_file=msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   texts = ["when was culthaethport founded?", "a", ""]
   ids = [sp.encode(t) for t in texts]
   assert len(ids[0]) > 4
@@ -241,8 +242,8 @@ def test_resumable_encoder_skips_finished_shards(tmp_path, tokenizer):
 
 
 def test_beir_loader_reads_the_sample():
-  dataset = ir_data.load_beir(ir_data.BEIR_SAMPLE_DIR)
-  root = ir_data.BEIR_SAMPLE_DIR
+  dataset = ir_data.load_beir(beir.SAMPLE_DIR)
+  root = beir.SAMPLE_DIR
   with open(os.path.join(root, "corpus.jsonl"), encoding="utf-8") as f:
     raw = [json.loads(line) for line in f]
   with open(os.path.join(root, "queries.jsonl"), encoding="utf-8") as f:
@@ -336,7 +337,7 @@ def test_job_on_beir_sample_matches_brute_force(tmp_path, tokenizer):
     return mean / jnp.linalg.norm(mean, axis=1, keepdims=True)
 
   encode_fn = encoding.device_encode_fn(encode, table)
-  dataset = ir_data.load_beir(ir_data.BEIR_SAMPLE_DIR)
+  dataset = ir_data.load_beir(beir.SAMPLE_DIR)
   out = str(tmp_path / "out")
   results = retrieval.evaluate_retrieval(
       dataset, encode_fn, tokenizer, out, fingerprint={"model": "bag"},
@@ -422,5 +423,5 @@ def test_beir_sample_is_what_its_generator_writes(tmp_path):
   for name in ("corpus.jsonl", "queries.jsonl", os.path.join("qrels", "test.tsv"),
                "README.md"):
     with open(tmp_path / name, "rb") as f, \
-        open(os.path.join(ir_data.BEIR_SAMPLE_DIR, name), "rb") as g:
+        open(os.path.join(beir.SAMPLE_DIR, name), "rb") as g:
       assert f.read() == g.read(), name

@@ -8,10 +8,11 @@ import jax
 import numpy as np
 import pytest
 
+from dpjax.datasets import msmarco
 from dpjax.eval import encoding, text_quality
-from dpjax.models import t5
 from dpjax.eval import mauve
-from tasks import msmarco
+from dpjax.models import t5
+from tasks import msmarco as msmarco_tasks
 
 
 def test_bleu_identical_disjoint_and_by_hand():
@@ -58,7 +59,7 @@ def tiny_t5():
 def test_mauve_features_match_each_text_alone(tiny_t5):
   config, params = tiny_t5
   texts = ["how tall is the copper tower", "river", "who founded the harbour town"]
-  tokenizer = encoding.Tokenizer(msmarco.DEFAULT_VOCABULARY_PATH)
+  tokenizer = encoding.Tokenizer(msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   encode_fn = encoding.device_encode_fn(text_quality.t5_mean_encoder(config), params)
   text_encoder = encoding.TextEncoder(encode_fn, tokenizer, length=16, batch_size=2)
   features = text_encoder(texts)  # two batches, the second one padded

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
+from dpjax.datasets import msmarco
 from dpjax.experiments import canaries
 from dpjax.models import t5
-from tasks import msmarco
 
 SAMPLE = msmarco.DEFAULT_SAMPLE_DIR
 

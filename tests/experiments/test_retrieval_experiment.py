@@ -10,9 +10,9 @@ import os
 import pytest
 
 from dpjax import inference, trainer
+from dpjax.datasets import msmarco
 from dpjax.experiments import canaries, retrieval
 from dpjax.privacy import ledger as ledger_lib
-from tasks import msmarco
 
 SETTINGS = dict(
     epsilons=(8.0,), seeds=(0,), canary_epsilons=(8.0,), canaries_per_cell=1,

@@ -14,8 +14,9 @@ import seqio
 
 from dpjax import gin_cli, inference, trainer
 from dpjax.data import arrays as data_arrays
+from dpjax.datasets import msmarco
 from dpjax.models import dual_encoder, t5, trainable
-from tasks import msmarco
+from tasks import msmarco as msmarco_tasks
 
 ENCODER = t5.T5Config(vocab_size=61, d_model=16, d_kv=8, d_ff=32, num_heads=2,
                       num_encoder_layers=1, num_decoder_layers=1,
@@ -181,10 +182,10 @@ def _sp_row(sp, text, length):
 
 
 def test_task_rows_from_original_and_synthetic_pairs(tmp_path):
-  sp = spm.SentencePieceProcessor(model_file=msmarco.DEFAULT_VOCABULARY_PATH)
+  sp = spm.SentencePieceProcessor(model_file=msmarco_tasks.DEFAULT_VOCABULARY_PATH)
   lengths = {"queries": 16, "documents": 48}
   grouping = dual_encoder.PairGroups(group_size=8, seed=0)
-  msmarco.register_msmarco_dual_encoder(task_name="test_de_original")
+  msmarco_tasks.register_msmarco_dual_encoder(task_name="test_de_original")
   rows = data_arrays.load_task_arrays("test_de_original", "train", lengths,
                                       converter=grouping)
   pairs = msmarco.load_query_passage_pairs(msmarco.DEFAULT_SAMPLE_DIR, "train")
@@ -208,7 +209,7 @@ def test_task_rows_from_original_and_synthetic_pairs(tmp_path):
       "".join(f"{i}\tsynthetic query {i}\n" for i in range(2)))
   (out / "qrels.synthetic.tsv").write_text(
       "".join(f"{i}\t0\t{pid}\t1\n" for i, (_, pid, _, _) in enumerate(chosen)))
-  msmarco.register_msmarco_dual_encoder(
+  msmarco_tasks.register_msmarco_dual_encoder(
       train_pairs_dir=str(out), train_pairs_split="synthetic",
       task_name="test_de_synthetic")
   pairs = data_arrays.dual_encoder_features(
@@ -217,10 +218,10 @@ def test_task_rows_from_original_and_synthetic_pairs(tmp_path):
   for i, (_, _, _, passage) in enumerate(chosen):
     assert pairs["queries"][i].tolist() == _sp_row(sp, f"synthetic query {i}", 16)
     assert pairs["documents"][i].tolist() == _sp_row(sp, passage, 48)
-  assert msmarco.msmarco_dual_encoder_delta(
+  assert msmarco_tasks.msmarco_dual_encoder_delta(
       train_pairs_dir=str(out), train_pairs_split="synthetic") == 1 / 4
   with pytest.raises(FileNotFoundError, match="qrels.nope.tsv"):
-    msmarco.register_msmarco_dual_encoder(
+    msmarco_tasks.register_msmarco_dual_encoder(
         train_pairs_dir=str(out), train_pairs_split="nope", task_name="x")
 
 

@@ -18,7 +18,6 @@ from dp_accounting import rdp
 from dpjax import gin_cli, trainer
 from dpjax.models import dual_encoder, t5, trainable
 from dpjax.privacy import accounting, clipping, ledger as ledger_lib
-from tasks import msmarco
 
 ENCODER = t5.T5Config(vocab_size=61, d_model=16, d_kv=8, d_ff=32, num_heads=2,
                       num_encoder_layers=1, num_decoder_layers=1,

@@ -9,10 +9,10 @@ import os
 import pytest
 
 from dpjax import trainer
+from dpjax.datasets import semparse
 from dpjax.privacy import accounting
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.semparse import experiments, pipeline
-from tasks import semparse
 
 FAST = ["BATCH_SIZE = 256", "MICROBATCH_SIZE = 128"]
 FAST_PARSER = ["EPOCHS = None", "TRAIN_STEPS = 6", "BATCH_SIZE = 128"]

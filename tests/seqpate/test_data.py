@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from tokenizers import ByteLevelBPETokenizer
 
+from dpjax.datasets import seqpate
 from dpjax.models import gpt2
 from dpjax.seqpate import pseudo_data
-from tasks import seqpate
+from tasks import seqpate as seqpate_tasks
 from tasks.seqpate_sample import generate
 
 
@@ -145,7 +146,7 @@ def test_private_lm_task_rows_equal_encode_completions():
   # table's own encoding of the same private examples.
   from dpjax.data import arrays  # pylint: disable=g-import-not-at-top
 
-  task = seqpate.register_private_lm_task(
+  task = seqpate_tasks.register_private_lm_task(
       "airdialogue", 1, public_fraction=0.2, test_fraction=0.1,
       max_examples=64)
   got = arrays.load_task_arrays(task.name, "train", {"targets": 23},

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from tasks import textcls
+from dpjax.datasets import textcls
+
+from tasks import textcls as textcls_tasks
 
 SST2_TSV = ("sentence\tlabel\n"
             "a gorgeous , witty , seductive movie . \t1\n"
@@ -79,9 +81,9 @@ def test_tfds_source_maps_features(monkeypatch):
   # No TFDS data can be downloaded here: mock the two datasets' records.
   monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", lambda self: True)
   with tfds.testing.mock_data(num_examples=6):
-    ag = textcls.load_examples("ag_news", "test", source="tfds")
+    ag = textcls_tasks.load_examples("ag_news", "test", source="tfds")
     raw = list(tfds.as_numpy(tfds.builder("ag_news_subset").as_dataset(split="test")))
-    sst = textcls.load_examples("sst2", "test", source="tfds")
+    sst = textcls_tasks.load_examples("sst2", "test", source="tfds")
   assert [e.label for e in ag] == [int(r["label"]) for r in raw]
   assert [e.text for e in ag] == [" ".join((r["title"] + b" " + r["description"])
                                            .decode().split()) for r in raw]
@@ -91,12 +93,12 @@ def test_tfds_source_maps_features(monkeypatch):
 def test_tfds_source_without_prepared_data_is_a_clear_error(tmp_path):
   pytest.importorskip("tensorflow_datasets")
   with pytest.raises(FileNotFoundError, match="not prepared"):
-    textcls.load_examples("sst2", "train", source="tfds", tfds_data_dir=str(tmp_path))
+    textcls_tasks.load_examples("sst2", "train", source="tfds", tfds_data_dir=str(tmp_path))
 
 
 @pytest.fixture(scope="module")
 def vocabulary():
-  return textcls.conditional_vocabulary()
+  return textcls_tasks.conditional_vocabulary()
 
 
 def test_special_tokens_are_single_tokens_and_round_trip(vocabulary):
@@ -125,10 +127,10 @@ def test_special_tokens_are_single_tokens_and_round_trip(vocabulary):
 def test_task_rows_put_the_label_at_its_slot(vocabulary):
   from dpjax.data import arrays
 
-  textcls.register_textcls_tasks()
+  textcls_tasks.register_textcls_tasks()
   examples = textcls.load_examples("sst2", "test")
   a = arrays.load_task_arrays("sst2_conditional_lm", "test",
-                              textcls.TASK_FEATURE_LENGTHS["sst2"], converter="decoder_only")
+                              textcls_tasks.TASK_FEATURE_LENGTHS["sst2"], converter="decoder_only")
   ids = np.asarray(textcls.label_token_ids(vocabulary, "sst2"))
   tokens = a["tokens"]
   assert tokens.shape == (len(examples), 67)

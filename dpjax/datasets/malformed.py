@@ -1,9 +1,10 @@
 """Malformed lines of the published data files: one error type, one policy.
 
-Every reader in `tasks/` streams its file through `decoded_lines` and hands
-each problem to a `MalformedPolicy`: "fail" raises `MalformedLineError`
-("path:line: reason"); "skip" drops the line (or the record it starts),
-counts it and logs one warning with the count and the first location.
+Every reader in `dpjax.datasets` streams its file through `decoded_lines`
+and hands each problem to a `MalformedPolicy`: "fail" raises
+`MalformedLineError` ("path:line: reason"); "skip" drops the line (or the
+record it starts), counts it and logs one warning with the count and the
+first location.
 """
 from __future__ import annotations
 

@@ -26,8 +26,9 @@ whitespace-delimited word keeps the rest of that word ("seat," -> "<REDACTED>,")
 Policies see plain text: callers redact utterances before adding control
 tokens (`<_soc_>`, `SYS:`, `<AIRLINE>`, ...), which must stay visible.
 
-No TensorFlow or JAX here; `ClassifierPolicy.from_dir` imports the model
-(`dpjax.dialog.classifier`) when called.
+Pure text logic (numpy only): the data layer (`dpjax.datasets`, `tasks`)
+redacts with these policies, and the classifier policy's model comes from
+above (`dpjax.dialog.classifier.classifier_policy` wraps a trained one).
 """
 from __future__ import annotations
 
@@ -248,7 +249,8 @@ class ClassifierPolicy(Policy):
                window_words: int = 16, stride: int = 8):
     """Args:
       scorer: window texts (words joined by single spaces) -> `[n, len(domains)]`
-        class probabilities, e.g. `classifier.DomainClassifier.probabilities`.
+        class probabilities, e.g. `dpjax.dialog.classifier.DomainClassifier
+        .probabilities`.
       domains: the scorer's classes, in its column order.
       threshold: z; a window is flagged when a probability exceeds it.
       window_words, stride: the windows (see `word_windows`).
@@ -261,19 +263,6 @@ class ClassifierPolicy(Policy):
     self.threshold = float(threshold)
     self.window_words = int(window_words)
     self.stride = int(stride)
-
-  @classmethod
-  def from_dir(cls, path: str, *, threshold: float = 0.9,
-               stride: int | None = None) -> "ClassifierPolicy":
-    """The policy of a classifier saved by `classifier.DomainClassifier.save`;
-    its window length is the one it was trained on, `stride` defaults to
-    half of it."""
-    from dpjax.dialog import classifier  # pylint: disable=g-import-not-at-top
-
-    model = classifier.DomainClassifier.load(path)
-    return cls(model.probabilities, model.labels, threshold=threshold,
-               window_words=model.window_words,
-               stride=stride or max(model.window_words // 2, 1))
 
   def spans_batch(self, texts: Sequence[str],
                   domains: Sequence[str] | None = None) -> list[list[Span]]:
