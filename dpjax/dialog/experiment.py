@@ -49,10 +49,9 @@ import gin
 import numpy as np
 
 import tasks
-from dpjax import checkpoints, fileio, gin_cli, inference
+from dpjax import checkpoints, fileio, gin_cli, harness, inference
 from dpjax.datasets import multidogo
 from dpjax.dialog import classifier, lira
-from dpjax.semparse import pipeline
 from dpjax.text import redaction
 
 MODES = ("domain_only", "public", "pub_redacted", "private", "jft",
@@ -219,13 +218,13 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   run_dir = lambda name: os.path.join(root, "runs", name)
   references = {j: f"reference_without_{j.lower()}" for j in others}
   for j, name in references.items():
-    pipeline.train_run(run_dir(name), settings.gin_files, [
+    harness.train_run(run_dir(name), settings.gin_files, [
         *settings.bindings, *_nonprivate(f"multidogo_lm_without_{j.lower()}")])
   summaries = {}
   for t in targets:
     init = ([f"INITIAL_CHECKPOINT_PATH = '{run_dir(t['after'])}'"]
             if t["after"] else [])
-    summaries[t["name"]] = pipeline.train_run(
+    summaries[t["name"]] = harness.train_run(
         run_dir(t["name"]), settings.gin_files,
         [*settings.bindings, *t["bindings"], *init])
 

@@ -52,14 +52,13 @@ import gin
 import numpy as np
 
 import tasks  # noqa: F401  (gin configurables of the data layer)
-from dpjax import checkpoints, fileio, gin_cli, inference
+from dpjax import checkpoints, fileio, gin_cli, harness, inference
 from dpjax import trainer  # noqa: F401  (gin configurables)
 from dpjax.datasets import msmarco
 from dpjax.eval import encoding, retrieval
 from dpjax.eval import text_quality as tq
 from dpjax.experiments import canaries as canaries_lib
 from dpjax.models import dual_encoder
-from dpjax.semparse import pipeline
 from tasks import msmarco as msmarco_tasks
 
 EPSILONS = (3.0, 8.0, 16.0, math.inf)
@@ -73,10 +72,6 @@ SAMPLE_DUAL_ENCODER_BINDINGS = (
 # Table 7 of the paper audits ε = 16 and ∞.
 CANARY_EPSILONS = (16.0, math.inf)
 MEMORIZATION_N = 4
-
-
-def _eps_name(eps: float) -> str:
-  return "inf" if math.isinf(eps) else f"{eps:g}"
 
 
 def _cached_json(path: str, compute):
@@ -168,18 +163,18 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
   dp_files = ("dual_encoder_msmarco_dp.gin", *dual_encoder_gin)
 
   def eps_binding(eps):
-    return f"TARGET_EPSILON = {_eps_name(eps)!r}"
+    return f"TARGET_EPSILON = {harness.eps_name(eps)!r}"
 
   reference = os.path.join(root, "original", "dual_encoder")
-  pipeline.train_run(reference, de_files, [*de_bind, eps_binding(math.inf)])
+  harness.train_run(reference, de_files, [*de_bind, eps_binding(math.inf)])
   rows = [dict(approach="original", epsilon=math.inf, seed=0,
                **_privacy(reference), **evaluate(reference, data_dir))]
   for eps in epsilons:
     for seed in seeds:
-      run_dir = os.path.join(root, "synthetic", f"eps{_eps_name(eps)}",
+      run_dir = os.path.join(root, "synthetic", f"eps{harness.eps_name(eps)}",
                              f"seed{seed}")
       generator = os.path.join(run_dir, "generator")
-      pipeline.train_run(generator, generator_gin,
+      harness.train_run(generator, generator_gin,
                          [*gen_bind, eps_binding(eps), f"train.seed = {seed}"])
       synthetic = os.path.join(run_dir, "synthetic")
       if not os.path.isfile(os.path.join(synthetic, "synthetic.jsonl")):
@@ -187,7 +182,7 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
         inference.generate_synthetic(model_dir=generator, output_dir=synthetic,
                                      seed=seed)
       dual = os.path.join(run_dir, "dual_encoder")
-      pipeline.train_run(dual, de_files, [
+      harness.train_run(dual, de_files, [
           *de_bind, eps_binding(math.inf), f"TRAIN_PAIRS_DIR = {synthetic!r}",
           "TRAIN_PAIRS_SPLIT = 'synthetic'", f"train.seed = {seed}"])
       rows.append(dict(
@@ -197,9 +192,9 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                          reference)))
       if math.isinf(eps):
         continue
-      direct = os.path.join(root, "direct_dp", f"eps{_eps_name(eps)}",
+      direct = os.path.join(root, "direct_dp", f"eps{harness.eps_name(eps)}",
                             f"seed{seed}")
-      pipeline.train_run(direct, dp_files,
+      harness.train_run(direct, dp_files,
                          [*de_bind, eps_binding(eps), f"train.seed = {seed}"])
       rows.append(dict(approach="direct DP", epsilon=eps, seed=seed,
                        **_privacy(direct), **evaluate(direct, data_dir)))
@@ -211,8 +206,8 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
         data_dir or msmarco.DEFAULT_SAMPLE_DIR, canary_data,
         per_cell=canaries_per_cell, repetitions=canary_repetitions)
     for eps in canary_epsilons:
-      generator = os.path.join(root, "canaries", f"eps{_eps_name(eps)}")
-      pipeline.train_run(generator, generator_gin, [
+      generator = os.path.join(root, "canaries", f"eps{harness.eps_name(eps)}")
+      harness.train_run(generator, generator_gin, [
           *gen_bind, eps_binding(eps), f"MSMARCO_DIR = {canary_data!r}"])
       privacy = _privacy(generator)
       per_canary = _cached_json(
@@ -224,15 +219,6 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                          per_canary, delta=privacy["delta"],
                          num_candidates=num_candidates)]
   return write_outputs(root, rows, audit_rows)
-
-
-def _mean_std(values: list[float]) -> str:
-  values = [v for v in values if v is not None]
-  if not values:
-    return "–"
-  if len(values) == 1:
-    return f"{values[0]:.4f}"
-  return f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}"
 
 
 def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
@@ -250,9 +236,9 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
   table = []
   for (approach, eps), group in groups.items():
     spent = max(g["epsilon_spent"] for g in group)
-    table.append([approach, _eps_name(eps),
-                  *(_mean_std([g[m] for g in group]) for m in METRICS),
-                  *(_mean_std([g.get(q) for g in group]) for q in quality),
+    table.append([approach, harness.eps_name(eps),
+                  *(harness.mean_std([g[m] for g in group]) for m in METRICS),
+                  *(harness.mean_std([g.get(q) for g in group]) for q in quality),
                   "∞" if math.isinf(spent) else f"{spent:.3f}",
                   str(len(group))])
   lines = ["# Retrieval on DP synthetic queries vs direct DP training "
@@ -264,7 +250,7 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
   canary_header = ["ε", "repetitions", "kind", "canaries", "rank (of R+1)",
                    "exposure", "exposure (skew-normal)", "extracted",
                    "extracted (greedy)", "ε lower bound"]
-  canary_table = [[_eps_name(r["epsilon"]), str(r["repetitions"]), r["kind"],
+  canary_table = [[harness.eps_name(r["epsilon"]), str(r["repetitions"]), r["kind"],
                    str(r["canaries"]), f"{r['sample_rank']:.1f}",
                    f"{r['exposure']:.2f}", f"{r['exposure_skewnorm']:.2f}",
                    f"{r['extraction']:.2f}", f"{r['extraction_greedy']:.2f}",
@@ -309,7 +295,7 @@ def _plot(root: str, groups: dict) -> str:
     ax.axhline(original[0]["ndcg@10"], color="gray", ls=":",
                label="original pairs, no DP")
   ax.set_xticks(sorted(position.values()),
-                [_eps_name(e) if not math.isinf(e) else "∞"
+                [harness.eps_name(e) if not math.isinf(e) else "∞"
                  for e in sorted(position, key=position.get)])
   ax.set_xlabel("ε")
   ax.set_ylabel("NDCG@10 (dev)")

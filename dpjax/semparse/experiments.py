@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import gin
 import numpy as np
 
-from dpjax import checkpoints, fileio, gin_cli, plan as plan_lib
+from dpjax import checkpoints, fileio, gin_cli, harness, plan as plan_lib
 from dpjax.datasets import semparse
 from dpjax.semparse import pipeline
 from tasks import semparse as semparse_tasks
@@ -50,10 +50,6 @@ FEATURE_LENGTHS = {
 }
 
 
-def _eps_name(eps: float) -> str:
-  return "inf" if math.isinf(eps) else f"{eps:g}"
-
-
 def _read_json(path):
   with open(path) as f:
     return json.load(f)
@@ -66,10 +62,10 @@ class _Runs:
     self.gin_files, self.bindings, self.lengths = gin_files, bindings, lengths
 
   def train(self, model_dir, task, kind, eps, seed, steps, *extra):
-    return pipeline.train_run(model_dir, self.gin_files, [
+    return harness.train_run(model_dir, self.gin_files, [
         *self.bindings, f"MIXTURE_OR_TASK_NAME = '{task}'",
         f"TASK_FEATURE_LENGTHS = {self.lengths[kind]!r}",
-        f"TARGET_EPSILON = {_eps_name(eps)!r}", "EPOCHS = None",
+        f"TARGET_EPSILON = {harness.eps_name(eps)!r}", "EPOCHS = None",
         f"TRAIN_STEPS = {steps}", f"train.seed = {seed}", *extra])
 
   def with_bindings(self, *extra) -> "_Runs":
@@ -196,7 +192,7 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
 
   # Evaluation models, trained once without DP.
   parser_dir = os.path.join(root, "parser_full")
-  pipeline.train_run(parser_dir, parser_gin_files, [
+  harness.train_run(parser_dir, parser_gin_files, [
       *parser_bindings, f"MIXTURE_OR_TASK_NAME = '{dataset}_parser'"])
   if feature_model_dir is None:
     feature_model_dir = os.path.join(root, "feature_lm")
@@ -228,7 +224,7 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
     plan = runs.privacy_plan(n, epochs, eps)
     for method in methods:
       for seed in seeds:
-        name = os.path.join(method, f"eps{_eps_name(eps)}", f"seed{seed}")
+        name = os.path.join(method, f"eps{harness.eps_name(eps)}", f"seed{seed}")
         utterances, privacy = _synthesize(
             runs, os.path.join(root, name), method, dataset, eps, seed,
             num=num, steps=plan["steps"], sigma=plan["sigma"],
@@ -236,12 +232,6 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
         rows.append(dict(method=method, epsilon=eps, seed=seed, **privacy,
                          **scored(name, utterances)))
   return _write_table(root, rows, dataset)
-
-
-def _mean_std(values: list[float]) -> str:
-  if len(values) == 1:
-    return f"{values[0]:.3f}"
-  return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
 def _write_table(root: str, rows: list[dict], dataset: str) -> dict:
@@ -255,8 +245,8 @@ def _write_table(root: str, rows: list[dict], dataset: str) -> dict:
   header = ["ε", "method", *METRICS, *coverage, "ε spent", "seeds"]
   table = []
   for (method, eps), group in groups.items():
-    cells = [("–" if eps is None else _eps_name(eps)), method]
-    cells += [_mean_std([g[m] for g in group]) for m in (*METRICS, *coverage)]
+    cells = [("–" if eps is None else harness.eps_name(eps)), method]
+    cells += [harness.mean_std([g[m] for g in group], digits=3) for m in (*METRICS, *coverage)]
     spent = [g["epsilon_spent"] for g in group if "epsilon_spent" in g]
     cells += [f"{max(spent):.3f}" if spent else "–", str(len(group))]
     table.append(cells)
@@ -315,7 +305,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   focus = semparse.PAPER_EXCLUSIONS[missing]
   lengths = dict(FEATURE_LENGTHS, **(feature_lengths or {}))
   runs = _Runs(tuple(gin_files), tuple(bindings), lengths)
-  parser = lambda model_dir, files, task, *extra: pipeline.train_run(
+  parser = lambda model_dir, files, task, *extra: harness.train_run(
       model_dir, files, [*parser_bindings, f"MIXTURE_OR_TASK_NAME = '{task}'",
                          *extra])
   data_flag = f"register_semparse_tasks.{dataset}_dir"
@@ -407,7 +397,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
     aug_parser = os.path.join(run_dir, "parser_augmented")
     parser(aug_parser, parser_gin_files, f"{dataset}_parser",
            f"{data_flag} = '{aug_dir}'")
-    name = f"D_pub + D_s ({method}, ε={_eps_name(epsilon)})"
+    name = f"D_pub + D_s ({method}, ε={harness.eps_name(epsilon)})"
     evaluate(name, aug_parser)
     rows[name].update(epsilon_spent=privacy["epsilon_spent"],
                       generator_examples=n)

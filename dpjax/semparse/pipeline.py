@@ -4,7 +4,8 @@ Each step works on run directories written by `dpjax.train` (so every model
 carries its privacy ledger) and is skipped when its output already exists,
 so an interrupted experiment resumes where it stopped:
 
-* `train_run`: one `trainer.train()` with gin files + bindings.
+* training: `harness.train_run` (one `trainer.train()` with gin files +
+  bindings).
 * `generate_texts`: GPT-2 continuations of prompts (the task's BPE), by
   multinomial beam search (`decoding.beam_sample_causal`; 1 beam = sampling).
 * `parse_utterances`: a T5 parser's greedy parses (linearized Lispress).
@@ -17,34 +18,17 @@ driver, not part of the DP core.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Sequence
 
-import gin
 import jax
 import numpy as np
 
-from dpjax import checkpoints, decoding, gin_cli, inference, trainer
+from dpjax import checkpoints, decoding, inference
 from dpjax.eval import mauve
 from dpjax.semparse import metrics
 from dpjax.text import lispress
 
 _LENGTH_BUCKET = 16  # prompt lengths are rounded up to limit recompilation
-
-
-def train_run(model_dir: str, gin_files: Sequence[str],
-              bindings: Sequence[str]) -> dict:
-  """Trains (or resumes, or skips if finished) one run; its summary."""
-  summary = os.path.join(model_dir, "train_summary.json")
-  if os.path.isfile(summary):
-    with open(summary) as f:
-      done = json.load(f)
-    if done.get("steps_done") == done.get("steps"):
-      return done
-  gin.clear_config()
-  gin_cli.configure(list(gin_files), [f"MODEL_DIR = '{model_dir}'", *bindings])
-  return trainer.train()
 
 
 def _task_vocabulary(meta: checkpoints.RunMeta):

@@ -87,7 +87,7 @@ import numpy as np
 import sacrebleu
 import tokenizers
 
-from dpjax import checkpoints, decoding, fileio
+from dpjax import decoding, fileio, harness
 from dpjax.models import gpt2, losses
 from dpjax.privacy import secret as secret_lib
 from dpjax.seqpate import (accounting, aggregation, cache, noisysgd,
@@ -296,22 +296,6 @@ def _slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def _check_settings(root: str, settings: Settings) -> None:
-  """Saves `settings` with a new table; raises CheckpointMismatchError if a
-  table already there was made with other settings (its finished rows, their
-  ε among them, would otherwise be reused as this table's)."""
-  current = json.loads(json.dumps(dataclasses.asdict(settings), default=str))
-  path = os.path.join(root, "settings.json")
-  if not os.path.isfile(path):
-    fileio.write_atomic(path, json.dumps(current, indent=2))
-    return
-  with open(path) as f:
-    saved = json.load(f)
-  checkpoints.check_compatible(
-      saved, current, "Settings", source=f"the table in {root}",
-      fix="Use another --output_dir, or the settings that table was made with.")
-
-
 def table1(output_dir: str, *, dataset: str = "airdialogue",
            seeds: Sequence[int] = (0,), settings: Settings = Settings(),
            rows: Sequence[str] | None = None,
@@ -321,7 +305,7 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
   root = os.path.join(os.path.abspath(output_dir), dataset + (
       "" if settings.partition == "sample" else f"-{settings.partition}"))
   os.makedirs(root, exist_ok=True)
-  _check_settings(root, settings)
+  harness.check_settings(root, settings)
   tokenizer = Tokenizer()
   config, length = settings.model, settings.length
   all_rows = table_rows(settings)

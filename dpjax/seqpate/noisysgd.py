@@ -29,14 +29,13 @@ imports none of it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Sequence
 
 import gin
 import jax
 
-from dpjax import gin_cli, inference, trainer
+from dpjax import gin_cli, harness, inference, trainer
 from dpjax.models import gpt2
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
@@ -51,15 +50,6 @@ def model_bindings(config: gpt2.GPT2Config) -> list[str]:
           for f in dataclasses.fields(config)]
 
 
-def _finished(model_dir: str) -> bool:
-  path = os.path.join(model_dir, "train_summary.json")
-  if not os.path.isfile(path):
-    return False
-  with open(path) as f:
-    summary = json.load(f)
-  return summary.get("steps_done") == summary.get("steps")
-
-
 def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
                    dataset: str, split_seed: int, public_fraction: float,
                    test_fraction: float, max_examples: int | None,
@@ -71,7 +61,7 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
   (`dataset`, `split_seed`, fractions, `max_examples`) with rows of `length`
   tokens, in `model_dir`; returns (params, the run's ledger)."""
   model_dir = os.path.abspath(model_dir)
-  if not _finished(model_dir):
+  if not harness.finished_summary(model_dir):
     init_dir = os.path.join(model_dir, "init_hf")
     if not os.path.isfile(os.path.join(init_dir, hf.CONFIG_FILE)):
       hf.export_hf(jax.device_get(init_params), config, init_dir)

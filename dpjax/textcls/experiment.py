@@ -69,8 +69,9 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import (fileio, gin_cli, inference, plan as plan_lib, pplm,
-                   run_config, text_classifier, trainer)
+from dpjax import (fileio, gin_cli, harness, inference, plan as plan_lib,
+                   pplm, run_config, text_classifier, trainer)
+from dpjax.harness import eps_name
 from dpjax.eval import text_quality
 from dpjax.models import bert
 from dpjax.datasets import textcls
@@ -149,10 +150,6 @@ def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
     gin.clear_config()
 
 
-def eps_name(eps: float) -> str:
-  return "inf" if math.isinf(eps) else f"{eps:g}"
-
-
 # ----------------------------------------------------------------------------
 # Runs.
 # ----------------------------------------------------------------------------
@@ -160,15 +157,6 @@ def eps_name(eps: float) -> str:
 
 def run_dir(out_dir: str, kind: str, eps: float) -> str:
   return os.path.join(out_dir, "runs", f"{kind}_eps{eps_name(eps)}")
-
-
-def _finished(model_dir: str) -> dict | None:
-  path = os.path.join(model_dir, "train_summary.json")
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    summary = json.load(f)
-  return summary if summary.get("steps_done") == summary.get("steps") else None
 
 
 _NAIVE = ("train.model_config = @GPT2Config()", "train.clip_norms = None")
@@ -180,19 +168,20 @@ def _train(model_dir: str, eps: float, gin_files: Sequence[str],
   unless it has finished: the gin files, the user's `bindings`, then this
   module's (which win), then `extra`. The LM test loss is evaluated once, at
   the end (`eval_loss`), unless `extra` says otherwise."""
-  done = _finished(model_dir)
-  if done:
-    return done
-  gin.clear_config()
-  try:
-    gin_cli.configure(list(gin_files), [
-        *bindings, f"MODEL_DIR = '{model_dir}'", f"TARGET_EPSILON = {eps_name(eps)!r}",
-        "train.eval_period = 1000000000",  # only at the last step
-        "train.eval_examples = 1000000000",  # the whole held-out split
-        "train.generate_after_training = False", *extra])
-    return trainer.train()
-  finally:
+  def train() -> dict:
     gin.clear_config()
+    try:
+      gin_cli.configure(list(gin_files), [
+          *bindings, f"MODEL_DIR = '{model_dir}'",
+          f"TARGET_EPSILON = {eps_name(eps)!r}",
+          "train.eval_period = 1000000000",  # only at the last step
+          "train.eval_examples = 1000000000",  # the whole held-out split
+          "train.generate_after_training = False", *extra])
+      return trainer.train()
+    finally:
+      gin.clear_config()
+
+  return harness.ensure_trained(model_dir, train)
 
 
 def train_run(out_dir: str, kind: str, eps: float, *,
@@ -256,7 +245,7 @@ def train_baselines(out_dir: str, eps: float, *,
   `head_only`, the "disc" release alone, T2 steps, initialised from and
   composed after `G_tuned`'s run), both with `baseline_plan`'s σ."""
   lm_dir, disc_dir = (run_dir(out_dir, k, eps) for k in (BASELINE_LM, BASELINE_DISC))
-  done = _finished(disc_dir)
+  done = harness.finished_summary(disc_dir)
   if done:
     return done
   plan = baseline_plan(eps, gin_files=gin_files, bindings=bindings,
@@ -436,7 +425,7 @@ def _baselines_row(out_dir, eps, labels, settings, data, gin_files, bindings):
   _write_synthetic(out_dir, f"filtered_eps{eps_name(eps)}", kept, labels[keep])
   return {"epsilon": eps_name(eps), "epsilon_spent": summary["epsilon_spent"],
           "delta": summary["delta"], "noise_multiplier": summary["noise_multiplier"],
-          "steps": [_finished(run_dir(out_dir, BASELINE_LM, eps))["steps"],
+          "steps": [harness.finished_summary(run_dir(out_dir, BASELINE_LM, eps))["steps"],
                     summary["steps"]],
           "run_dir": disc_dir,
           "baseline2_accuracy": _classifier_accuracy(settings, data, steered, labels),
