@@ -10,8 +10,9 @@ Modes:
   nodp         gradient of the mean loss and optax Adam: the non-private
                baseline;
   vmap, ghost  the trainer's DP step: `train_step.make_accumulate` over
-               [K, m] microbatches, clipping by `clipping.make_clipped_grad`
-               with that method, then `make_apply` with DP-Adam (noise on);
+               [K, m] microbatches, clipping by
+               `clipping_method.make_clipped_grad` with that method, then
+               `make_apply` with DP-Adam (noise on);
   jax_privacy  `jax_privacy.clipping.clipped_grad` on the same model and the
                same DP-Adam, when jax-privacy is installed (never a
                dependency of dpjax).
@@ -62,7 +63,7 @@ import optax
 from dpjax import gin_cli, partitioning, train_step
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
-from dpjax.privacy import clipping, optimizers, secret
+from dpjax.privacy import clipping_method, optimizers, secret
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 MODEL_DIR = os.path.join(gin_cli.REPO_GIN_DIR, "models")
@@ -189,7 +190,7 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
 
     return tx, jax_privacy_step
 
-  clipped = clipping.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
+  clipped = clipping_method.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
                                       method=mode)
   tx = dp_adam(clipped.sensitivity)
   accumulate = train_step.make_accumulate(clipped, seed=seed, dropout=False)

@@ -24,6 +24,7 @@ import optax
 from dpjax import gin_cli, partitioning, train_step
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping
+from dpjax.privacy.clipping_method import make_clipped_grad
 from dpjax.privacy import optimizers as dp_optimizers
 
 # Base optimizers: a DP step runs `dp_optimizers.dp_optimizer(base)`, a public
@@ -120,8 +121,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                              f"'auto', got {clipping_method!r}")
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
   if bounds is None:
-    clipped = clipping.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
-                                         method=clipping_method)
+    clipped = make_clipped_grad(model.example_loss, clip_norm=clip_norm,
+                                method=clipping_method)
   elif clipping_method == "ghost":
     raise gin_cli.UsageError(
         "train.clipping_method = 'ghost' does not support a model with "

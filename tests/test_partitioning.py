@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import partitioning, train_step
 from dpjax.models import gpt2, t5
-from dpjax.privacy import clipping, optimizers
+from dpjax.privacy import clipping_method, optimizers
 from dpjax.privacy.secret import RunSecret
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +114,7 @@ def _models(remat="none"):
 
 
 def _dp_step(example_loss, method="vmap"):
-  clipped = clipping.make_clipped_grad(example_loss, clip_norm=CLIP,
+  clipped = clipping_method.make_clipped_grad(example_loss, clip_norm=CLIP,
                                        method=method)
   # eps far above the rounding of the gradient sums, so that Adam's
   # normalisation does not blow reassociation differences (sharded sums

@@ -13,7 +13,8 @@ The privacy contract of a DP training step, module by module:
    `ghost.ghost_clipped_grad` computes the same sum with ghost norms (no
    per-example gradients of the weight matrices; book-keeping, or a second
    backward pass through rematerialised layers);
-   `make_clipped_grad(method='vmap'|'ghost'|'auto')` picks one.
+   `clipping_method.make_clipped_grad(method='vmap'|'ghost'|'auto')` picks
+   one.
 3. `noise` / `optimizers`: `privatizer` adds N(0, (sigma * sensitivity)^2) to
    each named sum (one per loss) exactly once per logical batch, keyed by
    (secret, release index), and divides by a data-independent normalizer;
@@ -47,9 +48,9 @@ from dpjax.privacy.clipping import (
     ClippedGradFn,
     ClipStats,
     clipped_grad,
-    make_clipped_grad,
     per_group_clipped_grad,
 )
+from dpjax.privacy.clipping_method import make_clipped_grad
 from dpjax.privacy.ghost import Site, find_sites, ghost_clipped_grad
 from dpjax.privacy.ledger import (
     LEDGER_FILENAME,

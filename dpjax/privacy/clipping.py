@@ -6,7 +6,8 @@ carries that bound as its `sensitivity`. Noise is added elsewhere
 (`dpjax.privacy.noise.privatizer`), once per logical batch, scaled by this
 `sensitivity`; keeping the bound on the callable means the two cannot drift.
 Here the per-example gradients come from `vmap`; `dpjax.privacy.ghost`
-computes the same sum without them, and `make_clipped_grad` picks one.
+computes the same sum without them, and
+`dpjax.privacy.clipping_method.make_clipped_grad` picks one.
 
 Formal guarantees
 -----------------
@@ -287,61 +288,6 @@ def multi_loss_clipped_grad(
 
   return MultiClippedGrad(fn=fn, sensitivities={k: float(c) for k, c in
                                                  clip_norms.items()})
-
-
-_METHODS = ("auto", "vmap", "ghost")
-
-
-def make_clipped_grad(
-    loss_fn: LossFn,
-    *,
-    clip_norm: float,
-    method: str = "auto",
-    microbatch_size: int | None = None,
-) -> ClippedGradFn:
-  """`clipped_grad` computed by the chosen method: same result, same guarantees.
-
-  Args:
-    loss_fn: As in `clipped_grad`.
-    clip_norm: As in `clipped_grad`.
-    method: 'vmap' (`clipped_grad`: per-example gradients of every
-      parameter); 'ghost' (`dpjax.privacy.ghost.ghost_clipped_grad`: ghost
-      norms for the weight matrices and embeddings of the dpjax models,
-      summed by book-keeping or, through rematerialised layers, a second
-      backward pass); 'auto': ghost if the loss has ghost sites (decided when
-      the callable is traced), vmap otherwise.
-    microbatch_size: As in `clipped_grad`.
-
-  Returns:
-    A `ClippedGradFn` with `sensitivity == clip_norm`.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> f = make_clipped_grad(lambda w, x: jnp.sum(w * x), clip_norm=1.0)
-    >>> g, _ = f(jnp.zeros(2), jnp.array([[3.0, 4.0]]), jnp.ones(1))
-    >>> print(g)  # no flax model, no sites: computed by vmap
-    [0.6 0.8]
-  """
-  # Imported here: ghost builds on this module.
-  from dpjax.privacy import ghost  # pylint: disable=g-import-not-at-top
-
-  if method not in _METHODS:
-    raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
-  by_vmap = clipped_grad(loss_fn, clip_norm=clip_norm,
-                         microbatch_size=microbatch_size)
-  if method == "vmap":
-    return by_vmap
-  by_ghost = ghost.ghost_clipped_grad(loss_fn, clip_norm=clip_norm,
-                                      microbatch_size=microbatch_size)
-  if method == "ghost":
-    return by_ghost
-
-  def auto(params, batch, mask):
-    example = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), batch)
-    use_ghost = bool(ghost.find_sites(loss_fn, params, example))
-    return (by_ghost if use_ghost else by_vmap)(params, batch, mask)
-
-  return ClippedGrad(fn=auto, sensitivity=float(clip_norm))
 
 
 def _make_clipped_sum(

@@ -17,7 +17,8 @@ from dp_accounting import rdp
 
 from dpjax import gin_cli, trainer
 from dpjax.models import dual_encoder, t5, trainable
-from dpjax.privacy import accounting, clipping, ledger as ledger_lib
+from dpjax.privacy import accounting, clipping, clipping_method
+from dpjax.privacy import ledger as ledger_lib
 
 ENCODER = t5.T5Config(vocab_size=61, d_model=16, d_kv=8, d_ff=32, num_heads=2,
                       num_encoder_layers=1, num_decoder_layers=1,
@@ -45,7 +46,7 @@ def params():
 def trainer_clipped_sum():
   """The clipped sum exactly as the trainer builds it (per-row vmap)."""
   model = trainable.trainable(CONFIG, {"queries": LQ, "documents": LD})
-  return jax.jit(clipping.make_clipped_grad(model.example_loss, clip_norm=C,
+  return jax.jit(clipping_method.make_clipped_grad(model.example_loss, clip_norm=C,
                                             method="vmap"))
 
 
@@ -151,7 +152,7 @@ def test_ghost_clipping_gives_the_same_clipped_sum(params, trainer_clipped_sum):
       rng.integers(2, ENCODER.vocab_size, (15, LQ)).astype(np.int32),
       rng.integers(2, ENCODER.vocab_size, (15, LD)).astype(np.int32))
   model = trainable.trainable(CONFIG, {"queries": LQ, "documents": LD})
-  ghost = clipping.make_clipped_grad(model.example_loss, clip_norm=C,
+  ghost = clipping_method.make_clipped_grad(model.example_loss, clip_norm=C,
                                      method="ghost")
   mask = np.array([1, 1, 0, 1], np.float32)
   want, want_stats = trainer_clipped_sum(params, rows, mask)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dpjax.models import gpt2, t5
-from dpjax.privacy import clipping, ghost
+from dpjax.privacy import clipping, clipping_method, ghost
 
 N = 6
 VOCAB = 97
@@ -305,7 +305,7 @@ def test_make_clipped_grad_selects():
   per_example_kernel = (4,) + TOY_PARAMS["dense"]["kernel"].shape
 
   def shapes(method):
-    fn = clipping.make_clipped_grad(toy_loss, clip_norm=1.0, method=method)
+    fn = clipping_method.make_clipped_grad(toy_loss, clip_norm=1.0, method=method)
     assert fn.sensitivity == 1.0
     return set(all_shapes(
         jax.make_jaxpr(fn)(TOY_PARAMS, TOY_BATCH, mask).jaxpr))
@@ -318,7 +318,7 @@ def test_make_clipped_grad_selects():
   def plain_loss(w, x):
     return jnp.sum(w * x)
   xs = jnp.array([[3.0, 4.0], [0.3, 0.4]])
-  auto = clipping.make_clipped_grad(plain_loss, clip_norm=1.0)
+  auto = clipping_method.make_clipped_grad(plain_loss, clip_norm=1.0)
   np.testing.assert_allclose(auto(jnp.zeros(2), xs, jnp.ones(2))[0],
                              [0.9, 1.2], rtol=1e-6)
   with pytest.raises(ValueError, match="no intercepted site"):
@@ -372,7 +372,7 @@ def test_remat_sites_are_leaves_passed_unchanged(loss, sites):
   mask = jnp.array([1.0, 1.0, 0.0, 1.0])
   want, want_stats = clipping.clipped_grad(loss, clip_norm=0.5)(
       REMAT_PARAMS, REMAT_BATCH, mask)
-  got, stats = clipping.make_clipped_grad(loss, clip_norm=0.5)(
+  got, stats = clipping_method.make_clipped_grad(loss, clip_norm=0.5)(
       REMAT_PARAMS, REMAT_BATCH, mask)
   np.testing.assert_allclose(stats.norms, want_stats.norms, rtol=1e-5)
   assert int(stats.num_clipped) > 0
@@ -395,7 +395,7 @@ def test_refuses_a_remat_module_called_twice():
 
 def test_invalid_arguments():
   with pytest.raises(ValueError, match="method"):
-    clipping.make_clipped_grad(toy_loss, clip_norm=1.0, method="fast")
+    clipping_method.make_clipped_grad(toy_loss, clip_norm=1.0, method="fast")
   with pytest.raises(ValueError, match="norm"):
     ghost.ghost_clipped_grad(toy_loss, clip_norm=1.0, norm="gram")
   with pytest.raises(ValueError, match="clip_norm"):

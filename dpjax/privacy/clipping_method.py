@@ -1,0 +1,69 @@
+"""The clipping method: per-example gradients by vmap, ghost norms, or
+whichever applies (`make_clipped_grad`).
+
+Formal guarantees
+-----------------
+Every method returns the same clipped sum with the same `sensitivity`
+(`clipping.clipped_grad`'s), so the choice is one of cost only: vmap
+materialises each example's gradient, ghost clipping (`dpjax.privacy.ghost`)
+computes the weight matrices' per-example norms from their inputs and output
+gradients. This module sits above both, so neither imports the other's
+chooser.
+"""
+from __future__ import annotations
+
+import jax
+
+from dpjax.privacy import clipping, ghost
+
+
+METHODS = ("auto", "vmap", "ghost")
+
+
+def make_clipped_grad(
+    loss_fn: clipping.LossFn,
+    *,
+    clip_norm: float,
+    method: str = "auto",
+    microbatch_size: int | None = None,
+) -> clipping.ClippedGradFn:
+  """`clipping.clipped_grad` by the chosen method: same result, same guarantees.
+
+  Args:
+    loss_fn: As in `clipping.clipped_grad`.
+    clip_norm: As in `clipping.clipped_grad`.
+    method: 'vmap' (`clipping.clipped_grad`: per-example gradients of every
+      parameter); 'ghost' (`dpjax.privacy.ghost.ghost_clipped_grad`: ghost
+      norms for the weight matrices and embeddings of the dpjax models,
+      summed by book-keeping or, through rematerialised layers, a second
+      backward pass); 'auto': ghost if the loss has ghost sites (decided when
+      the callable is traced), vmap otherwise.
+    microbatch_size: As in `clipping.clipped_grad`.
+
+  Returns:
+    A `ClippedGradFn` with `sensitivity == clip_norm`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> f = make_clipped_grad(lambda w, x: jnp.sum(w * x), clip_norm=1.0)
+    >>> g, _ = f(jnp.zeros(2), jnp.array([[3.0, 4.0]]), jnp.ones(1))
+    >>> print(g)  # no flax model, no sites: computed by vmap
+    [0.6 0.8]
+  """
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  by_vmap = clipping.clipped_grad(loss_fn, clip_norm=clip_norm,
+                         microbatch_size=microbatch_size)
+  if method == "vmap":
+    return by_vmap
+  by_ghost = ghost.ghost_clipped_grad(loss_fn, clip_norm=clip_norm,
+                                      microbatch_size=microbatch_size)
+  if method == "ghost":
+    return by_ghost
+
+  def auto(params, batch, mask):
+    example = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), batch)
+    use_ghost = bool(ghost.find_sites(loss_fn, params, example))
+    return (by_ghost if use_ghost else by_vmap)(params, batch, mask)
+
+  return clipping.ClippedGrad(fn=auto, sensitivity=float(clip_norm))
