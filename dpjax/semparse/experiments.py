@@ -32,7 +32,8 @@ from typing import Iterable, Sequence
 import gin
 import numpy as np
 
-from dpjax import checkpoints, fileio, gin_cli, harness, plan as plan_lib
+from dpjax import (checkpoints, fileio, gin_cli, harness, plan as plan_lib,
+                   run_config)
 from dpjax.datasets import semparse
 from dpjax.semparse import pipeline
 from tasks import semparse as semparse_tasks
@@ -71,6 +72,12 @@ class _Runs:
   def with_bindings(self, *extra) -> "_Runs":
     return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
 
+  def run_config(self) -> run_config.RunConfig:
+    """The runs' settings as these gin files and bindings configure them."""
+    gin.clear_config()
+    gin_cli.configure(list(self.gin_files), list(self.bindings))
+    return run_config.RunConfig()
+
   def query(self, name, default=None):
     """A gin macro (`%NAME`) or parameter of these settings, or `default`
     if unbound."""
@@ -86,15 +93,16 @@ class _Runs:
     """Batch, δ, (T1, T2) and the one σ for T1 + T2 steps under the gin's
     sampler and accountant (`plan.calibrate`) on n examples at ε (δ = 1/(2n)
     unless DELTA or `delta` is set)."""
-    batch = int(self.query("%BATCH_SIZE"))
-    delta = delta or self.query("%DELTA") or 1.0 / (2 * n)
+    config = self.run_config()
+    batch = int(config.batch_size)
+    delta = delta or plan_lib.resolve_delta(config.delta, n)
     t1, t2 = (math.ceil(e * n / batch) for e in epochs)
     # Only the scheme: no batch is drawn, so no secret is needed.
     sampling = plan_lib.make_sampler(
-        self.query("train.sampling_method", "poisson"), n, batch, 0,
-        self.query("train.overflow_probability", 0.01)).scheme
+        config.sampling_method, n, batch, 0,
+        config.overflow_probability).scheme
     sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2],
-                               accountant=self.query("train.accountant", "rdp"))
+                               accountant=config.accountant)
     return dict(batch=batch, delta=delta, steps=(t1, t2), sigma=sigma)
 
 
