@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import NamedTuple
 
 import gin
 import jax
@@ -60,7 +61,7 @@ from dpjax import (checkpoints, distributed, fileio, gin_cli, loop,
                    steps as steps_lib, train_step)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.privacy import secret as secret_lib
+from dpjax.privacy import sampling, secret as secret_lib
 
 RunConfig = run_config.RunConfig
 
@@ -95,28 +96,8 @@ def train(config: RunConfig | None = None) -> dict:
     # or the one this model extends (`checkpoints.init_from_run`)
     checkpoints.check_initialises(init_run[2], config.model_config)
   task = config.mixture_or_task_name
-  _check_registered("MIXTURE_OR_TASK_NAME", task)
-  if config.public_task_name:
-    _check_registered("train.public_task_name", config.public_task_name)
-  data = data_arrays.load_task_arrays(task, "train", lengths,
-                                      converter=model.converter)
-  try:
-    model.check_arrays(data)
-  except ValueError as e:
-    raise gin_cli.UsageError(f"{task}: {e}") from None
-  token_counts = data_arrays.real_token_counts(data)
-  n = len(token_counts)
-  plan_lib.check_batch_size(config.batch_size, n, config.delta)
-  reporting.say(f"{task} train split: {n} examples, feature lengths {lengths}")
-  public_data = public_tokens = public_sampler = None
-  if config.redaction_schedule:
-    public_data = data_arrays.load_task_arrays(
-        config.public_task_name, "train", lengths, converter=model.converter)
-    public_tokens = data_arrays.real_token_counts(public_data)
-    public_sampler = plan_lib.public_sampler(len(public_tokens),
-                                             config.batch_size, config.seed)
-    reporting.say(f"{config.public_task_name} train split (public): "
-                  f"{len(public_tokens)} examples")
+  splits = _load_splits(config, model, lengths)
+  n = len(splits.tokens)
 
   # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
   mngr, resume = _existing_run(model_dir, config.keep_checkpoints)
@@ -129,7 +110,8 @@ def train(config: RunConfig | None = None) -> dict:
     return plan_lib.make_plan(
         config, n=n, sampling_seed=run_secret.sampling_seed(),
         secret_source=run_secret.source, clip_norms=bounds,
-        public_n=None if public_tokens is None else len(public_tokens),
+        public_n=(None if splits.public is None
+                  else len(splits.public_tokens)),
         saved=saved)
 
   plan = plan_for(resume[1] if resume else None)
@@ -181,35 +163,10 @@ def train(config: RunConfig | None = None) -> dict:
   _write_run_files(model_dir, run_secret, plan.ledger)
 
   # --- The loop. ------------------------------------------------------------
-  # Batches [K, m, ...] split over the example axis m: each process reads
-  # only the sampled rows its own devices hold.
-  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
-  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
-  noise_secret = distributed.global_array(run_secret.noise_key(),
-                                          partitioning.replicated(mesh))
-
-  def step_fn(state, step: int):
-    # A DP step's index is its release number (sample, dropout and noise
-    # keys, ledger), a public step's its place in the public stream.
-    index = int(plan.kind_index[step])
-    if plan.public[step]:
-      idx, mask = public_sampler.microbatches(index, m)
-      state, metrics = placed.public(
-          state, distributed.global_rows(public_data, idx, batch_sh),
-          distributed.global_array(mask, mask_sh), index)
-      return state, loop.StepOutput(
-          False, [metrics], int(public_tokens[idx[mask > 0]].sum()))
-    idx, mask = plan.sampler.microbatches(index, m)
-    grads, metrics = placed.zero_grads(state.params), []
-    for call, (i, mk) in enumerate(steps_lib.microbatch_groups(idx, mask, k)):
-      grads, call_metrics = placed.accumulate(
-          state.params, grads, distributed.global_rows(data, i, batch_sh),
-          distributed.global_array(mk, mask_sh), index, call)
-      metrics.append(call_metrics)
-    state = placed.apply(state, grads, noise_secret)
-    plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)
-    return state, loop.StepOutput(True, metrics,
-                                  int(token_counts[idx[mask > 0]].sum()))
+  step_fn = _step_function(
+      plan, placed, splits, mesh=mesh, rules=rules, m=m, k=k,
+      noise_secret=distributed.global_array(run_secret.noise_key(),
+                                            partitioning.replicated(mesh)))
 
   def meta(step: int) -> checkpoints.RunMeta:
     dp_steps = plan.dp_steps_before(step)
@@ -279,6 +236,85 @@ def train(config: RunConfig | None = None) -> dict:
     fileio.write_atomic(os.path.join(model_dir, "train_summary.json"),
                         json.dumps(result, indent=2, default=str))
   return result
+
+
+class _Splits(NamedTuple):
+  """The training split (feature arrays and each row's real tokens) and, with
+  a redaction schedule, the public split and its shuffled sampler."""
+  train: dict
+  tokens: np.ndarray
+  public: dict | None = None
+  public_tokens: np.ndarray | None = None
+  public_sampler: sampling.ShuffleSampler | None = None
+
+
+def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
+                 lengths: dict) -> _Splits:
+  """The run's splits, checked (registered tasks, the model's features, a
+  batch no larger than the data) before anything is written."""
+  from dpjax.data import arrays as data_arrays  # TF: only where data is read
+  task = config.mixture_or_task_name
+  _check_registered("MIXTURE_OR_TASK_NAME", task)
+  if config.public_task_name:
+    _check_registered("train.public_task_name", config.public_task_name)
+  data = data_arrays.load_task_arrays(task, "train", lengths,
+                                      converter=model.converter)
+  try:
+    model.check_arrays(data)
+  except ValueError as e:
+    raise gin_cli.UsageError(f"{task}: {e}") from None
+  tokens = data_arrays.real_token_counts(data)
+  plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
+  reporting.say(f"{task} train split: {len(tokens)} examples, feature "
+                f"lengths {lengths}")
+  if not config.redaction_schedule:
+    return _Splits(data, tokens)
+  public = data_arrays.load_task_arrays(
+      config.public_task_name, "train", lengths, converter=model.converter)
+  public_tokens = data_arrays.real_token_counts(public)
+  reporting.say(f"{config.public_task_name} train split (public): "
+                f"{len(public_tokens)} examples")
+  return _Splits(data, tokens, public, public_tokens, plan_lib.public_sampler(
+      len(public_tokens), config.batch_size, config.seed))
+
+
+def _step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
+                   splits: _Splits, *, mesh, rules, m: int, k: int,
+                   noise_secret):
+  """`step_fn(state, step) -> (state, loop.StepOutput)`: the plan's step t,
+  a DP step (sample, clip per group of k microbatches of m, one noisy
+  release, recorded in the ledger) or a public step of the redaction
+  schedule."""
+  # Batches [K, m, ...] split over the example axis m: each process reads
+  # only the sampled rows its own devices hold.
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+
+  def step_fn(state, step: int):
+    # A DP step's index is its release number (sample, dropout and noise
+    # keys, ledger), a public step's its place in the public stream.
+    index = int(plan.kind_index[step])
+    if plan.public[step]:
+      idx, mask = splits.public_sampler.microbatches(index, m)
+      state, metrics = placed.public(
+          state, distributed.global_rows(splits.public, idx, batch_sh),
+          distributed.global_array(mask, mask_sh), index)
+      return state, loop.StepOutput(
+          False, [metrics], int(splits.public_tokens[idx[mask > 0]].sum()))
+    idx, mask = plan.sampler.microbatches(index, m)
+    grads, metrics = placed.zero_grads(state.params), []
+    for call, (i, mk) in enumerate(steps_lib.microbatch_groups(idx, mask, k)):
+      batch = distributed.global_rows(splits.train, i, batch_sh)
+      grads, call_metrics = placed.accumulate(
+          state.params, grads, batch, distributed.global_array(mk, mask_sh),
+          index, call)
+      metrics.append(call_metrics)
+    state = placed.apply(state, grads, noise_secret)
+    plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)
+    return state, loop.StepOutput(True, metrics,
+                                  int(splits.tokens[idx[mask > 0]].sum()))
+
+  return step_fn
 
 
 def _existing_run(model_dir: str, keep_checkpoints: int):
