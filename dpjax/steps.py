@@ -117,8 +117,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   takes the run's secret noise key (`RunSecret.noise_key()`).
   """
   if clipping_method not in CLIPPING_METHODS:
-    raise gin_cli.UsageError(f"train.clipping_method must be 'vmap', 'ghost' or "
-                             f"'auto', got {clipping_method!r}")
+    raise gin_cli.UsageError("train.clipping_method must be 'vmap', 'ghost' "
+                             f"or 'auto', got {clipping_method!r}")
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
   if bounds is None:
     clipped = make_clipped_grad(model.example_loss, clip_norm=clip_norm,
@@ -129,7 +129,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
         "several losses or frozen layers; use 'vmap'")
   else:
     clipped = clipping.multi_loss_clipped_grad(
-        model.example_losses, clip_norms=bounds, trainable=trainable_mask(model))
+        model.example_losses, clip_norms=bounds,
+        trainable=trainable_mask(model))
   sensitivities = train_step.sensitivities(clipped)
   tx = dp_optimizers.dp_optimizer(
       base_optimizer(model, optimizer, learning_rate),

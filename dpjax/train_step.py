@@ -12,9 +12,10 @@ example's gradient inside its microbatch and adding to the running sums, one
 per named loss (`{LOSS: sum}` for a model with one loss). `apply` hands the
 clipped sums to a DP optimizer (dpjax.privacy.optimizers), which adds the
 Gaussian noise exactly once per sum, keyed by the state's `noise_count`, and
-normalises before the base optimizer. A Poisson sample larger than K*m (rare by construction of the
-sampler) costs one more `accumulate` call with the same compiled shapes, so no
-sampled example is ever dropped and the accountant's model stays exact.
+normalises before the base optimizer. A Poisson sample larger than K*m
+(rare by construction of the sampler) costs one more `accumulate` call with
+the same compiled shapes, so no sampled example is ever dropped and the
+accountant's model stays exact.
 
 A model with several named losses (`clipping.multi_loss_clipped_grad`, e.g.
 GPT-2 + discriminator head) is the same path with more names: each sum is its

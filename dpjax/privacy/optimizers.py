@@ -1,4 +1,4 @@
-"""DP optimizers: the noisy release of the clipped sums, then any optax optimizer.
+"""DP optimizers: the noisy release of the clipped sums, then an optax one.
 
 Formal guarantees
 -----------------
