@@ -227,10 +227,11 @@ def test_xl_eps3_train_step_builds_with_abstract_shapes():
       "decoder_target_tokens": jax.ShapeDtypeStruct((k, m, 128), np.int32),
       "decoder_loss_weights": jax.ShapeDtypeStruct((k, m, 128), np.int32)}
   mask = jax.ShapeDtypeStruct((k, m), np.float32)
-  grads = jax.eval_shape(train_step.zeros_like_f32, params)
+  grads = {train_step.LOSS: jax.eval_shape(train_step.zeros_like_f32, params)}
   new_grads, metrics = jax.eval_shape(accumulate, params, grads, batch, mask,
                                       0, 0)
-  assert jax.tree.structure(new_grads) == jax.tree.structure(params)
+  assert jax.tree.structure(new_grads[train_step.LOSS]) == \
+      jax.tree.structure(params)
   state = jax.eval_shape(lambda p: train_step.init_state(p, tx), params)
   new_state = jax.eval_shape(apply, state, new_grads,
                              secret.RunSecret.pinned(0).noise_key())

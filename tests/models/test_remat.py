@@ -181,7 +181,7 @@ def test_trainer_ghost_with_remat_equals_vmap():
                               max_length=12)[0]
     _, accumulate, _ = steps_lib.build_dp_step(model, clipping_method=method,
                                              **kw)
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = {"loss": jax.tree.map(jnp.zeros_like, params)}
     sums[method], _ = jit(accumulate)(params, zeros, batch, mask, 0, 0)
   for a, b in zip(jax.tree.leaves(sums["vmap"]), jax.tree.leaves(sums["ghost"])):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
