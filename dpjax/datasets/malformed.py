@@ -8,6 +8,7 @@ first location.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Iterator
 
@@ -51,6 +52,18 @@ class MalformedPolicy:
           "Skipped %d malformed %s (first: %s)", self.count, self.what,
           self.first,
       )
+
+
+def json_object(line: str) -> dict:
+  """One JSON Lines record, which must be an object; ValueError says what is
+  wrong (for a reader's `MalformedLineError`)."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"not valid JSON ({e.msg} at character {e.pos + 1})") from e
+  if not isinstance(record, dict):
+    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+  return record
 
 
 def decoded_lines(path: str, policy: MalformedPolicy

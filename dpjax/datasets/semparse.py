@@ -125,12 +125,7 @@ def _dialogue_turns(line: str, with_domains: bool,
                     domain_types: Mapping[str, str]) -> tuple[str, list[Turn]]:
   """(dialogue id, kept turns) of one JSONL line; ValueError says what is
   wrong."""
-  try:
-    dialogue = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"not valid JSON ({e.msg} at character {e.pos + 1})") from e
-  if not isinstance(dialogue, dict):
-    raise ValueError(f"expected a JSON object, got {type(dialogue).__name__}")
+  dialogue = malformed.json_object(line)
   dialogue_id = _require(dialogue, "dialogue_id", str, "")
   raw_turns = _require(dialogue, "turns", list, "")
   parsed = []

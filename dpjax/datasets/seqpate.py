@@ -42,7 +42,6 @@ task of a private split.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -75,12 +74,7 @@ class Sentence:
 def _dialogue_sentences(line: str) -> tuple[str, list[tuple[str, str]]]:
   """(user id, [(speaker, text)]) of one AirDialogue line; ValueError says
   what is wrong."""
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"not valid JSON ({e.msg} at character {e.pos + 1})") from e
-  if not isinstance(record, dict):
-    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+  record = malformed.json_object(line)
   intent = record.get("intent")
   if not isinstance(intent, dict) or not isinstance(intent.get("name"), str):
     raise ValueError("missing string field 'intent.name' (the customer)")
