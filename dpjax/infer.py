@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from dpjax import gin_cli, inference, trainer  # noqa: F401  (trainer: config.gin)
+from dpjax import gin_cli, inference, train, trainer  # noqa: F401  (trainer: config.gin)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,6 @@ def main(argv=None) -> dict:
 
 def user_errors() -> tuple[type[Exception], ...]:
   """The trainer's user errors (bad flag, file, data line, checkpoint)."""
-  from dpjax import train
   return train.user_errors()
 
 

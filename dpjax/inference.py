@@ -102,6 +102,7 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
   check_decoding_args(top_p=top_p, top_k=top_k, temperature=temperature,
                       greedy=greedy, batch_size=batch_size, limit=limit,
                       max_decode_length=max_decode_length)
+  # Lazy: the data layer imports TensorFlow; loading a run needs none.
   import tasks
   from dpjax.data import arrays as data_arrays
   start = time.perf_counter()

@@ -14,6 +14,8 @@ from typing import Sequence
 from absl import logging as absl_logging
 
 from dpjax import checkpoints, gin_cli, trainer
+from dpjax.datasets import malformed
+from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
 
 
@@ -29,9 +31,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def user_errors() -> tuple[type[Exception], ...]:
   """Errors caused by the user's input: reported in one message, exit 2."""
-  from dpjax.pretrained import hf
-  from dpjax.datasets import msmarco
-  return (gin_cli.UsageError, FileNotFoundError, msmarco.MalformedLineError,
+  return (gin_cli.UsageError, FileNotFoundError, malformed.MalformedLineError,
           checkpoints.CheckpointMismatchError, ledger_lib.BudgetExceededError,
           hf.CheckpointError, checkpoints.UnreadableCheckpointError)
 

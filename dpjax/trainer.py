@@ -56,9 +56,9 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import (checkpoints, distributed, fileio, gin_cli, loop,
-                   partitioning, plan as plan_lib, reporting, run_config,
-                   steps as steps_lib, train_step)
+from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
+                   partitioning, plan as plan_lib, pretrained, reporting,
+                   run_config, steps as steps_lib, train_step)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
@@ -75,7 +75,8 @@ def train(config: RunConfig | None = None) -> dict:
   """
   config = config or RunConfig()
   distributed.initialize()  # before any other JAX use; single process: no-op
-  import tasks  # the data layer (TensorFlow) is only imported by the driver
+  # Lazy: the data layer imports TensorFlow, which the DP core never needs.
+  import tasks
   from dpjax.data import arrays as data_arrays
   wall_start = time.perf_counter()
   model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
@@ -227,7 +228,6 @@ def train(config: RunConfig | None = None) -> dict:
       f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}")
   if config.generate_after_training and done == plan.steps:
     if jax.process_count() == 1:
-      from dpjax import inference
       result["generation"] = inference.generate_synthetic(model_dir=model_dir)
     else:
       reporting.say("generation runs on one host: python -m dpjax.infer "
@@ -357,7 +357,6 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
                   f"{config.initial_checkpoint_path}")
     return params
   if config.initial_checkpoint_path:
-    from dpjax import pretrained
     # The run's init key: parts the checkpoint lacks (a discriminator
     # head) start as they would without it.
     params = pretrained.load_pretrained(
@@ -430,5 +429,4 @@ def initial_tokenizer_files(initial_checkpoint_path: str | None
   if run:
     run[0].close()
     return dict(run[2].tokenizer_files)
-  from dpjax import pretrained
   return pretrained.tokenizer_files(initial_checkpoint_path)

@@ -39,9 +39,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dpjax import fileio, gin_cli, partitioning, reporting
+from dpjax import fileio, gin_cli, inference, partitioning, reporting
 from dpjax.datasets import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, search
+from dpjax.models import dual_encoder
 from tasks import msmarco as msmarco_tasks
 
 CUTOFF = 10  # the paper's @10
@@ -181,8 +182,6 @@ def load_dataset(name: str, data_dir: str | None, split: str) -> ir_data.IRDatas
 
 def _dual_encoder(model_dir: str, vocabulary: str | None, mesh):
   """(encode_fn, tokenizer, fingerprint) of a trained dual encoder run."""
-  from dpjax import inference  # pylint: disable=g-import-not-at-top
-  from dpjax.models import dual_encoder  # pylint: disable=g-import-not-at-top
   config, params, meta = inference.load_trained(model_dir)
   vocabulary = (vocabulary or meta.tokenizer_files.get("sentencepiece")
                 or msmarco_tasks.DEFAULT_VOCABULARY_PATH)

@@ -13,26 +13,20 @@ is imported only to read `.bin` files.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import pathlib
 from typing import Any, Mapping
 
+import jax
+
+from dpjax import reporting
+from dpjax.models import dual_encoder, gpt2_disc
+from dpjax.pretrained import t5x
 from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_checkpoint,
                                  tokenizer_files)
 
 __all__ = ["CheckpointError", "export_hf", "load_hf", "load_pretrained", "open_hf_checkpoint",
            "tokenizer_files"]
-
-
-def _t5x_module():
-  """`dpjax.pretrained.t5x`, or None where it is not installed (yet)."""
-  try:
-    return importlib.import_module("dpjax.pretrained.t5x")
-  except ModuleNotFoundError as e:
-    if e.name != "dpjax.pretrained.t5x":
-      raise  # the module exists but something it needs does not
-    return None
 
 
 def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None) -> Any:
@@ -45,28 +39,21 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
   `PRNGKey(seed)`: the head is the one `gpt2_disc.init_params(config, rng)`
   gives, as in a run without a checkpoint).
   """
-  from dpjax.models import dual_encoder, gpt2_disc  # pylint: disable=g-import-not-at-top
   if isinstance(config, dual_encoder.DualEncoderConfig):
-    import jax  # pylint: disable=g-import-not-at-top
     params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder))
     return params if shardings is None else jax.device_put(params, shardings)
   if isinstance(config, gpt2_disc.GPT2DiscConfig):
     return _load_gpt2_disc(path, config, shardings, rng)
   if (pathlib.Path(path) / "config.json").is_file():
     return load_hf(path, config, shardings=shardings)
-  t5x = _t5x_module()
-  if t5x is not None and t5x.is_t5x_checkpoint(path):
+  if t5x.is_t5x_checkpoint(path):
     return t5x.load_t5x(path, config, shardings=shardings)
   raise CheckpointError(
-      f"{path} is neither a Hugging Face directory (config.json) nor a t5x checkpoint"
-      + ("" if t5x is not None else " (t5x support is not available)"))
+      f"{path} is neither a Hugging Face directory (config.json) nor a t5x checkpoint")
 
 
 def _load_gpt2_disc(path, config, shardings, rng) -> Any:
   """GPT-2 from the checkpoint, `disc_head` initialised from `rng`."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from dpjax import reporting  # pylint: disable=g-import-not-at-top
-  from dpjax.models import gpt2_disc  # pylint: disable=g-import-not-at-top
   if rng is None:
     raise ValueError("a GPT2DiscConfig model needs rng= to initialise its discriminator "
                      f"head ({gpt2_disc.HEAD}), which a GPT-2 checkpoint does not hold")

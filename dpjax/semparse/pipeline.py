@@ -32,6 +32,7 @@ _LENGTH_BUCKET = 16  # prompt lengths are rounded up to limit recompilation
 
 
 def _task_vocabulary(meta: checkpoints.RunMeta):
+  # Lazy: seqio and the tasks import TensorFlow, only needed to decode.
   import seqio
   import tasks
   tasks.register_tasks(tokenizer_files=meta.tokenizer_files)
