@@ -14,6 +14,7 @@ import os
 import sys
 
 from dpjax import gin_cli, inference, train, trainer  # noqa: F401  (trainer: config.gin)
+import tasks  # noqa: F401  (gin configurables of the data layer)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +38,6 @@ def main(argv=None) -> dict:
       top_p=args.top_p, top_k=args.top_k, temperature=args.temperature,
       greedy=args.greedy, batch_size=args.batch_size, limit=args.limit,
       prefix="--")
-  import tasks  # noqa: F401  (gin configurables of the data layer)
   config_gin = os.path.join(args.model_dir, "config.gin")
   gin_cli.configure(([config_gin] if os.path.isfile(config_gin) else []) +
                     files, bindings, args.gin_search_paths)

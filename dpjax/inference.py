@@ -28,6 +28,7 @@ from dpjax import (checkpoints, decoding, fileio, gin_cli, partitioning,
                    reporting)
 from dpjax.models import t5, trainable
 from dpjax.privacy import ledger as ledger_lib
+import tasks
 
 
 def load_trained(model_dir: str):
@@ -102,8 +103,7 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
   check_decoding_args(top_p=top_p, top_k=top_k, temperature=temperature,
                       greedy=greedy, batch_size=batch_size, limit=limit,
                       max_decode_length=max_decode_length)
-  # Lazy: the data layer imports TensorFlow; loading a run needs none.
-  import tasks
+  # Lazy: the arrays import TensorFlow; loading a run needs none.
   from dpjax.data import arrays as data_arrays
   start = time.perf_counter()
   model_dir = os.path.abspath(model_dir)

@@ -17,6 +17,7 @@ from dpjax import checkpoints, gin_cli, trainer
 from dpjax.datasets import malformed
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
+import tasks  # noqa: F401  (the data layer's gin configurables)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -24,7 +25,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
   absl_logging.set_verbosity(absl_logging.ERROR)  # dp-accounting's RDP chatter
   args, files, bindings = gin_cli.parse_args(
       argv, "DP fine-tuning with gin configuration (t5x-style flags).")
-  import tasks  # noqa: F401  (the data layer's gin configurables)
   gin_cli.configure(files, bindings, args.gin_search_paths)
   return trainer.train()
 

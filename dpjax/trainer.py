@@ -62,6 +62,7 @@ from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
+import tasks
 
 RunConfig = run_config.RunConfig
 
@@ -75,8 +76,7 @@ def train(config: RunConfig | None = None) -> dict:
   """
   config = config or RunConfig()
   distributed.initialize()  # before any other JAX use; single process: no-op
-  # Lazy: the data layer imports TensorFlow, which the DP core never needs.
-  import tasks
+  # Lazy: the arrays import TensorFlow, which the DP core never needs.
   from dpjax.data import arrays as data_arrays
   wall_start = time.perf_counter()
   model_dir = os.path.abspath(os.path.expanduser(config.model_dir))

@@ -27,14 +27,14 @@ from dpjax import checkpoints, decoding, inference
 from dpjax.eval import mauve
 from dpjax.semparse import metrics
 from dpjax.text import lispress
+import tasks
 
 _LENGTH_BUCKET = 16  # prompt lengths are rounded up to limit recompilation
 
 
 def _task_vocabulary(meta: checkpoints.RunMeta):
-  # Lazy: seqio and the tasks import TensorFlow, only needed to decode.
+  # Lazy: seqio imports TensorFlow, only needed to decode.
   import seqio
-  import tasks
   tasks.register_tasks(tokenizer_files=meta.tokenizer_files)
   return seqio.get_mixture_or_task(
       meta.mixture_or_task_name).output_features["targets"].vocabulary
