@@ -210,3 +210,40 @@ def test_laplace_event_round_trips_and_merges():
   assert accounting.merge(event, accounting.Gaussian(2.5, 4)) is None
   with pytest.raises(ValueError):
     accounting.Laplace(-1.0)
+
+
+MIXES = {
+    "one run": [accounting.PoissonGaussian(0.01, (1.1,), 300)],
+    "two losses, two stages": [
+        accounting.PoissonGaussian(0.01, (1.1, 2.0), 300),
+        accounting.PoissonGaussian(0.02, (0.9,), 50)],
+    "shuffled then Poisson": [accounting.Gaussian(3.0, 4),
+                              accounting.PoissonGaussian(0.01, (1.1,), 10)],
+    "laplace queries": [accounting.Laplace(2.0, 5)],
+    "a noiseless step": [accounting.PoissonGaussian(0.01, (0.0,), 3)],
+}
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_epsilon_equals_dp_accountings_float_for_float(mix, acc):
+  # The cached unit mechanisms change nothing: the same float as the
+  # accountant composing the events itself.
+  events = MIXES[mix]
+  expected = direct_epsilon(
+      dpa.ComposedDpEvent([e.to_dp_event() if acc == "rdp" or not isinstance(
+          e, accounting.PoissonGaussian) else accounting.PoissonGaussian(
+              e.sampling_rate, (accounting.effective_noise_multiplier(
+                  e.noise_multipliers),), e.count).to_dp_event()
+                           for e in events]), acc)
+  assert accounting.epsilon(events, DELTA, acc) == expected
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_epsilon_after_more_steps_is_recomputed_not_reused(acc):
+  # The cache holds one step of a mechanism, never a count's result.
+  short = accounting.epsilon([accounting.PoissonGaussian(0.01, (1.1,), 10)],
+                             DELTA, acc)
+  long = accounting.epsilon([accounting.PoissonGaussian(0.01, (1.1,), 400)],
+                            DELTA, acc)
+  assert long == direct_epsilon(poisson_event(0.01, 1.1, 400), acc) > short
