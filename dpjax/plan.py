@@ -34,7 +34,7 @@ _PUBLIC_SAMPLER_STREAM = 0x70756273  # "pubs"
 def calibrate(target_epsilon: float, delta: float,
               scheme: sampling.PoissonScheme | sampling.ShuffleScheme,
               stage_steps: Sequence[int], *, releases_per_step: int = 1,
-              accountant: str = "rdp",
+              accountant: str = "pld",
               prior_events: Sequence[accounting.Event] = ()) -> float:
   """The smallest σ with which `prior_events` and then, for each stage, its
   steps of `releases_per_step` Gaussians (one σ for all) under the sampling

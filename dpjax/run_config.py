@@ -37,7 +37,7 @@ class RunConfig:
   or '1/(2n)'; None: 1/(2n)), `clip_norm`, `clip_norms` (per-loss bounds of
   a model with several named losses; default `clip_norm` for each),
   `noise_multiplier` (None: calibrated for the target), `accountant`
-  ('rdp' | 'pld'), `prior_ledger` (an earlier run on the same data whose
+  ('pld', the tighter and default, | 'rdp'), `prior_ledger` (an earlier run on the same data whose
   releases this run composes with), `pinned_secret_seed` (tests only: the
   secret noise and sampling become public, and the ledger says so).
 
@@ -68,7 +68,7 @@ class RunConfig:
   clip_norm: float = 0.1
   clip_norms: Mapping[str, float] | None = None
   noise_multiplier: float | None = None
-  accountant: str = "rdp"
+  accountant: str = "pld"
   sampling_method: str = "poisson"
   overflow_probability: float = 0.01
   optimizer: str = "adam"

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import dp_accounting
+from dp_accounting import pld
 import gin
 import jax
 import numpy as np
@@ -74,10 +76,13 @@ def test_run_writes_ledger_matching_dp_accounting(eight_steps):
   assert ledger.delta == pytest.approx(1 / (2 * n))
   assert ledger.sampling["method"] == "poisson"
   assert ledger.sampling["sampling_rate"] == pytest.approx(q)
-  # σ was calibrated for 8 steps at ε = 3: ε spent equals a direct
-  # dp-accounting call and reaches the target within 1%.
-  direct = accounting.dpsgd_epsilon(ledger.noise_multiplier, q, 8,
-                                    ledger.delta)
+  # PLD by default. σ was calibrated for 8 steps at ε = 3: ε spent equals
+  # dp-accounting's own PLD accountant and reaches the target within 1%.
+  assert ledger.accountant == "pld"
+  direct = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
+      dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(ledger.noise_multiplier)), 8)
+  ).get_epsilon(ledger.delta)
   assert result["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
   assert 0.99 * 3.0 <= result["epsilon_spent"] <= 3.0
   for name in ("config.gin", "train_summary.json"):
@@ -366,7 +371,7 @@ def test_gpt2_trains_on_decoder_only_features(tmp_path):
       os.path.join(tmp_path, ledger_lib.LEDGER_FILENAME))
   assert ledger.steps == 30
   assert result["epsilon_spent"] == pytest.approx(accounting.dpsgd_epsilon(
-      ledger.noise_multiplier, 16 / 2998, 30, ledger.delta), rel=1e-9)
+      ledger.noise_multiplier, 16 / 2998, 30, ledger.delta, "pld"), rel=1e-9)
   # It learned: eval loss (query tokens only) below the initial model's.
   config = gpt2.GPT2Config.from_json(checkpoints.latest_meta(
       checkpoints.manager(str(tmp_path)))[1].model_config)
@@ -393,9 +398,9 @@ def test_second_stage_composes_with_the_first_in_one_ledger(tmp_path):
                f"train.prior_ledger = '{tmp_path / 'stage1'}'")
   q, delta = 16 / 2998, 1 / (2 * 2998)
   assert stage1["epsilon_spent"] == pytest.approx(
-      accounting.dpsgd_epsilon(sigma, q, 3, delta), rel=1e-9)
+      accounting.dpsgd_epsilon(sigma, q, 3, delta, "pld"), rel=1e-9)
   assert stage2["epsilon_spent"] == pytest.approx(
-      accounting.dpsgd_epsilon(sigma, q, 8, delta), rel=1e-9)
+      accounting.dpsgd_epsilon(sigma, q, 8, delta, "pld"), rel=1e-9)
   saved = ledger_lib.PrivacyLedger.load(
       tmp_path / "stage2" / ledger_lib.LEDGER_FILENAME)
   assert saved.steps == 5 and saved.epsilon_spent() == stage2["epsilon_spent"]

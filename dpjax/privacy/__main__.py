@@ -45,7 +45,7 @@ def _parser() -> _Parser:
     sub.add_argument("--batch_size", type=int)
     sub.add_argument("--epochs", type=float)
     sub.add_argument("--accountant", choices=accounting.ACCOUNTANTS,
-                     default="rdp")
+                     default="pld")
   return parser
 
 

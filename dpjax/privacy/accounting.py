@@ -237,7 +237,7 @@ def _compose(events: Sequence[Event], accountant: str) -> dp_accounting.DpEvent:
 
 
 def epsilon(events: Sequence[Event], delta: float,
-            accountant: str = "rdp") -> float:
+            accountant: str = "pld") -> float:
   """Epsilon at `delta` of the composition of `events` (0.0 if none).
 
   Equal, float for float, to dp-accounting's accountant composing the events
@@ -295,7 +295,7 @@ def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,
     make_events: Callable[[float], Sequence[Event]],
-    accountant: str = "rdp",
+    accountant: str = "pld",
 ) -> float:
   """Smallest noise multiplier s with epsilon(make_events(s)) <= target.
 
@@ -336,7 +336,7 @@ def calibrate_noise_multiplier(
 
 
 def dpsgd_epsilon(noise_multiplier: float, sampling_rate: float, steps: int,
-                  delta: float, accountant: str = "rdp") -> float:
+                  delta: float, accountant: str = "pld") -> float:
   """Epsilon of `steps` Poisson-sampled DP-SGD steps."""
   _check_count("steps", steps)
   return epsilon([PoissonGaussian(sampling_rate, (noise_multiplier,), steps)],
@@ -345,7 +345,7 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_rate: float, steps: int,
 
 def dpsgd_noise_multiplier(target_epsilon: float, delta: float,
                            sampling_rate: float, steps: int,
-                           accountant: str = "rdp") -> float:
+                           accountant: str = "pld") -> float:
   """Noise multiplier for `steps` Poisson-sampled DP-SGD steps at a target."""
   _check_sampling_rate(sampling_rate)
   _check_count("steps", steps)

@@ -39,7 +39,7 @@ def test_multiple_noise_multipliers_rdp_is_composed_event():
       0.02, dpa.ComposedDpEvent([dpa.GaussianDpEvent(1.0),
                                  dpa.GaussianDpEvent(2.0)])), 300)
   assert event.to_dp_event() == direct
-  assert accounting.epsilon([event], DELTA) == pytest.approx(
+  assert accounting.epsilon([event], DELTA, "rdp") == pytest.approx(
       direct_epsilon(direct, "rdp"), rel=1e-9)
 
 

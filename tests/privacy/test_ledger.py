@@ -29,7 +29,8 @@ def test_record_dp_steps_merges_identical_parameters():
   assert ledger.events == [accounting.PoissonGaussian(0.01, (1.0,), 5),
                            accounting.PoissonGaussian(0.01, (1.5,), 2),
                            accounting.Gaussian(5.0, 3)]
-  assert ledger.epsilon_spent() == accounting.epsilon(ledger.events, 1e-5)
+  assert ledger.epsilon_spent() == accounting.epsilon(ledger.events, 1e-5,
+                                                      "rdp")
 
 
 def test_shuffled_steps_count_each_epoch_once():
@@ -50,7 +51,7 @@ def test_check_budget():
   ledger.record_dp_steps(100, noise_multipliers=(1.0,))
   ledger.check_budget([accounting.PoissonGaussian(0.01, (1.0,), 10)])
   planned = [accounting.PoissonGaussian(0.01, (1.0,), 5000)]
-  total = accounting.epsilon(ledger.events + planned, 1e-5)
+  total = accounting.epsilon(ledger.events + planned, 1e-5, "rdp")
   with pytest.raises(ledger_lib.BudgetExceededError) as info:
     ledger.check_budget(planned)
   assert isinstance(info.value, ValueError)
@@ -103,7 +104,7 @@ def test_two_stage_ledger_equals_one_accountant_run(tmp_path):
   stage1.record_dp_steps(30)
   stage2.compose_after(stage1)
   stage2.record_dp_steps(70)
-  direct = accounting.dpsgd_epsilon(1.0, 0.01, 100, 1e-5)
+  direct = accounting.dpsgd_epsilon(1.0, 0.01, 100, 1e-5, "rdp")
   assert stage2.epsilon_spent() == pytest.approx(direct, rel=1e-9)
   assert stage2.epsilon_spent() > stage1.epsilon_spent()
   stage2.save(tmp_path / "l.json")
