@@ -24,18 +24,17 @@ then runs against the checkpoint's vocabulary. A smaller gin `vocab_size` is
 an error: it would drop pretrained rows.
 
 Host memory: tensors are read one at a time, each straight from its file
-(safetensors: `safe_open` per tensor; `.bin`: `torch.load(mmap=True)`, so
-the file is paged in, not copied), upcast to float32 (a bf16/f16 tensor thus
-briefly takes 2-3x its stored size), transformed (transposes and slices are
-views), put on its device(s) with its sharding, waited for, and dropped
-before the next is read. Peak host memory is about one float32 tensor (the
-largest is the embedding, e.g. 128 MB for a 3B T5; two while a vocabulary
-grows, the checkpoint's and the grown copy), never the model. On a
+and upcast to float32 (`tensor_files` says how), transformed (transposes and
+slices are views), put on its device(s) with its sharding, waited for, and
+dropped before the next is read. Peak host memory is about one float32
+tensor (the largest is the embedding, e.g. 128 MB for a 3B T5; two while a
+vocabulary grows, the checkpoint's and the grown copy), never the model. On a
 CPU backend the device arrays themselves live in host memory: jax may adopt
 the loaded buffer as the array, so nothing is copied twice.
 
 Export (`export_hf`) writes `config.json` and one `model.safetensors`,
-streaming one tensor at a time into the file.
+streaming one tensor at a time into the file
+(`tensor_files.write_safetensors`).
 """
 from __future__ import annotations
 
@@ -45,23 +44,22 @@ import inspect
 import json
 import os
 import pathlib
-import pickle
-import re
-import struct
 import sys
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import jax
-import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (safetensors BF16)
 import numpy as np
 
 from dpjax import fileio, reporting
 from dpjax.models import hf_common
+from dpjax.pretrained import tensor_files
+from dpjax.pretrained.tensor_files import (  # noqa: F401  DictReader: importable from here
+    CheckpointError, DictReader, SafetensorsReader, TorchReader)
 
 PyTree = Any
 
 CONFIG_FILE = "config.json"
-SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_FILE = tensor_files.SAFETENSORS_FILE
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_FILE = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
@@ -79,10 +77,6 @@ _NON_ARCH_FIELDS = ("dropout_rate", "dtype", "remat")
 _MAX_LISTED = 20
 
 
-class CheckpointError(ValueError):
-  """A checkpoint that does not fit the model, or cannot be read."""
-
-
 def _listing(problems: list[str]) -> str:
   shown = problems[:_MAX_LISTED]
   more = len(problems) - len(shown)
@@ -90,98 +84,8 @@ def _listing(problems: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Readers.
+# Opening a checkpoint directory.
 # ----------------------------------------------------------------------------
-
-
-def _as_float32(x: np.ndarray) -> np.ndarray:
-  return x if x.dtype == np.float32 else x.astype(np.float32)
-
-
-class SafetensorsReader:
-  """Tensors of one or more .safetensors files, each read when asked for."""
-
-  def __init__(self, files: Iterable[str | os.PathLike]):
-    from safetensors import safe_open
-    self._safe_open = safe_open
-    self._index: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for file in files:
-      with safe_open(os.fspath(file), framework="np") as f:  # reads the header only
-        for name in f.keys():
-          self._index[name] = (os.fspath(file), tuple(f.get_slice(name).get_shape()))
-
-  def keys(self) -> list[str]:
-    return list(self._index)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return self._index[name][1]
-
-  def get(self, name: str) -> np.ndarray:
-    file = self._index[name][0]
-    with self._safe_open(file, framework="np") as f:
-      return _as_float32(f.get_tensor(name))
-
-
-def _unsafe_pickle_message(file: str, e: Exception) -> str:
-  """Why torch's weights_only loader refused `file`, and how to convert it."""
-  found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-  what = f"an object of type {found.group(1)}" if found else "a non-tensor object"
-  target = os.path.join(os.path.dirname(file) or ".", SAFETENSORS_FILE)
-  return (
-      f"{file}: refused as unsafe: it holds {what}, and unpickling anything "
-      "but tensors can run arbitrary code on load. If you trust the file, "
-      f"convert it once to {SAFETENSORS_FILE} (read instead of the .bin): "
-      "python -c \"import torch; from safetensors.torch import save_file; "
-      f"sd = torch.load('{file}', weights_only=False); save_file({{k: "
-      "v.clone().contiguous() for k, v in sd.items() if isinstance(v, "
-      f"torch.Tensor)}}, '{target}')\" (or, sharded: transformers' "
-      "from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True))")
-
-
-class TorchReader:
-  """Tensors of PyTorch `.bin` files, memory-mapped (torch imported here only)."""
-
-  def __init__(self, files: Iterable[str | os.PathLike]):
-    import torch
-    self._torch = torch
-    self._tensors: dict[str, Any] = {}
-    for file in files:
-      try:
-        try:
-          state = torch.load(os.fspath(file), map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError:  # the pre-1.6 (non-zip) format cannot be mapped
-          state = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
-      except pickle.UnpicklingError as e:
-        raise CheckpointError(_unsafe_pickle_message(os.fspath(file), e)) from None
-      self._tensors.update(state)
-
-  def keys(self) -> list[str]:
-    return list(self._tensors)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._tensors[name].shape)
-
-  def get(self, name: str) -> np.ndarray:
-    t = self._tensors[name]
-    if t.dtype == self._torch.float32:
-      return np.array(t.numpy())  # a copy: never hand out views of the mapped file
-    return t.to(self._torch.float32).numpy()  # a new tensor, owned by its array
-
-
-class DictReader:
-  """A TensorReader over an in-memory {name: array} dict (tests, conversions)."""
-
-  def __init__(self, tensors: Mapping[str, Any]):
-    self._tensors = tensors
-
-  def keys(self) -> list[str]:
-    return list(self._tensors)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(np.shape(self._tensors[name]))
-
-  def get(self, name: str) -> np.ndarray:
-    return np.asarray(self._tensors[name], np.float32)
 
 
 class _ShapeReader:
@@ -470,35 +374,6 @@ def load_hf(path: str | os.PathLike, config, *, shardings=None,
                           encoder_only=encoder_only)
 
 
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-              np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float64): "F64",
-              np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
-
-
-def _write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray]) -> None:
-  """A .safetensors file written one tensor at a time (the format is a JSON
-  header of dtypes, shapes and byte ranges, then the raw little-endian data)."""
-  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  names = sorted(tensors)
-  for name in names:
-    x = tensors[name]
-    size = int(np.prod(x.shape)) * x.dtype.itemsize
-    header[name] = {"dtype": _ST_DTYPES[x.dtype], "shape": list(x.shape),
-                    "data_offsets": [offset, offset + size]}
-    offset += size
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)
-  tmp = path.with_name(f".{path.name}.tmp")
-  with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for name in names:
-      x = tensors[name]
-      f.write(np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes())
-  os.replace(tmp, path)
-
-
 def export_hf(params: PyTree, config, out_dir: str | os.PathLike) -> None:
   """Writes `config.json` and `model.safetensors` that transformers loads
   (`AutoModel...from_pretrained(out_dir)`) and `load_hf` reads back exactly."""
@@ -513,6 +388,6 @@ def export_hf(params: PyTree, config, out_dir: str | os.PathLike) -> None:
     raise CheckpointError(f"params do not fit {type(config).__name__}:" + _listing(problems))
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  _write_safetensors(out / SAFETENSORS_FILE, mapping.to_hf_state_dict(config, params))
+  tensor_files.write_safetensors(out / SAFETENSORS_FILE, mapping.to_hf_state_dict(config, params))
   fileio.write_atomic(out / CONFIG_FILE, json.dumps(mapping.config_to_hf(config), indent=2,
                                                     sort_keys=True) + "\n")

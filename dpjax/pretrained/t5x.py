@@ -6,11 +6,8 @@ The on-disk format, as read in google-research/t5x's source (`t5x/checkpoints.py
 `t5x/checkpoint_utils.py`: `detect_checkpoint_type`):
 
 * a step directory `checkpoint_<step>/` holding a file named `checkpoint`: a
-  msgpack document written by `flax.serialization` (`to_bytes`). Arrays
-  inside it are msgpack ext values (code 1 `ndarray`, 3 numpy scalar) whose
-  payload is itself msgpack `(shape, dtype name, raw C-order bytes)`; arrays
-  over 2**30 bytes are split into `{'__msgpack_chunked_array__': True,
-  'shape': {...}, 'chunks': {...}}`.
+  msgpack document written by `flax.serialization` (`to_bytes`), read
+  lazily by `flax_msgpack` (its docstring has the format).
 * the document is `{'version': 3, 'optimizer': state}` (t5x `VERSION` >= 1),
   or the bare `state` for version 0 (a plain Flax checkpoint). `state` is the
   train state's `state_dict()`: `{'target': params, 'state': {'step': ...,
@@ -56,12 +53,10 @@ read.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import mmap
 import os
 import re
-import struct
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -71,153 +66,17 @@ import numpy as np
 from dpjax.models import hf_common
 from dpjax.models.t5 import T5Config, abstract_params
 
-from dpjax.pretrained.hf import CheckpointError
+from dpjax.pretrained import flax_msgpack
+from dpjax.pretrained.flax_msgpack import ChunkedArray, InlineArray, Span
+from dpjax.pretrained.tensor_files import CheckpointError
 
 PyTree = Any
 
 _CHECKPOINT_FILE = "checkpoint"
 _STEP_DIR = re.compile(r"checkpoint_(\d+)$")
 _PLACEHOLDER_PREFIXES = ("PLACEHOLDER://", "AGGREGATED://")
-_CHUNKED = "__msgpack_chunked_array__"
 _ATTENTION_IN = ("query", "key", "value")
 _MAX_LISTED = 20
-
-
-# ----------------------------------------------------------------------------
-# A lazy msgpack parser: the tree structure is decoded, array payloads are
-# only located (offset and length), so opening a checkpoint reads no tensor.
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Span:
-  """A msgpack bin value: `length` raw bytes at `offset` in the file."""
-  offset: int
-  length: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _InlineArray:
-  """A flax-serialized ndarray stored in the msgpack file."""
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  span: _Span
-
-
-@dataclasses.dataclass(frozen=True)
-class _ChunkedArray:
-  """flax's split form of an inline array over 2**30 bytes."""
-  shape: tuple[int, ...]
-  chunks: tuple[_InlineArray, ...]
-
-
-def _dtype_from_name(name: str) -> np.dtype:
-  if name == "bfloat16":
-    return np.dtype(ml_dtypes.bfloat16)
-  return np.dtype(name)
-
-
-class _MsgpackParser:
-  """Decodes msgpack from a buffer; bin payloads become `_Span`s."""
-
-  _FIXED = {0xcc: ">B", 0xcd: ">H", 0xce: ">I", 0xcf: ">Q",
-            0xd0: ">b", 0xd1: ">h", 0xd2: ">i", 0xd3: ">q",
-            0xca: ">f", 0xcb: ">d"}
-
-  def __init__(self, buf):
-    self.buf = buf
-
-  def _uint(self, pos: int, size: int) -> int:
-    return int.from_bytes(self.buf[pos:pos + size], "big")
-
-  def parse(self, pos: int) -> tuple[Any, int]:
-    b = self.buf[pos]
-    pos += 1
-    if b <= 0x7f:
-      return b, pos
-    if b >= 0xe0:
-      return b - 0x100, pos
-    if 0x80 <= b <= 0x8f:
-      return self._map(pos, b & 0x0f)
-    if 0x90 <= b <= 0x9f:
-      return self._array(pos, b & 0x0f)
-    if 0xa0 <= b <= 0xbf:
-      return self._str(pos, b & 0x1f)
-    if b == 0xc0:
-      return None, pos
-    if b in (0xc2, 0xc3):
-      return b == 0xc3, pos
-    if b in self._FIXED:
-      fmt = self._FIXED[b]
-      size = struct.calcsize(fmt)
-      return struct.unpack(fmt, self.buf[pos:pos + size])[0], pos + size
-    if b in (0xc4, 0xc5, 0xc6):  # bin 8/16/32
-      size = 1 << (b - 0xc4)
-      n = self._uint(pos, size)
-      return _Span(pos + size, n), pos + size + n
-    if b in (0xc7, 0xc8, 0xc9):  # ext 8/16/32
-      size = 1 << (b - 0xc7)
-      n = self._uint(pos, size)
-      return self._ext(pos + size, n)
-    if 0xd4 <= b <= 0xd8:  # fixext 1/2/4/8/16
-      return self._ext(pos, 1 << (b - 0xd4))
-    if b in (0xd9, 0xda, 0xdb):  # str 8/16/32
-      size = 1 << (b - 0xd9)
-      return self._str(pos + size, self._uint(pos, size))
-    if b in (0xdc, 0xdd):  # array 16/32
-      size = 2 if b == 0xdc else 4
-      return self._array(pos + size, self._uint(pos, size))
-    if b in (0xde, 0xdf):  # map 16/32
-      size = 2 if b == 0xde else 4
-      return self._map(pos + size, self._uint(pos, size))
-    raise ValueError(f"invalid msgpack byte 0x{b:02x} at offset {pos - 1}")
-
-  def _str(self, pos, n):
-    return bytes(self.buf[pos:pos + n]).decode("utf-8"), pos + n
-
-  def _array(self, pos, n):
-    out = []
-    for _ in range(n):
-      x, pos = self.parse(pos)
-      out.append(x)
-    return out, pos
-
-  def _map(self, pos, n):
-    out = {}
-    for _ in range(n):
-      k, pos = self.parse(pos)
-      v, pos = self.parse(pos)
-      out[k] = v
-    return out, pos
-
-  def _ext(self, pos, n):
-    """`pos` points at the ext type byte, followed by `n` payload bytes."""
-    code = struct.unpack(">b", self.buf[pos:pos + 1])[0]
-    start, end = pos + 1, pos + 1 + n
-    if code in (1, 3):  # flax ndarray / numpy scalar: (shape, dtype, bytes)
-      (shape, dtype_name, span), stop = self.parse(start)
-      if stop != end or not isinstance(span, _Span):
-        raise ValueError(f"malformed array at offset {start}")
-      if isinstance(dtype_name, _Span):  # written with raw (bin) strings
-        dtype_name = bytes(self.buf[dtype_name.offset:dtype_name.offset
-                                    + dtype_name.length]).decode()
-      return _InlineArray(tuple(int(d) for d in shape), _dtype_from_name(dtype_name),
-                          span), end
-    if code == 2:  # native complex (real, imag)
-      (re_, im), _ = self.parse(start)
-      return complex(re_, im), end
-    return ("msgpack-ext", code, _Span(start, n)), end
-
-
-def _unchunk(tree):
-  """Replaces flax's chunked-array dicts by `_ChunkedArray`s."""
-  if not isinstance(tree, dict):
-    return tree
-  if tree.get(_CHUNKED) is True:
-    shape = tuple(int(tree["shape"][str(i)]) for i in range(len(tree["shape"])))
-    chunks = tuple(tree["chunks"][str(i)] for i in range(len(tree["chunks"])))
-    return _ChunkedArray(shape, chunks)
-  return {k: _unchunk(v) for k, v in tree.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -233,22 +92,6 @@ def _checkpoint_file(path) -> str | None:
   if os.path.basename(path) != _CHECKPOINT_FILE or not os.path.isfile(path):
     return None
   return path
-
-
-def _top_level_keys(file: str) -> set | None:
-  """Keys of the top-level msgpack map, without decoding the values."""
-  with open(file, "rb") as f:
-    head = f.read(1)
-    if not head or not (0x80 <= head[0] <= 0x8f or head[0] in (0xde, 0xdf)):
-      return None
-    f.seek(0)
-    size = os.fstat(f.fileno()).st_size
-    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as buf:
-      try:
-        tree, _ = _MsgpackParser(buf).parse(0)
-      except (ValueError, IndexError, struct.error, UnicodeDecodeError):
-        return None
-  return set(tree) if isinstance(tree, dict) else None
 
 
 def _state_of(contents: Mapping) -> tuple[int, Mapping]:
@@ -272,7 +115,7 @@ def is_t5x_checkpoint(path) -> bool:
   file = _checkpoint_file(path)
   if file is None:
     return False
-  keys = _top_level_keys(file)
+  keys = flax_msgpack.top_level_keys(file)
   if keys is None:
     return False
   return "optimizer" in keys or "target" in keys
@@ -335,12 +178,12 @@ class T5xCheckpointReader:
         raise CheckpointError(f"{file} is empty")
       self._buf = mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_READ)
       try:
-        contents, end = _MsgpackParser(self._buf).parse(0)
-      except (ValueError, IndexError, struct.error, UnicodeDecodeError) as e:
+        contents, end = flax_msgpack.MsgpackParser(self._buf).parse(0)
+      except flax_msgpack.PARSE_ERRORS as e:
         raise CheckpointError(f"{file} is not a flax msgpack checkpoint: {e}") from e
       if end != size or not isinstance(contents, dict):
         raise CheckpointError(f"{file} is not a flax msgpack checkpoint")
-      self.version, state = _state_of(_unchunk(contents))
+      self.version, state = _state_of(flax_msgpack.unchunk(contents))
       if not isinstance(state, dict) or not isinstance(state.get("target"), dict):
         raise CheckpointError(
             f"{file} holds no 'target' (params) tree; top-level keys: "
@@ -371,7 +214,7 @@ class T5xCheckpointReader:
 
   def shape(self, name: str) -> tuple[int, ...]:
     leaf = self._leaf(name)
-    if isinstance(leaf, (_InlineArray, _ChunkedArray)):
+    if isinstance(leaf, (InlineArray, ChunkedArray)):
       return leaf.shape
     if isinstance(leaf, (int, float, bool, np.number)):
       return ()
@@ -383,23 +226,21 @@ class T5xCheckpointReader:
   def dtype(self, name: str) -> np.dtype:
     """The stored dtype (before the float32 upcast of `get`)."""
     leaf = self._leaf(name)
-    if isinstance(leaf, _InlineArray):
+    if isinstance(leaf, (InlineArray, ChunkedArray)):
       return leaf.dtype
-    if isinstance(leaf, _ChunkedArray):
-      return leaf.chunks[0].dtype
     if isinstance(leaf, (int, float, bool, np.number)):
       return np.asarray(leaf).dtype
     if _is_ts_spec(leaf) and isinstance(leaf.get("dtype"), str):
-      return _dtype_from_name(leaf["dtype"])
+      return flax_msgpack.dtype_from_name(leaf["dtype"])
     return np.dtype(self._open_store(name, leaf).dtype.numpy_dtype)
 
   def get(self, name: str) -> np.ndarray:
     leaf = self._leaf(name)
-    if isinstance(leaf, _InlineArray):
-      x = self._inline(leaf)
-    elif isinstance(leaf, _ChunkedArray):
-      x = np.concatenate([self._inline(c).reshape(-1) for c in leaf.chunks])
-      x = x.reshape(leaf.shape)
+    if isinstance(leaf, (InlineArray, ChunkedArray)):
+      try:
+        x = flax_msgpack.read_array(self._buf, leaf)
+      except ValueError as e:
+        raise CheckpointError(f"{self.path}: {e}") from e
     elif isinstance(leaf, (int, float, bool, np.number)):
       x = np.asarray(leaf)
     else:
@@ -417,13 +258,6 @@ class T5xCheckpointReader:
       return self._leaves[name]
     except KeyError:
       raise KeyError(f"No tensor {name!r} in t5x checkpoint {self.path}") from None
-
-  def _inline(self, a: _InlineArray) -> np.ndarray:
-    count = int(np.prod(a.shape, dtype=np.int64))
-    if count * a.dtype.itemsize != a.span.length:
-      raise CheckpointError(f"Inline array of shape {a.shape} {a.dtype} in {self.path} "
-                            f"has {a.span.length} bytes")
-    return np.frombuffer(self._buf, a.dtype, count, a.span.offset).reshape(a.shape).copy()
 
   def _local_path(self, path: str) -> str:
     """A spec's (relative) array path, made absolute under the step dir."""
@@ -513,7 +347,7 @@ def _json_default(x):
     return x.tolist()
   if isinstance(x, np.generic):
     return x.item()
-  if isinstance(x, (_InlineArray, _ChunkedArray, _Span)):
+  if isinstance(x, (InlineArray, ChunkedArray, Span)):
     raise TypeError("array inside a tensorstore spec")
   raise TypeError(f"not JSON serializable: {type(x).__name__}")
 
