@@ -12,7 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 import types  # noqa: E402
 import weakref  # noqa: E402
 
@@ -422,10 +421,10 @@ def test_load_pretrained_dispatch(t5_dir, tmp_path, monkeypatch):
                      match="neither a Hugging Face directory .config.json. nor a t5x checkpoint"):
     pretrained.load_pretrained(tmp_path, cfg)
   calls = []
-  fake = types.ModuleType("dpjax.pretrained.t5x")
-  fake.is_t5x_checkpoint = lambda path: pathlib.Path(path).name == "t5x_ckpt"
-  fake.load_t5x = lambda path, config, *, shardings=None: calls.append(path) or "t5x params"
-  monkeypatch.setitem(sys.modules, "dpjax.pretrained.t5x", fake)
+  fake = types.SimpleNamespace(
+      is_t5x_checkpoint=lambda path: pathlib.Path(path).name == "t5x_ckpt",
+      load_t5x=lambda path, config, *, shardings=None: calls.append(path) or "t5x params")
+  monkeypatch.setattr(pretrained, "t5x", fake)
   assert pretrained.load_pretrained(tmp_path / "t5x_ckpt", cfg) == "t5x params"
   assert calls == [tmp_path / "t5x_ckpt"]
   with pytest.raises(pretrained.CheckpointError, match="neither"):
