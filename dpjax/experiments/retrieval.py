@@ -45,7 +45,6 @@ import collections
 import json
 import math
 import os
-import sys
 from typing import Sequence
 
 import gin
@@ -313,61 +312,50 @@ def _plot(root: str, groups: dict) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _floats(text: str) -> list[float]:
-  return [math.inf if x.strip() == "inf" else float(x) for x in text.split(",")]
-
-
 def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--output_dir", required=True)
-  p.add_argument("--epsilons", default="3,8,16,inf", type=_floats)
+  p.add_argument("--epsilons", default="3,8,16,inf", type=harness.parse_epsilons)
   p.add_argument("--seeds", default="0",
                  type=lambda s: [int(x) for x in s.split(",")])
   p.add_argument("--data_dir", default=None,
                  help="MSMARCO directory (default: the embedded sample)")
-  p.add_argument("--generator_gin", action="append", default=None,
-                 help=f"generator gin file(s) (default: {GENERATOR_GIN})")
-  p.add_argument("--dual_encoder_gin", action="append", default=None,
-                 help="gin file(s) after dual_encoder_msmarco[_dp].gin "
-                      f"(default: {DUAL_ENCODER_OVERLAY}; '' for none)")
   p.add_argument("--skip_canaries", action="store_true")
-  p.add_argument("--canary_epsilons", default="16,inf", type=_floats)
+  p.add_argument("--canary_epsilons", default="16,inf", type=harness.parse_epsilons)
   p.add_argument("--canaries_per_cell", type=int, default=2,
                  help="canaries per (kind, repetitions)")
   p.add_argument("--num_candidates", type=int, default=1000,
                  help="random secrets the canary's is ranked against")
 
 
-def _split_bindings(argv: list[str], prefix: str) -> tuple[list[str], list[str]]:
-  """(`NAME = VALUE` of each `--<prefix>.NAME=VALUE`, the other args)."""
-  flag = f"--{prefix}."
-  mine = [a[len(flag):] for a in argv if a.startswith(flag)]
-  rest = [a for a in argv if not a.startswith(flag)]
-  return [m.replace("=", " = ", 1) for m in mine], rest
-
-
-def main(argv=None) -> dict:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  generator_bindings, argv = _split_bindings(argv, "generator_gin")
-  dual_encoder_bindings, argv = _split_bindings(argv, "dual_encoder_gin")
-  args, files, bindings = gin_cli.parse_args(
-      argv, "The retrieval experiment of shared/papers/003.", _add_arguments)
-  if files:
+def _run(args, gin_files, bindings) -> dict:
+  if gin_files:
     raise gin_cli.UsageError("use --generator_gin / --dual_encoder_gin")
-  if args.dual_encoder_gin is None:
+  dual_encoder_bindings = args.dual_encoder_gin_bindings
+  if args.dual_encoder_gin_file is None:
     dual_encoder_bindings = [*SAMPLE_DUAL_ENCODER_BINDINGS,
                              *dual_encoder_bindings]
   return run_experiment(
       args.output_dir, epsilons=args.epsilons, seeds=args.seeds,
-      generator_gin=tuple(args.generator_gin or GENERATOR_GIN),
-      dual_encoder_gin=tuple(f for f in (args.dual_encoder_gin
+      generator_gin=tuple(args.generator_gin_file or GENERATOR_GIN),
+      dual_encoder_gin=tuple(f for f in (args.dual_encoder_gin_file
                                          or DUAL_ENCODER_OVERLAY) if f),
-      bindings=bindings, generator_bindings=generator_bindings,
+      bindings=bindings, generator_bindings=args.generator_gin_bindings,
       dual_encoder_bindings=dual_encoder_bindings, data_dir=args.data_dir,
       canary_epsilons=() if args.skip_canaries else args.canary_epsilons,
       canaries_per_cell=args.canaries_per_cell,
       num_candidates=args.num_candidates)
 
 
+def main(argv=None) -> dict:
+  """Generator gin files: `--generator_gin=FILE` (default GENERATOR_GIN);
+  the dual encoders': `--dual_encoder_gin=FILE` after
+  dual_encoder_msmarco[_dp].gin (default DUAL_ENCODER_OVERLAY; '' for none);
+  `--generator_gin.NAME=VALUE`, `--dual_encoder_gin.NAME=VALUE`: bindings of
+  that kind of run."""
+  return harness.run_command(
+      argv, "The retrieval experiment of shared/papers/003.", _add_arguments,
+      _run, extra_prefixes=("generator_gin", "dual_encoder_gin"))
+
+
 if __name__ == "__main__":
-  from dpjax import train
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  harness.command_main(main)
