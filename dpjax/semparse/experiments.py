@@ -72,21 +72,19 @@ class _Runs:
   def with_bindings(self, *extra) -> "_Runs":
     return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
 
+  def _configure(self) -> None:
+    gin.clear_config()
+    gin_cli.configure(list(self.gin_files), list(self.bindings))
+
   def run_config(self) -> run_config.RunConfig:
     """The runs' settings as these gin files and bindings configure them."""
-    gin.clear_config()
-    gin_cli.configure(list(self.gin_files), list(self.bindings))
+    self._configure()
     return run_config.RunConfig()
 
-  def query(self, name, default=None):
-    """A gin macro (`%NAME`) or parameter of these settings, or `default`
-    if unbound."""
-    gin.clear_config()
-    gin_cli.configure(list(self.gin_files), list(self.bindings))
-    try:
-      return gin.query_parameter(name)
-    except ValueError:
-      return default
+  def data_config(self) -> semparse_tasks.SemparseConfig:
+    """The runs' task settings (data directories, portions)."""
+    self._configure()
+    return semparse_tasks.SemparseConfig()
 
   def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
                    delta: float | None = None) -> dict:
@@ -327,7 +325,8 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   full_dir = os.path.join(root, "parser_full")
   parser(full_dir, parser_gin_files, f"{dataset}_parser")
   # The data directory the user pointed the runs at (default: the sample).
-  source = runs.query(data_flag) or semparse.DEFAULT_DATA_DIRS[dataset]
+  source = (runs.data_config().data_dir(dataset)
+            or semparse.DEFAULT_DATA_DIRS[dataset])
   valid_file = semparse.split_path(source, "validation")
   private = semparse.select_portion(
       semparse.load_turns(dataset, "train", source), "private")
@@ -346,7 +345,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
           "validation"]), f.read())
     semparse.write_dialogues(priv_train, pairs, prefix="private")
   num_parsed = len(semparse.load_turns(dataset, "train", priv_dir))
-  delta = runs.query("%DELTA") or 1.0 / (2 * len(private))
+  delta = runs.run_config().delta or 1.0 / (2 * len(private))
   method_runs = {  # each generator's training data: n examples, bindings
       "1-stage": (len(private), runs.with_bindings(
           f"{data_flag} = '{source}'",
@@ -358,7 +357,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   if unknown:
     raise ValueError(f"adaptation methods are {sorted(method_runs)}, got "
                      f"{sorted(unknown)}")
-  batch = int(runs.query("%BATCH_SIZE"))
+  batch = int(runs.run_config().batch_size)
   if "2-stage" in methods and batch > num_parsed:
     raise ValueError(
         f"the low-resource parser {p0_dir} parsed only {num_parsed} of "
