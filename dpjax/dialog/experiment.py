@@ -330,8 +330,7 @@ def _fmt(x, digits: int = 3) -> str:
 
 def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
                    others: Sequence[str], top_fraction: float) -> dict:
-  fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
-      json.dumps(r, default=str) + "\n" for r in rows))
+  harness.write_results(os.path.join(root, harness.RESULTS_FILENAME), rows)
   top = f"top {top_fraction:.0%} success rate"
   header = ["mode", "attack policy", f"test PPL ({prompt_domain})",
             "test PPL (all)", "success rate", top,
@@ -343,30 +342,27 @@ def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
             *[_fmt(r[f"success_rate_{j}"]) for j in others],
             f"{r['non_empty']} / {r['generations']}", _fmt(r["epsilon"], 2),
             f"{r['dp_steps']} / {r['public_steps']}"] for r in rows]
-  lines = [f"# Domain privacy: {prompt_domain} prompts (paper 004, Figure 1)", "",
-           *fileio.markdown_table(header, table)]
-  lines += ["", "Success rate: generations flagged by the attack policy for "
-            f"another domain ({', '.join(others)}) / non-empty generations "
-            "(lower is better); the top rate counts the generations ranked "
-            "highest by LiRa score PPL_ref / PPL_target (references trained "
-            f"without each of {', '.join(others)}). Test PPL: per token "
-            "(lower is better). ε: ledger ε spent at δ = 1/(2n); ∞ for "
-            "non-private training on original text."]
   md = os.path.join(root, "table.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
-  fileio.write_csv(os.path.join(root, "table.csv"), header, table)
+  text = harness.write_table(
+      table, header, md, os.path.join(root, "table.csv"),
+      title=f"Domain privacy: {prompt_domain} prompts (paper 004, Figure 1)",
+      notes=["Success rate: generations flagged by the attack policy for "
+             f"another domain ({', '.join(others)}) / non-empty generations "
+             "(lower is better); the top rate counts the generations ranked "
+             "highest by LiRa score PPL_ref / PPL_target (references trained "
+             f"without each of {', '.join(others)}). Test PPL: per token "
+             "(lower is better). ε: ledger ε spent at δ = 1/(2n); ∞ for "
+             "non-private training on original text."])
   plot = os.path.join(root, "success_vs_ppl.png")
   _plot(rows, prompt_domain, plot)
-  print("\n".join(lines), flush=True)
+  print(text, end="", flush=True)
   return {"rows": rows, "table_md": md, "plot": plot}
 
 
 def _plot(rows: list[dict], prompt_domain: str, path: str) -> None:
-  """Success rate vs test perplexity, one point per (mode, attack policy)."""
-  import matplotlib  # lazy: only for the plot
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 5))
+  """Success rate vs test perplexity, one point per (mode, attack policy):
+  the paper's figure; one ε here, so no plot against ε."""
+  fig, ax = harness.pyplot().subplots(figsize=(7, 5))
   for policy, marker in zip(POLICIES, ("o", "s")):
     points = [r for r in rows if r["attack_policy"] == policy]
     if not points:
@@ -382,10 +378,7 @@ def _plot(rows: list[dict], prompt_domain: str, path: str) -> None:
   ax.set_title(f"Domain leakage from {prompt_domain} prompts (lower is better)")
   ax.legend()
   fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=120)
-  plt.close(fig)
-  os.replace(tmp, path)
+  harness.save_figure(fig, path)
 
 
 __all__ = ["MODES", "POLICIES", "target_runs", "domain_privacy_table"]

@@ -222,10 +222,10 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
 
 def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
   """results.jsonl, table.md, table.csv, canaries.csv, ndcg_vs_epsilon.png."""
-  fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
-      json.dumps(dict(r, kind="retrieval"), default=str) + "\n" for r in rows)
-      + "".join(json.dumps(dict(r, kind="canaries"), default=str) + "\n"
-                for r in audit_rows))
+  harness.write_results(
+      os.path.join(root, harness.RESULTS_FILENAME),
+      [dict(r, kind="retrieval") for r in rows]
+      + [dict(r, kind="canaries") for r in audit_rows])
   groups = collections.OrderedDict()
   for r in rows:
     groups.setdefault((r["approach"], r["epsilon"]), []).append(r)
@@ -240,12 +240,10 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
                   *(harness.mean_std([g.get(q) for g in group]) for q in quality),
                   "∞" if math.isinf(spent) else f"{spent:.3f}",
                   str(len(group))])
-  lines = ["# Retrieval on DP synthetic queries vs direct DP training "
-           "(paper Tables 3, 4, 6)", "", *fileio.markdown_table(header, table)]
-  lines += ["", "NDCG@10 / Recall@10 / MRR@10 on the dev split; BLEU "
-            "(sacrebleu, 0-100) and MAUVE of the synthetic queries against "
-            "the original ones; mem@4: fraction of synthetic 4-grams found in "
-            "the training queries. mean ± std over seeds."]
+  notes = ["NDCG@10 / Recall@10 / MRR@10 on the dev split; BLEU "
+           "(sacrebleu, 0-100) and MAUVE of the synthetic queries against "
+           "the original ones; mem@4: fraction of synthetic 4-grams found in "
+           "the training queries. mean ± std over seeds."]
   canary_header = ["ε", "repetitions", "kind", "canaries", "rank (of R+1)",
                    "exposure", "exposure (skew-normal)", "extracted",
                    "extracted (greedy)", "ε lower bound"]
@@ -257,54 +255,32 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
                     if "epsilon_lower_bound" in r else "")]
                   for r in audit_rows]
   if audit_rows:
-    lines += ["", "# Canary exposure (paper Table 7)", "",
-              *fileio.markdown_table(canary_header, canary_table)]
-    lines += ["", "Secret at the end of the canary query; rank among the "
-              "true secret and R random 10-digit secrets by the generator's "
-              "log-likelihood; exposure = log2(1e10) - log2(estimated rank); "
-              "ε lower bound per example from the attack 'no sampled secret "
-              "beats it' (95% Clopper–Pearson, group privacy over 2 x "
-              "repetitions add/remove steps; dpjax/experiments/canaries.py)."]
+    notes.append("\n".join([
+        "# Canary exposure (paper Table 7)", "",
+        *fileio.markdown_table(canary_header, canary_table), "",
+        "Secret at the end of the canary query; rank among the "
+        "true secret and R random 10-digit secrets by the generator's "
+        "log-likelihood; exposure = log2(1e10) - log2(estimated rank); "
+        "ε lower bound per example from the attack 'no sampled secret "
+        "beats it' (95% Clopper–Pearson, group privacy over 2 x "
+        "repetitions add/remove steps; dpjax/experiments/canaries.py)."]))
+    fileio.write_csv(os.path.join(root, "canaries.csv"), canary_header,
+                     canary_table)
   md = os.path.join(root, "table.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
-  fileio.write_csv(os.path.join(root, "table.csv"), header, table)
-  if audit_rows:
-    fileio.write_csv(os.path.join(root, "canaries.csv"), canary_header, canary_table)
-  plot = _plot(root, groups)
-  print("\n".join(lines), flush=True)
-  return {"rows": rows, "canaries": audit_rows, "table_md": md, "plot": plot}
-
-
-def _plot(root: str, groups: dict) -> str:
-  """NDCG@10 against ε (ε = ∞ drawn at the right end) for both approaches."""
-  import matplotlib
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  finite = sorted({e for _, e in groups if not math.isinf(e)})
-  position = {e: i for i, e in enumerate(finite)}
-  position[math.inf] = len(finite)
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  for approach, style in (("synthetic", "o-"), ("direct DP", "s--")):
-    points = sorted((position[e], np.mean([g["ndcg@10"] for g in group]))
-                    for (a, e), group in groups.items() if a == approach)
-    if points:
-      ax.plot(*zip(*points), style, label=f"{approach}")
+  text = harness.write_table(
+      table, header, md, os.path.join(root, "table.csv"),
+      title="Retrieval on DP synthetic queries vs direct DP training "
+            "(paper Tables 3, 4, 6)", notes=notes)
+  plot = os.path.join(root, "ndcg_vs_epsilon.png")
   original = groups.get(("original", math.inf))
-  if original:
-    ax.axhline(original[0]["ndcg@10"], color="gray", ls=":",
-               label="original pairs, no DP")
-  ax.set_xticks(sorted(position.values()),
-                [harness.eps_name(e) if not math.isinf(e) else "∞"
-                 for e in sorted(position, key=position.get)])
-  ax.set_xlabel("ε")
-  ax.set_ylabel("NDCG@10 (dev)")
-  ax.legend()
-  fig.tight_layout()
-  path = os.path.join(root, "ndcg_vs_epsilon.png")
-  with fileio.open_atomic(path, "wb") as f:
-    fig.savefig(f, format="png", dpi=120)
-  plt.close(fig)
-  return path
+  harness.plot_vs_epsilon(
+      {approach: {e: float(np.mean([g["ndcg@10"] for g in group]))
+                  for (a, e), group in groups.items() if a == approach}
+       for approach in ("synthetic", "direct DP")},
+      plot, "NDCG@10 (dev)", references={
+          "original pairs, no DP": original[0]["ndcg@10"]} if original else {})
+  print(text, end="", flush=True)
+  return {"rows": rows, "canaries": audit_rows, "table_md": md, "plot": plot}
 
 
 # ---------------------------------------------------------------------------
