@@ -290,13 +290,15 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--output_dir", required=True)
-  p.add_argument("--epsilons", default="3,8,16,inf", type=harness.parse_epsilons)
+  p.add_argument("--epsilons", default="3,8,16,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--seeds", default="0",
                  type=lambda s: [int(x) for x in s.split(",")])
   p.add_argument("--data_dir", default=None,
                  help="MSMARCO directory (default: the embedded sample)")
   p.add_argument("--skip_canaries", action="store_true")
-  p.add_argument("--canary_epsilons", default="16,inf", type=harness.parse_epsilons)
+  p.add_argument("--canary_epsilons", default="16,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--canaries_per_cell", type=int, default=2,
                  help="canaries per (kind, repetitions)")
   p.add_argument("--num_candidates", type=int, default=1000,

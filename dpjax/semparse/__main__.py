@@ -36,7 +36,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--missing", default="weather", choices=["weather", "eod"])
   p.add_argument("--epsilon", default="3", type=harness.parse_epsilons,
                  help="adaptation: the generators' ε")
-  p.add_argument("--epsilons", default="3,8,16,inf", type=harness.parse_epsilons)
+  p.add_argument("--epsilons", default="3,8,16,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--seeds", default="0,1,2",
                  type=lambda s: [int(x) for x in s.split(",")])
   p.add_argument("--methods", default=None, type=lambda s: s.split(","))

@@ -26,7 +26,8 @@ from dpjax.seqpate import experiment
 def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("command", choices=["table1"])
   p.add_argument("--output_dir", required=True)
-  p.add_argument("--dataset", default="airdialogue", choices=experiment.DATASETS)
+  p.add_argument("--dataset", default="airdialogue",
+                 choices=experiment.DATASETS)
   p.add_argument("--epsilon", type=float, default=3.0)
   p.add_argument("--seeds", default="0",
                  type=lambda s: [int(x) for x in s.split(",")])

@@ -25,7 +25,8 @@ from dpjax import harness
 def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("table", choices=["table1", "table4"])
   p.add_argument("--output_dir", required=True)
-  p.add_argument("--epsilons", default="3,8,16,256,inf", type=harness.parse_epsilons)
+  p.add_argument("--epsilons", default="3,8,16,256,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--step_size", type=float, default=None, help="PPLM step size")
   p.add_argument("--samples_per_class", type=int, default=None,
                  help="default: as many as the training set has")
