@@ -206,7 +206,7 @@ def plot_vs_epsilon(series: Mapping[str, Mapping[float, float | None]],
 
 
 def parse_epsilons(text: str) -> list[float]:
-  """A comma-separated list of numbers flag ('3,8,inf'), ε lists above all."""
+  """The ε-list flags: '3,8,inf' -> [3.0, 8.0, inf]."""
   return [float(x) for x in text.split(",")]
 
 
