@@ -73,11 +73,16 @@ def _as_gin_value(value: str) -> str:
     return repr(value)
 
 
-def parse_args(argv: list[str], description: str, add_arguments=None
+def parse_args(argv: list[str], description: str, add_arguments=None,
+               extra_prefixes: tuple[str, ...] = ()
                ) -> tuple[argparse.Namespace, list[str], list[str]]:
   """Returns (parsed args, gin files, gin bindings).
 
-  `add_arguments(parser)` may add a command's own flags.
+  `add_arguments(parser)` may add a command's own flags. Each of
+  `extra_prefixes` (e.g. "parser_gin") is a second gin configuration, for
+  runs configured apart from the main ones, with the same conventions:
+  `--P_file` or `--P` (repeatable; args.P_file, None if not given) and
+  `--P.NAME=VALUE` / `--P_bindings` (args.P_bindings).
   """
   parser = argparse.ArgumentParser(description=description)
   if add_arguments:
@@ -89,20 +94,37 @@ def parse_args(argv: list[str], description: str, add_arguments=None
                       help="a gin binding 'NAME = VALUE' (repeatable)")
   parser.add_argument("--gin_search_paths", action="append", default=[],
                       help="extra directories to search for gin files")
-  bindings: list[str] = []
+  for prefix in extra_prefixes:
+    parser.add_argument(f"--{prefix}_file", f"--{prefix}", action="append",
+                        default=None, dest=f"{prefix}_file",
+                        help=f"gin config file of the {prefix} runs "
+                             "(repeatable)")
+    parser.add_argument(f"--{prefix}_bindings", action="append", default=[],
+                        help=f"a gin binding of the {prefix} runs "
+                             f"(repeatable; or --{prefix}.NAME=VALUE)")
+  dotted = {prefix: [] for prefix in ("gin", *extra_prefixes)}
   rest: list[str] = []
   for arg in argv:
-    if arg.startswith("--gin."):
-      name, sep, value = arg[len("--gin."):].partition("=")
-      if not sep:
-        raise UsageError(f"{arg}: expected --gin.NAME=VALUE")
-      bindings.append(_binding(f"{name} = {_as_gin_value(value)}", arg))
-    else:
+    prefix = next((p for p in dotted if arg.startswith(f"--{p}.")), None)
+    if prefix is None:
       rest.append(arg)
+      continue
+    name, sep, value = arg[len(prefix) + 3:].partition("=")
+    if not sep:
+      raise UsageError(f"{arg}: expected --{prefix}.NAME=VALUE")
+    dotted[prefix].append(
+        _binding(f"{name} = {_as_gin_value(value)}", arg))
   args = parser.parse_args(rest)
-  return args, args.gin_file, [
-      _binding(b, f"--gin_bindings={b!r}") for b in args.gin_bindings
-  ] + bindings
+  for prefix in extra_prefixes:
+    setattr(args, f"{prefix}_bindings",
+            _flag_bindings(getattr(args, f"{prefix}_bindings"), prefix)
+            + dotted[prefix])
+  return (args, args.gin_file,
+          _flag_bindings(args.gin_bindings, "gin") + dotted["gin"])
+
+
+def _flag_bindings(texts: list[str], prefix: str) -> list[_Binding]:
+  return [_binding(b, f"--{prefix}_bindings={b!r}") for b in texts]
 
 
 # gin appends where an error happened ("In call to configurable 'train'

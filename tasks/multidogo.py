@@ -25,6 +25,7 @@ import TensorFlow.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable, Mapping, Sequence
@@ -153,19 +154,28 @@ def register_multidogo_task(
   )
 
 
-@gin.configurable(denylist=["checkpoint_tokenizer_files"])
+@gin.configurable("register_multidogo_tasks")
+@dataclasses.dataclass(frozen=True)
+class MultidogoConfig:
+  """The MultiDoGo tasks' settings, registered with gin as
+  `register_multidogo_tasks` (so `register_multidogo_tasks.data_dir = ...`
+  fills it): the tasks and the dialog pipeline that attacks them read the
+  same typed record (see `register_multidogo_tasks` for the fields)."""
+  data_dir: str | None = None
+  domains: Sequence[str] = PAPER_DOMAINS
+  domain_tokens: bool = True
+  chunk_length: int = DEFAULT_CHUNK_LENGTH
+  pack: bool = True
+  keywords_path: str | None = None
+  classifier_policy: Callable[[], redaction.Policy] | None = None
+  bpe_vocab_path: str | None = None
+  bpe_merges_path: str | None = None
+  split_seed: int = 0
+  on_malformed: str = "fail"
+
+
 def register_multidogo_tasks(
-    data_dir: str | None = None,
-    domains: Sequence[str] = PAPER_DOMAINS,
-    domain_tokens: bool = True,
-    chunk_length: int = DEFAULT_CHUNK_LENGTH,
-    pack: bool = True,
-    keywords_path: str | None = None,
-    classifier_policy: Callable[[], redaction.Policy] | None = None,
-    bpe_vocab_path: str | None = None,
-    bpe_merges_path: str | None = None,
-    split_seed: int = 0,
-    on_malformed: str = "fail",
+    config: MultidogoConfig | None = None,
     checkpoint_tokenizer_files: Mapping[str, str] | None = None,
 ) -> list:
   """Registers the MultiDoGo LM tasks (all over `domains`, unless named):
@@ -179,7 +189,7 @@ def register_multidogo_tasks(
     baseline), and `multidogo_lm_without_{domain}`: the other domains (the
     reference model of D without d_j), `domain` lower case.
 
-  Args:
+  Args (`config`, default `MultidogoConfig()` as gin configures it):
     data_dir: MultiDoGo `unannotated/` directory; None means the sample.
     domains: the pooled domains (default the paper's AIRLINE, MEDIA,
       INSURANCE).
@@ -203,21 +213,23 @@ def register_multidogo_tasks(
     The registered tasks.
   """
   from dpjax.data import vocabularies  # lazy: TensorFlow
+  c = config or MultidogoConfig()
   vocabulary = dialog_vocabulary(*vocabularies.bpe_paths(
-      bpe_vocab_path, bpe_merges_path, checkpoint_tokenizer_files,
+      c.bpe_vocab_path, c.bpe_merges_path, checkpoint_tokenizer_files,
       default_vocab=DEFAULT_BPE_VOCAB_PATH, default_merges=DEFAULT_BPE_MERGES_PATH))
-  keywords_path = keywords_path or DEFAULT_KEYWORDS_PATH
+  keywords_path = c.keywords_path or DEFAULT_KEYWORDS_PATH
   if not os.path.isfile(keywords_path):
     raise FileNotFoundError(f"keyword file not found: {keywords_path!r}")
-  domains = tuple(domains)
+  domains = tuple(c.domains)
   policies = {"": None, "_redacted_keyword": lambda: redaction.KeywordPolicy.from_json(
       keywords_path)}
-  if classifier_policy:
-    policies["_redacted_classifier"] = classifier_policy
+  if c.classifier_policy:
+    policies["_redacted_classifier"] = c.classifier_policy
   register = functools.partial(
-      register_multidogo_task, data_dir=data_dir, domain_tokens=domain_tokens,
-      chunk_length=chunk_length, pack=pack, split_seed=split_seed,
-      vocabulary=vocabulary, on_malformed=on_malformed)
+      register_multidogo_task, data_dir=c.data_dir,
+      domain_tokens=c.domain_tokens, chunk_length=c.chunk_length, pack=c.pack,
+      split_seed=c.split_seed, vocabulary=vocabulary,
+      on_malformed=c.on_malformed)
   registered = [register(f"multidogo_lm{suffix}", domains=domains, policy=policy)
                 for suffix, policy in policies.items()]
   for d in domains:
@@ -228,5 +240,5 @@ def register_multidogo_tasks(
   return registered
 
 
-__all__ = ["dialog_vocabulary", "register_multidogo_task",
+__all__ = ["MultidogoConfig", "dialog_vocabulary", "register_multidogo_task",
            "register_multidogo_tasks"]

@@ -11,6 +11,8 @@ seqio/TF are imported when a task is registered, so importing this module
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Mapping, Sequence
 
@@ -195,19 +197,33 @@ def register_semparse_task(name: str, dataset: str, kind: str, *,
   )
 
 
-@gin.configurable(denylist=["checkpoint_tokenizer_files"])
+@gin.configurable("register_semparse_tasks")
+@dataclasses.dataclass(frozen=True)
+class SemparseConfig:
+  """The semparse tasks' settings, registered with gin as
+  `register_semparse_tasks` (so `register_semparse_tasks.treedst_dir = ...`
+  fills it): the tasks and the pipeline that plans on their data read the
+  same typed record (see `register_semparse_tasks` for the fields)."""
+  smcalflow_dir: str | None = None
+  treedst_dir: str | None = None
+  bpe_vocab_path: str | None = None
+  bpe_merges_path: str | None = None
+  sentencepiece_path: str | None = None
+  lm_portion: str = "all"
+  parser_portion: str = "all"
+  parser_exclude_functions: Sequence[str] = ()
+  split_seed: int = 0
+  public_fraction: float = semparse.PUBLIC_FRACTION
+  on_malformed: str = "fail"
+
+  def data_dir(self, dataset: str) -> str | None:
+    """`dataset`'s directory; None: the embedded sample."""
+    return {"smcalflow": self.smcalflow_dir, "treedst": self.treedst_dir
+            }[dataset]
+
+
 def register_semparse_tasks(
-    smcalflow_dir: str | None = None,
-    treedst_dir: str | None = None,
-    bpe_vocab_path: str | None = None,
-    bpe_merges_path: str | None = None,
-    sentencepiece_path: str | None = None,
-    lm_portion: str = "all",
-    parser_portion: str = "all",
-    parser_exclude_functions: Sequence[str] = (),
-    split_seed: int = 0,
-    public_fraction: float = semparse.PUBLIC_FRACTION,
-    on_malformed: str = "fail",
+    config: SemparseConfig | None = None,
     checkpoint_tokenizer_files: Mapping[str, str] | None = None,
 ) -> list:
   """Registers `{dataset}_{kind}` for every kind of `DATASET_KINDS`.
@@ -218,7 +234,7 @@ def register_semparse_tasks(
   (e.g. a public parser without Weather next to the full one) call
   `register_semparse_task` with a name of your own.
 
-  Args:
+  Args (`config`, default `SemparseConfig()` as gin configures it):
     smcalflow_dir, treedst_dir: dataset directories; None means the embedded
       samples.
     bpe_vocab_path, bpe_merges_path: GPT-2 `vocab.json` / `merges.txt` of the
@@ -238,24 +254,24 @@ def register_semparse_tasks(
     The registered tasks.
   """
   from dpjax.data import vocabularies  # lazy: TensorFlow
+  c = config or SemparseConfig()
   files = dict(checkpoint_tokenizer_files or {})
   bpe = _bpe_vocabulary(*vocabularies.bpe_paths(
-      bpe_vocab_path, bpe_merges_path, files,
+      c.bpe_vocab_path, c.bpe_merges_path, files,
       default_vocab=DEFAULT_BPE_VOCAB_PATH, default_merges=DEFAULT_BPE_MERGES_PATH))
-  spm = _sentencepiece_vocabulary(sentencepiece_path or files.get(
+  spm = _sentencepiece_vocabulary(c.sentencepiece_path or files.get(
       "sentencepiece") or DEFAULT_SENTENCEPIECE_PATH)
-  dirs = {"smcalflow": smcalflow_dir, "treedst": treedst_dir}
   registered = []
   for dataset, kinds in DATASET_KINDS.items():
     for kind in kinds:
       parser = kind == "parser"
       registered.append(register_semparse_task(
-          f"{dataset}_{kind}", dataset, kind, data_dir=dirs[dataset],
+          f"{dataset}_{kind}", dataset, kind, data_dir=c.data_dir(dataset),
           vocabulary=spm if parser else bpe,
-          portion=parser_portion if parser else lm_portion,
-          exclude_functions=parser_exclude_functions if parser else (),
-          split_seed=split_seed, public_fraction=public_fraction,
-          on_malformed=on_malformed))
+          portion=c.parser_portion if parser else c.lm_portion,
+          exclude_functions=c.parser_exclude_functions if parser else (),
+          split_seed=c.split_seed, public_fraction=c.public_fraction,
+          on_malformed=c.on_malformed))
   return registered
 
 
@@ -263,4 +279,5 @@ __all__ = [
     "DEFAULT_VOCAB_DIR", "DEFAULT_BPE_VOCAB_PATH", "DEFAULT_BPE_MERGES_PATH",
     "DEFAULT_SENTENCEPIECE_PATH", "KINDS", "DATASET_KINDS", "domain_prompt",
     "parse_prompt", "register_semparse_task", "register_semparse_tasks",
+    "SemparseConfig",
 ]

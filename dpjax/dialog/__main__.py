@@ -15,11 +15,8 @@ Rerunning the same command skips every finished run and attack.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from absl import logging as absl_logging
-
-from dpjax import gin_cli
+from dpjax import gin_cli, harness
 
 _LIST = lambda s: [x for x in s.split(",") if x]
 
@@ -43,14 +40,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--batch_size", type=int, default=64)
 
 
-def main(argv=None) -> dict:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  args, files, bindings = gin_cli.parse_args(
-      argv, "The domain-privacy experiment of dpjax.", _add_arguments)
-  import tasks  # noqa: F401  (gin configurables of the data layer)
-  from dpjax import trainer  # noqa: F401  (gin configurables)
-  from dpjax.dialog import experiment
+def _run(args, gin_files, bindings) -> dict:
+  from dpjax.dialog import experiment  # lazy: the data layer, TensorFlow
   for name, given, known in (("modes", args.modes, experiment.MODES),
                              ("policies", args.policies, experiment.POLICIES)):
     if not given or set(given) - set(known):
@@ -59,7 +50,7 @@ def main(argv=None) -> dict:
   return experiment.domain_privacy_table(
       args.output_dir, prompt_domain=args.prompt_domain, modes=args.modes,
       policies=args.policies, epsilon=args.epsilon,
-      gin_files=files or ("dialog_sample.gin",), bindings=bindings,
+      gin_files=gin_files or ("dialog_sample.gin",), bindings=bindings,
       num_conversations=args.num_conversations,
       prompts_per_conversation=args.prompts_per_conversation,
       num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
@@ -68,6 +59,10 @@ def main(argv=None) -> dict:
       batch_size=args.batch_size)
 
 
+def main(argv=None) -> dict:
+  return harness.run_command(argv, "The domain-privacy experiment of dpjax.",
+                             _add_arguments, _run)
+
+
 if __name__ == "__main__":
-  from dpjax import train
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  harness.command_main(main)

@@ -40,6 +40,7 @@ classifier and each target's attack are skipped when rerun. Writes, under
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -49,10 +50,11 @@ import gin
 import numpy as np
 
 import tasks
-from dpjax import checkpoints, fileio, gin_cli, harness, inference
+from dpjax import checkpoints, fileio, gin_cli, harness, inference, run_config
 from dpjax.datasets import multidogo
 from dpjax.dialog import classifier, lira
 from dpjax.text import redaction
+from tasks import multidogo as multidogo_tasks
 
 MODES = ("domain_only", "public", "pub_redacted", "private", "jft",
          "redaction_schedule")
@@ -113,7 +115,8 @@ def target_runs(prompt_domain: str, modes: Sequence[str],
 
 
 class _Settings:
-  """The gin files + bindings every run shares; queries of their values."""
+  """The gin files + bindings every run shares, and the typed records they
+  configure (the MultiDoGo tasks', one run's)."""
 
   def __init__(self, gin_files: Sequence[str], bindings: Sequence[str]):
     self.gin_files, self.bindings = list(gin_files), list(bindings)
@@ -122,26 +125,25 @@ class _Settings:
     gin.clear_config()
     gin_cli.configure(self.gin_files, [*self.bindings, *extra])
 
-  def query(self, name: str, default=None):
-    try:
-      value = gin.query_parameter(name)
-    except ValueError:
-      return default
-    return default if value is None else value
+  def multidogo(self) -> multidogo_tasks.MultidogoConfig:
+    self.configure()
+    return multidogo_tasks.MultidogoConfig()
+
+  def run_config(self) -> run_config.RunConfig:
+    self.configure()
+    return run_config.RunConfig()
 
 
-def _train_classifier(path: str, settings: _Settings, domains: Sequence[str],
+def _train_classifier(path: str, data: multidogo_tasks.MultidogoConfig,
                       epochs: float) -> None:
   """The classifier policy's model, trained once on the training split."""
   if os.path.isfile(os.path.join(path, "config.json")):
     return
-  settings.configure()
-  argv = [f"--output_dir={path}", f"--domains={','.join(domains)}",
-          f"--epochs={epochs}",
-          f"--split_seed={settings.query('register_multidogo_tasks.split_seed', 0)}"]
-  for flag, name in (("data_dir", "data_dir"), ("vocab_path", "bpe_vocab_path"),
-                     ("merges_path", "bpe_merges_path")):
-    value = settings.query(f"register_multidogo_tasks.{name}")
+  argv = [f"--output_dir={path}", f"--domains={','.join(data.domains)}",
+          f"--epochs={epochs}", f"--split_seed={data.split_seed}"]
+  for flag, value in (("data_dir", data.data_dir),
+                      ("vocab_path", data.bpe_vocab_path),
+                      ("merges_path", data.bpe_merges_path)):
     if value:
       argv.append(f"--{flag}={value}")
   gin.clear_config()
@@ -198,9 +200,8 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   from dpjax.data import arrays as data_arrays  # lazy: TensorFlow
   root = os.path.abspath(out_dir)
   settings = _Settings(gin_files, bindings)
-  settings.configure()
-  domains = tuple(settings.query("register_multidogo_tasks.domains", None)
-                  or multidogo.PAPER_DOMAINS)
+  data = settings.multidogo()
+  domains = tuple(data.domains or multidogo.PAPER_DOMAINS)
   if prompt_domain not in domains or len(domains) < 2:
     raise gin_cli.UsageError(f"prompt_domain {prompt_domain!r} must be one of "
                              f"at least two domains {list(domains)}")
@@ -210,7 +211,8 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   extra = []  # bindings every run shares from here on
   if "classifier" in policies:
     clf_dir = os.path.join(root, "domain_classifier")
-    _train_classifier(clf_dir, settings, domains, classifier_epochs)
+    _train_classifier(clf_dir, dataclasses.replace(data, domains=domains),
+                      classifier_epochs)
     extra += ["register_multidogo_tasks.classifier_policy = @classifier_policy",
               f"classifier_policy.classifier_dir = '{clf_dir}'"]
   settings = _Settings(gin_files, [*bindings, *extra])
@@ -229,19 +231,18 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
         [*settings.bindings, *t["bindings"], *init])
 
   # Attack and evaluation settings: the shared gin config, tasks registered.
+  lengths = settings.run_config().task_feature_lengths
   settings.configure()
   tasks.register_tasks()
   vocabulary = _task_vocabulary("multidogo_lm")
-  split_seed = settings.query("register_multidogo_tasks.split_seed", 0)
   conversations = [c for c in multidogo.load_split(
-      "test", settings.query("register_multidogo_tasks.data_dir"), domains,
-      seed=split_seed) if c.domain == prompt_domain]
+      "test", data.data_dir, domains, seed=data.split_seed)
+                   if c.domain == prompt_domain]
   prompts = lira.conversation_prompts(
       conversations, num_conversations=num_conversations,
       prompts_per_conversation=prompts_per_conversation,
-      domain_tokens=settings.query("register_multidogo_tasks.domain_tokens", True))
-  policy_objects = _policies(policies, settings)
-  lengths = settings.query("%TASK_FEATURE_LENGTHS")
+      domain_tokens=data.domain_tokens)
+  policy_objects = _policies(policies, data)
   test_sets = {key: data_arrays.load_task_arrays(task, "test", lengths,
                                                  converter="decoder_only")
                for key, task in ((prompt_domain, f"multidogo_lm_only_"
@@ -284,14 +285,13 @@ def _task_vocabulary(task: str):
   return seqio.get_mixture_or_task(task).output_features["targets"].vocabulary
 
 
-def _policies(names: Sequence[str], settings: _Settings
+def _policies(names: Sequence[str], data: multidogo_tasks.MultidogoConfig
               ) -> dict[str, redaction.Policy]:
   """The attack's policies, as the redacted tasks are configured."""
   out = {}
   if "keyword" in names:
     out["keyword"] = redaction.KeywordPolicy.from_json(
-        settings.query("register_multidogo_tasks.keywords_path")
-        or multidogo.DEFAULT_KEYWORDS_PATH)
+        data.keywords_path or multidogo.DEFAULT_KEYWORDS_PATH)
   if "classifier" in names:
     out["classifier"] = classifier.classifier_policy()  # as gin binds it
   return out
@@ -330,8 +330,7 @@ def _fmt(x, digits: int = 3) -> str:
 
 def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
                    others: Sequence[str], top_fraction: float) -> dict:
-  fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
-      json.dumps(r, default=str) + "\n" for r in rows))
+  harness.write_results(os.path.join(root, harness.RESULTS_FILENAME), rows)
   top = f"top {top_fraction:.0%} success rate"
   header = ["mode", "attack policy", f"test PPL ({prompt_domain})",
             "test PPL (all)", "success rate", top,
@@ -343,30 +342,27 @@ def _write_outputs(root: str, rows: list[dict], prompt_domain: str,
             *[_fmt(r[f"success_rate_{j}"]) for j in others],
             f"{r['non_empty']} / {r['generations']}", _fmt(r["epsilon"], 2),
             f"{r['dp_steps']} / {r['public_steps']}"] for r in rows]
-  lines = [f"# Domain privacy: {prompt_domain} prompts (paper 004, Figure 1)", "",
-           *fileio.markdown_table(header, table)]
-  lines += ["", "Success rate: generations flagged by the attack policy for "
-            f"another domain ({', '.join(others)}) / non-empty generations "
-            "(lower is better); the top rate counts the generations ranked "
-            "highest by LiRa score PPL_ref / PPL_target (references trained "
-            f"without each of {', '.join(others)}). Test PPL: per token "
-            "(lower is better). ε: ledger ε spent at δ = 1/(2n); ∞ for "
-            "non-private training on original text."]
   md = os.path.join(root, "table.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
-  fileio.write_csv(os.path.join(root, "table.csv"), header, table)
+  text = harness.write_table(
+      table, header, md, os.path.join(root, "table.csv"),
+      title=f"Domain privacy: {prompt_domain} prompts (paper 004, Figure 1)",
+      notes=["Success rate: generations flagged by the attack policy for "
+             f"another domain ({', '.join(others)}) / non-empty generations "
+             "(lower is better); the top rate counts the generations ranked "
+             "highest by LiRa score PPL_ref / PPL_target (references trained "
+             f"without each of {', '.join(others)}). Test PPL: per token "
+             "(lower is better). ε: ledger ε spent at δ = 1/(2n); ∞ for "
+             "non-private training on original text."])
   plot = os.path.join(root, "success_vs_ppl.png")
   _plot(rows, prompt_domain, plot)
-  print("\n".join(lines), flush=True)
+  print(text, end="", flush=True)
   return {"rows": rows, "table_md": md, "plot": plot}
 
 
 def _plot(rows: list[dict], prompt_domain: str, path: str) -> None:
-  """Success rate vs test perplexity, one point per (mode, attack policy)."""
-  import matplotlib  # lazy: only for the plot
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 5))
+  """Success rate vs test perplexity, one point per (mode, attack policy):
+  the paper's figure; one ε here, so no plot against ε."""
+  fig, ax = harness.pyplot().subplots(figsize=(7, 5))
   for policy, marker in zip(POLICIES, ("o", "s")):
     points = [r for r in rows if r["attack_policy"] == policy]
     if not points:
@@ -382,10 +378,7 @@ def _plot(rows: list[dict], prompt_domain: str, path: str) -> None:
   ax.set_title(f"Domain leakage from {prompt_domain} prompts (lower is better)")
   ax.legend()
   fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=120)
-  plt.close(fig)
-  os.replace(tmp, path)
+  harness.save_figure(fig, path)
 
 
 __all__ = ["MODES", "POLICIES", "target_runs", "domain_privacy_table"]

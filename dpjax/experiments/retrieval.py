@@ -45,7 +45,6 @@ import collections
 import json
 import math
 import os
-import sys
 from typing import Sequence
 
 import gin
@@ -223,10 +222,10 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
 
 def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
   """results.jsonl, table.md, table.csv, canaries.csv, ndcg_vs_epsilon.png."""
-  fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
-      json.dumps(dict(r, kind="retrieval"), default=str) + "\n" for r in rows)
-      + "".join(json.dumps(dict(r, kind="canaries"), default=str) + "\n"
-                for r in audit_rows))
+  harness.write_results(
+      os.path.join(root, harness.RESULTS_FILENAME),
+      [dict(r, kind="retrieval") for r in rows]
+      + [dict(r, kind="canaries") for r in audit_rows])
   groups = collections.OrderedDict()
   for r in rows:
     groups.setdefault((r["approach"], r["epsilon"]), []).append(r)
@@ -241,12 +240,10 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
                   *(harness.mean_std([g.get(q) for g in group]) for q in quality),
                   "∞" if math.isinf(spent) else f"{spent:.3f}",
                   str(len(group))])
-  lines = ["# Retrieval on DP synthetic queries vs direct DP training "
-           "(paper Tables 3, 4, 6)", "", *fileio.markdown_table(header, table)]
-  lines += ["", "NDCG@10 / Recall@10 / MRR@10 on the dev split; BLEU "
-            "(sacrebleu, 0-100) and MAUVE of the synthetic queries against "
-            "the original ones; mem@4: fraction of synthetic 4-grams found in "
-            "the training queries. mean ± std over seeds."]
+  notes = ["NDCG@10 / Recall@10 / MRR@10 on the dev split; BLEU "
+           "(sacrebleu, 0-100) and MAUVE of the synthetic queries against "
+           "the original ones; mem@4: fraction of synthetic 4-grams found in "
+           "the training queries. mean ± std over seeds."]
   canary_header = ["ε", "repetitions", "kind", "canaries", "rank (of R+1)",
                    "exposure", "exposure (skew-normal)", "extracted",
                    "extracted (greedy)", "ε lower bound"]
@@ -258,54 +255,32 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
                     if "epsilon_lower_bound" in r else "")]
                   for r in audit_rows]
   if audit_rows:
-    lines += ["", "# Canary exposure (paper Table 7)", "",
-              *fileio.markdown_table(canary_header, canary_table)]
-    lines += ["", "Secret at the end of the canary query; rank among the "
-              "true secret and R random 10-digit secrets by the generator's "
-              "log-likelihood; exposure = log2(1e10) - log2(estimated rank); "
-              "ε lower bound per example from the attack 'no sampled secret "
-              "beats it' (95% Clopper–Pearson, group privacy over 2 x "
-              "repetitions add/remove steps; dpjax/experiments/canaries.py)."]
+    notes.append("\n".join([
+        "# Canary exposure (paper Table 7)", "",
+        *fileio.markdown_table(canary_header, canary_table), "",
+        "Secret at the end of the canary query; rank among the "
+        "true secret and R random 10-digit secrets by the generator's "
+        "log-likelihood; exposure = log2(1e10) - log2(estimated rank); "
+        "ε lower bound per example from the attack 'no sampled secret "
+        "beats it' (95% Clopper–Pearson, group privacy over 2 x "
+        "repetitions add/remove steps; dpjax/experiments/canaries.py)."]))
+    fileio.write_csv(os.path.join(root, "canaries.csv"), canary_header,
+                     canary_table)
   md = os.path.join(root, "table.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
-  fileio.write_csv(os.path.join(root, "table.csv"), header, table)
-  if audit_rows:
-    fileio.write_csv(os.path.join(root, "canaries.csv"), canary_header, canary_table)
-  plot = _plot(root, groups)
-  print("\n".join(lines), flush=True)
-  return {"rows": rows, "canaries": audit_rows, "table_md": md, "plot": plot}
-
-
-def _plot(root: str, groups: dict) -> str:
-  """NDCG@10 against ε (ε = ∞ drawn at the right end) for both approaches."""
-  import matplotlib
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  finite = sorted({e for _, e in groups if not math.isinf(e)})
-  position = {e: i for i, e in enumerate(finite)}
-  position[math.inf] = len(finite)
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  for approach, style in (("synthetic", "o-"), ("direct DP", "s--")):
-    points = sorted((position[e], np.mean([g["ndcg@10"] for g in group]))
-                    for (a, e), group in groups.items() if a == approach)
-    if points:
-      ax.plot(*zip(*points), style, label=f"{approach}")
+  text = harness.write_table(
+      table, header, md, os.path.join(root, "table.csv"),
+      title="Retrieval on DP synthetic queries vs direct DP training "
+            "(paper Tables 3, 4, 6)", notes=notes)
+  plot = os.path.join(root, "ndcg_vs_epsilon.png")
   original = groups.get(("original", math.inf))
-  if original:
-    ax.axhline(original[0]["ndcg@10"], color="gray", ls=":",
-               label="original pairs, no DP")
-  ax.set_xticks(sorted(position.values()),
-                [harness.eps_name(e) if not math.isinf(e) else "∞"
-                 for e in sorted(position, key=position.get)])
-  ax.set_xlabel("ε")
-  ax.set_ylabel("NDCG@10 (dev)")
-  ax.legend()
-  fig.tight_layout()
-  path = os.path.join(root, "ndcg_vs_epsilon.png")
-  with fileio.open_atomic(path, "wb") as f:
-    fig.savefig(f, format="png", dpi=120)
-  plt.close(fig)
-  return path
+  harness.plot_vs_epsilon(
+      {approach: {e: float(np.mean([g["ndcg@10"] for g in group]))
+                  for (a, e), group in groups.items() if a == approach}
+       for approach in ("synthetic", "direct DP")},
+      plot, "NDCG@10 (dev)", references={
+          "original pairs, no DP": original[0]["ndcg@10"]} if original else {})
+  print(text, end="", flush=True)
+  return {"rows": rows, "canaries": audit_rows, "table_md": md, "plot": plot}
 
 
 # ---------------------------------------------------------------------------
@@ -313,61 +288,52 @@ def _plot(root: str, groups: dict) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _floats(text: str) -> list[float]:
-  return [math.inf if x.strip() == "inf" else float(x) for x in text.split(",")]
-
-
 def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--output_dir", required=True)
-  p.add_argument("--epsilons", default="3,8,16,inf", type=_floats)
+  p.add_argument("--epsilons", default="3,8,16,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--seeds", default="0",
                  type=lambda s: [int(x) for x in s.split(",")])
   p.add_argument("--data_dir", default=None,
                  help="MSMARCO directory (default: the embedded sample)")
-  p.add_argument("--generator_gin", action="append", default=None,
-                 help=f"generator gin file(s) (default: {GENERATOR_GIN})")
-  p.add_argument("--dual_encoder_gin", action="append", default=None,
-                 help="gin file(s) after dual_encoder_msmarco[_dp].gin "
-                      f"(default: {DUAL_ENCODER_OVERLAY}; '' for none)")
   p.add_argument("--skip_canaries", action="store_true")
-  p.add_argument("--canary_epsilons", default="16,inf", type=_floats)
+  p.add_argument("--canary_epsilons", default="16,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--canaries_per_cell", type=int, default=2,
                  help="canaries per (kind, repetitions)")
   p.add_argument("--num_candidates", type=int, default=1000,
                  help="random secrets the canary's is ranked against")
 
 
-def _split_bindings(argv: list[str], prefix: str) -> tuple[list[str], list[str]]:
-  """(`NAME = VALUE` of each `--<prefix>.NAME=VALUE`, the other args)."""
-  flag = f"--{prefix}."
-  mine = [a[len(flag):] for a in argv if a.startswith(flag)]
-  rest = [a for a in argv if not a.startswith(flag)]
-  return [m.replace("=", " = ", 1) for m in mine], rest
-
-
-def main(argv=None) -> dict:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  generator_bindings, argv = _split_bindings(argv, "generator_gin")
-  dual_encoder_bindings, argv = _split_bindings(argv, "dual_encoder_gin")
-  args, files, bindings = gin_cli.parse_args(
-      argv, "The retrieval experiment of shared/papers/003.", _add_arguments)
-  if files:
+def _run(args, gin_files, bindings) -> dict:
+  if gin_files:
     raise gin_cli.UsageError("use --generator_gin / --dual_encoder_gin")
-  if args.dual_encoder_gin is None:
+  dual_encoder_bindings = args.dual_encoder_gin_bindings
+  if args.dual_encoder_gin_file is None:
     dual_encoder_bindings = [*SAMPLE_DUAL_ENCODER_BINDINGS,
                              *dual_encoder_bindings]
   return run_experiment(
       args.output_dir, epsilons=args.epsilons, seeds=args.seeds,
-      generator_gin=tuple(args.generator_gin or GENERATOR_GIN),
-      dual_encoder_gin=tuple(f for f in (args.dual_encoder_gin
+      generator_gin=tuple(args.generator_gin_file or GENERATOR_GIN),
+      dual_encoder_gin=tuple(f for f in (args.dual_encoder_gin_file
                                          or DUAL_ENCODER_OVERLAY) if f),
-      bindings=bindings, generator_bindings=generator_bindings,
+      bindings=bindings, generator_bindings=args.generator_gin_bindings,
       dual_encoder_bindings=dual_encoder_bindings, data_dir=args.data_dir,
       canary_epsilons=() if args.skip_canaries else args.canary_epsilons,
       canaries_per_cell=args.canaries_per_cell,
       num_candidates=args.num_candidates)
 
 
+def main(argv=None) -> dict:
+  """Generator gin files: `--generator_gin=FILE` (default GENERATOR_GIN);
+  the dual encoders': `--dual_encoder_gin=FILE` after
+  dual_encoder_msmarco[_dp].gin (default DUAL_ENCODER_OVERLAY; '' for none);
+  `--generator_gin.NAME=VALUE`, `--dual_encoder_gin.NAME=VALUE`: bindings of
+  that kind of run."""
+  return harness.run_command(
+      argv, "The retrieval experiment of shared/papers/003.", _add_arguments,
+      _run, extra_prefixes=("generator_gin", "dual_encoder_gin"))
+
+
 if __name__ == "__main__":
-  from dpjax import train
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  harness.command_main(main)

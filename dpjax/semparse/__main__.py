@@ -16,21 +16,16 @@ Defaults run on the embedded samples (tiny models, CPU). With the full
 datasets: `--gin_file=semparse_gpt2.gin
 --gin.register_semparse_tasks.treedst_dir="'/data/treedst'"` (and a
 pretrained GPT-2 via INITIAL_CHECKPOINT_PATH). Gin flags apply to the DP
-GPT-2 runs; `--parser_gin.NAME=VALUE` to the T5 parser.
+GPT-2 runs; the T5 parsers are configured apart, by the same conventions
+with the prefix `parser_gin`: `--parser_gin_file=FILE` (the high-resource
+parser's, default semparse_t5_parser.gin), `--parser_gin.NAME=VALUE` and
+`--parser_gin_bindings='NAME = VALUE'` (every parser).
 """
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 
-from absl import logging as absl_logging
-
-from dpjax import gin_cli
-
-
-def _floats(text: str) -> list[float]:
-  return [math.inf if x.strip() == "inf" else float(x) for x in text.split(",")]
+from dpjax import harness
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,45 +34,44 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dataset", default=None, choices=["treedst", "smcalflow"],
                  help="default: treedst (generation), smcalflow (adaptation)")
   p.add_argument("--missing", default="weather", choices=["weather", "eod"])
-  p.add_argument("--epsilon", default="3", type=_floats,
+  p.add_argument("--epsilon", default="3", type=harness.parse_epsilons,
                  help="adaptation: the generators' ε")
-  p.add_argument("--epsilons", default="3,8,16,inf", type=_floats)
+  p.add_argument("--epsilons", default="3,8,16,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--seeds", default="0,1,2",
                  type=lambda s: [int(x) for x in s.split(",")])
   p.add_argument("--methods", default=None, type=lambda s: s.split(","))
-  p.add_argument("--epochs", default="2,8", type=_floats,
+  p.add_argument("--epochs", default="2,8", type=harness.parse_epsilons,
                  help="T1,T2: parse-LM and parse->utterance epochs")
   p.add_argument("--num_samples", type=int, default=None)
   p.add_argument("--feature_model_dir", default=None)
 
 
-def main(argv=None) -> dict:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  parser_bindings = [a[len("--parser_gin."):].replace("=", " = ", 1)
-                     for a in argv if a.startswith("--parser_gin.")]
-  argv = [a for a in argv if not a.startswith("--parser_gin.")]
-  args, files, bindings = gin_cli.parse_args(
-      argv, "The semantic-parse experiments of dpjax.", _add_arguments)
-  import tasks  # noqa: F401  (gin configurables of the data layer)
-  from dpjax import trainer  # noqa: F401  (gin configurables)
-  from dpjax.semparse import experiments
+def _run(args, gin_files, bindings) -> dict:
+  from dpjax.semparse import experiments  # lazy: the data layer, TensorFlow
+  gin_files = gin_files or ("semparse_sample.gin",)
+  parser = dict(parser_bindings=args.parser_gin_bindings)
+  if args.parser_gin_file:
+    parser["parser_gin_files"] = args.parser_gin_file
   if args.experiment == "adaptation":
     return experiments.adaptation_table(
         args.output_dir, dataset=args.dataset or "smcalflow",
         missing=args.missing, epsilon=args.epsilon[0], seed=args.seeds[0],
         methods=args.methods or ("1-stage", "2-stage"),
-        epochs=tuple(args.epochs), gin_files=files or ("semparse_sample.gin",),
-        bindings=bindings, parser_bindings=parser_bindings,
-        num_synthetic=args.num_samples)
+        epochs=tuple(args.epochs), gin_files=gin_files, bindings=bindings,
+        num_synthetic=args.num_samples, **parser)
   return experiments.generation_table(
       args.output_dir, dataset=args.dataset or "treedst", methods=args.methods,
       epsilons=args.epsilons, seeds=args.seeds, epochs=tuple(args.epochs),
-      gin_files=files or ("semparse_sample.gin",), bindings=bindings,
-      parser_bindings=parser_bindings, num_samples=args.num_samples,
-      feature_model_dir=args.feature_model_dir)
+      gin_files=gin_files, bindings=bindings, num_samples=args.num_samples,
+      feature_model_dir=args.feature_model_dir, **parser)
+
+
+def main(argv=None) -> dict:
+  return harness.run_command(
+      argv, "The semantic-parse experiments of dpjax.", _add_arguments, _run,
+      extra_prefixes=("parser_gin",))
 
 
 if __name__ == "__main__":
-  from dpjax import train
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  harness.command_main(main)

@@ -72,21 +72,19 @@ class _Runs:
   def with_bindings(self, *extra) -> "_Runs":
     return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
 
+  def _configure(self) -> None:
+    gin.clear_config()
+    gin_cli.configure(list(self.gin_files), list(self.bindings))
+
   def run_config(self) -> run_config.RunConfig:
     """The runs' settings as these gin files and bindings configure them."""
-    gin.clear_config()
-    gin_cli.configure(list(self.gin_files), list(self.bindings))
+    self._configure()
     return run_config.RunConfig()
 
-  def query(self, name, default=None):
-    """A gin macro (`%NAME`) or parameter of these settings, or `default`
-    if unbound."""
-    gin.clear_config()
-    gin_cli.configure(list(self.gin_files), list(self.bindings))
-    try:
-      return gin.query_parameter(name)
-    except ValueError:
-      return default
+  def data_config(self) -> semparse_tasks.SemparseConfig:
+    """The runs' task settings (data directories, portions)."""
+    self._configure()
+    return semparse_tasks.SemparseConfig()
 
   def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
                    delta: float | None = None) -> dict:
@@ -243,8 +241,7 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
 
 
 def _write_table(root: str, rows: list[dict], dataset: str) -> dict:
-  fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
-      json.dumps(r, default=str) + "\n" for r in rows))
+  harness.write_results(os.path.join(root, harness.RESULTS_FILENAME), rows)
   groups = collections.OrderedDict()
   for r in rows:
     groups.setdefault((r["method"], r["epsilon"]), []).append(r)
@@ -254,19 +251,35 @@ def _write_table(root: str, rows: list[dict], dataset: str) -> dict:
   table = []
   for (method, eps), group in groups.items():
     cells = [("–" if eps is None else harness.eps_name(eps)), method]
-    cells += [harness.mean_std([g[m] for g in group], digits=3) for m in (*METRICS, *coverage)]
+    cells += [harness.mean_std([g[m] for g in group], digits=3)
+              for m in (*METRICS, *coverage)]
     spent = [g["epsilon_spent"] for g in group if "epsilon_spent" in g]
     cells += [f"{max(spent):.3f}" if spent else "–", str(len(group))]
     table.append(cells)
-  lines = [f"# {dataset}: DP synthetic utterances (paper Table 1 / Table 6)",
-           "", *fileio.markdown_table(header, table)]
-  lines += ["", "Word and function overlap, MAUVE and top-k coverage: higher "
-            "is better; χ² distance: lower is better. mean ± std over seeds."]
   md = os.path.join(root, "table1.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
-  fileio.write_csv(os.path.join(root, "table1.csv"), header, table)
-  print("\n".join(lines), flush=True)
-  return {"table_md": md, "rows": rows}
+  text = harness.write_table(
+      table, header, md, os.path.join(root, "table1.csv"),
+      title=f"{dataset}: DP synthetic utterances (paper Table 1 / Table 6)",
+      notes=["Word and function overlap, MAUVE and top-k coverage: higher "
+             "is better; χ² distance: lower is better. mean ± std over "
+             "seeds."])
+  plot = os.path.join(root, "mauve_vs_epsilon.png")
+  truth = groups.get(("ground truth", None))
+  harness.plot_vs_epsilon(
+      {method: {e: _mean([g["mauve"] for g in group])
+                for (m, e), group in groups.items() if m == method}
+       for method in dict.fromkeys(m for m, e in groups if e is not None)},
+      plot, "MAUVE", title=f"{dataset}: DP synthetic utterances",
+      references={"human test utterances": truth[0]["mauve"]}
+      if truth and truth[0].get("mauve") is not None else {})
+  print(text, end="", flush=True)
+  return {"table_md": md, "rows": rows, "plot": plot}
+
+
+def _mean(values) -> float | None:
+  """The mean over seeds of the values that exist; None if none does."""
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
 
 
 def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
@@ -327,7 +340,8 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   full_dir = os.path.join(root, "parser_full")
   parser(full_dir, parser_gin_files, f"{dataset}_parser")
   # The data directory the user pointed the runs at (default: the sample).
-  source = runs.query(data_flag) or semparse.DEFAULT_DATA_DIRS[dataset]
+  source = (runs.data_config().data_dir(dataset)
+            or semparse.DEFAULT_DATA_DIRS[dataset])
   valid_file = semparse.split_path(source, "validation")
   private = semparse.select_portion(
       semparse.load_turns(dataset, "train", source), "private")
@@ -346,7 +360,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
           "validation"]), f.read())
     semparse.write_dialogues(priv_train, pairs, prefix="private")
   num_parsed = len(semparse.load_turns(dataset, "train", priv_dir))
-  delta = runs.query("%DELTA") or 1.0 / (2 * len(private))
+  delta = runs.run_config().delta or 1.0 / (2 * len(private))
   method_runs = {  # each generator's training data: n examples, bindings
       "1-stage": (len(private), runs.with_bindings(
           f"{data_flag} = '{source}'",
@@ -358,7 +372,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   if unknown:
     raise ValueError(f"adaptation methods are {sorted(method_runs)}, got "
                      f"{sorted(unknown)}")
-  batch = int(runs.query("%BATCH_SIZE"))
+  batch = int(runs.run_config().batch_size)
   if "2-stage" in methods and batch > num_parsed:
     raise ValueError(
         f"the low-resource parser {p0_dir} parsed only {num_parsed} of "
@@ -418,16 +432,17 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
             *(f"{r[c]:.3f}" for c in cols),
             f"{r['epsilon_spent']:.3f}" if "epsilon_spent" in r else "–"]
            for name, r in rows.items()]
-  lines = [f"# {dataset}: adding '{missing}' from DP synthetic data "
-           "(paper Table 3)", "", *fileio.markdown_table(header, table)]
-  lines += ["", f"Test: {len(test)} utterances of the validation file "
-            f"({rows['D_pub (p0)']['focus_examples']} use '{missing}'). "
-            f"D_pub: {len(public)} examples; D_priv: {len(private)} "
-            f"utterances, {num_parsed} with a valid p0 parse (the 2-stage "
-            "generators' data; the 1-stage LM trains on all)."]
   md = os.path.join(root, "table3.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
+  text = harness.write_table(
+      table, header, md,
+      title=f"{dataset}: adding '{missing}' from DP synthetic data "
+            "(paper Table 3)",
+      notes=[f"Test: {len(test)} utterances of the validation file "
+             f"({rows['D_pub (p0)']['focus_examples']} use '{missing}'). "
+             f"D_pub: {len(public)} examples; D_priv: {len(private)} "
+             f"utterances, {num_parsed} with a valid p0 parse (the 2-stage "
+             "generators' data; the 1-stage LM trains on all)."])
   fileio.write_atomic(os.path.join(root, "results.json"),
                       json.dumps(rows, indent=2))
-  print("\n".join(lines), flush=True)
+  print(text, end="", flush=True)
   return {"table_md": md, "rows": rows}

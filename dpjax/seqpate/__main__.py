@@ -3,9 +3,13 @@
   python -m dpjax.seqpate table1 --output_dir=runs/seqpate \\
       [--dataset=airdialogue|europarl] [--epsilon=3] [--seeds=0,1,2] \\
       [--partition=sample|user] [--num_teachers=64] [--max_queries=500] \\
-      [--rows=SeqPATE,Pub-GPT,...] [--noisysgd_binding='EPOCHS = 10' ...]
+      [--rows=SeqPATE,Pub-GPT,...] \\
+      [--gin_file=seqpate_noisysgd.gin] [--gin.NAME=VALUE ...]
 
-Writes OUTPUT_DIR/DATASET/{results.jsonl,table1.md,table1.csv}
+Gin flags configure the NoisySGD rows' trainer runs (default gin file
+gin/seqpate_noisysgd.gin; model, ε, δ, seed and data are bound from the
+settings), e.g. `--gin.EPOCHS=10`. Writes
+OUTPUT_DIR/DATASET/{results.jsonl,table1.md,table1.csv}
 (OUTPUT_DIR/DATASET-user/ with --partition=user); rerunning
 resumes (finished rows and trained models are reused). Defaults run the
 embedded samples on a CPU (`dpjax.seqpate.experiment.Settings`).
@@ -14,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
+from dpjax import harness
 from dpjax.seqpate import experiment
 
 
-def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(prog="python -m dpjax.seqpate")
+def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("command", choices=["table1"])
   p.add_argument("--output_dir", required=True)
   p.add_argument("--dataset", default="airdialogue",
@@ -33,16 +36,17 @@ def main(argv=None) -> dict:
   p.add_argument("--max_queries", type=int, default=None)
   p.add_argument("--rows", default=None, type=lambda s: s.split(","),
                  help="comma-separated row names (default: all)")
-  p.add_argument("--noisysgd_binding", action="append", default=[],
-                 help="a gin binding for the NoisySGD trainer run over "
-                      "gin/seqpate_noisysgd.gin (repeatable)")
-  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def _run(args, gin_files, bindings) -> dict:
   settings = experiment.Settings()
   settings = dataclasses.replace(
       settings, epsilon=args.epsilon, partition=args.partition,
       num_teachers=args.num_teachers or settings.num_teachers,
       max_queries=args.max_queries or settings.max_queries,
-      noisysgd_bindings=tuple(args.noisysgd_binding))
+      noisysgd_gin_files=tuple(gin_files or settings.noisysgd_gin_files),
+      # Binding strings, as tables made with --noisysgd_binding saved them.
+      noisysgd_bindings=tuple(str(b) for b in bindings))
   result = experiment.table1(args.output_dir, dataset=args.dataset,
                              seeds=args.seeds, settings=settings,
                              rows=args.rows)
@@ -51,5 +55,10 @@ def main(argv=None) -> dict:
   return result
 
 
+def main(argv=None) -> dict:
+  return harness.run_command(argv, "SeqPATE's experiments (Table 1).",
+                             _add_arguments, _run)
+
+
 if __name__ == "__main__":
-  main()
+  harness.command_main(main)

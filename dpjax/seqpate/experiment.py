@@ -512,12 +512,6 @@ def _distill(row_dir, settings, config, warm, pseudo, teacher_cache,
   return kd.params, privacy
 
 
-def _cell(values: list[float], digits: int = 2) -> str:
-  if len(values) == 1:
-    return f"{values[0]:.{digits}f}"
-  return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
-
-
 def _epsilon(value: float, digits: int = 3) -> str:
   return f"{value:.{digits}f}" if math.isfinite(value) else "∞"
 
@@ -536,8 +530,9 @@ def _phrase_cells(group: list[dict]) -> list[str]:
 
 def _write_table(root: str, rows: list[dict], dataset: str,
                  settings: Settings) -> dict:
-  fileio.write_atomic(os.path.join(root, "results.jsonl"), "".join(
-      json.dumps(r) + "\n" for r in rows))
+  """results.jsonl and table1.{md,csv}; one ε per table, so no figure
+  against ε."""
+  harness.write_results(os.path.join(root, harness.RESULTS_FILENAME), rows)
   groups = collections.OrderedDict()
   for r in rows:
     groups.setdefault(r["row"], []).append(r)
@@ -548,14 +543,11 @@ def _write_table(root: str, rows: list[dict], dataset: str,
       ["name leakage %"] if "name_leakage" in metrics else []) + [
           "ε spent"] + (["phrase ε min", "phrase ε avg", "phrase ε max"]
                         if phrases else []) + ["queries", "seeds"]
-  lines = [f"# SeqPATE on {dataset}: Table 1 and ablations (target ε = "
-           f"{settings.epsilon:g}, δ = {accounting.DELTA:g}, "
-           f"{settings.num_teachers} teachers, {settings.partition}-level, "
-           f"budget {settings.max_queries} queries)", ""]
   table = []
   for name, group in groups.items():
-    cells = [name] + [_cell([g[m] * (100 if m == "name_leakage" else 1)
-                             for g in group]) for m in metrics]
+    cells = [name] + [harness.mean_std(
+        [g[m] * (100 if m == "name_leakage" else 1) for g in group], digits=2)
+                      for m in metrics]
     cells.append(_epsilon(max(g["epsilon_spent"] for g in group)))
     if phrases:
       cells += _phrase_cells(group)
@@ -563,22 +555,25 @@ def _write_table(root: str, rows: list[dict], dataset: str,
     cells += [f"{steps} DP-SGD steps" if steps else
               str(max(g["queries"] for g in group)), str(len(group))]
     table.append(cells)
-  lines += fileio.markdown_table(header, table)
-  lines += ["", "PPL on the private test sentences; BLEU-n (sacrebleu, "
-            "0-100) of greedy completions of the test prefixes; name leakage: "
-            "completions naming a private training user. mean ± std over "
-            "seeds. Pub-GPT and Pub-GPT+D^pub use no private data (ε 0); "
-            "Pri-GPT is trained on it without privacy (ε ∞). NoisySGD: "
-            "DP-SGD (add-or-remove-one adjacency); teacher queries: "
-            "replace-one adjacency, as in the paper compared at the same "
-            "nominal ε. -Merge_P: teacher votes; -Gaussian: Laplace noise; "
-            "-filter and no noise are not rows of the paper."]
+  notes = ["PPL on the private test sentences; BLEU-n (sacrebleu, "
+           "0-100) of greedy completions of the test prefixes; name leakage: "
+           "completions naming a private training user. mean ± std over "
+           "seeds. Pub-GPT and Pub-GPT+D^pub use no private data (ε 0); "
+           "Pri-GPT is trained on it without privacy (ε ∞). NoisySGD: "
+           "DP-SGD (add-or-remove-one adjacency); teacher queries: "
+           "replace-one adjacency, as in the paper compared at the same "
+           "nominal ε. -Merge_P: teacher votes; -Gaussian: Laplace noise; "
+           "-filter and no noise are not rows of the paper."]
   if phrases:
-    lines.append("Phrase ε: per private user's full name, from the teachers "
-                 "holding it (the noise is calibrated for a name on one "
-                 "teacher); min / avg / max over the names in the private "
-                 "data; — where not computed (DP-SGD).")
+    notes[0] += ("\nPhrase ε: per private user's full name, from the "
+                 "teachers holding it (the noise is calibrated for a name on "
+                 "one teacher); min / avg / max over the names in the "
+                 "private data; — where not computed (DP-SGD).")
   md = os.path.join(root, "table1.md")
-  fileio.write_atomic(md, "\n".join(lines) + "\n")
-  fileio.write_csv(os.path.join(root, "table1.csv"), header, table)
+  harness.write_table(
+      table, header, md, os.path.join(root, "table1.csv"),
+      title=f"SeqPATE on {dataset}: Table 1 and ablations (target ε = "
+            f"{settings.epsilon:g}, δ = {accounting.DELTA:g}, "
+            f"{settings.num_teachers} teachers, {settings.partition}-level, "
+            f"budget {settings.max_queries} queries)", notes=notes)
   return {"table_md": md, "rows": rows}

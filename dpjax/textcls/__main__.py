@@ -17,22 +17,16 @@ distilgpt2 (see that file).
 from __future__ import annotations
 
 import argparse
-import math
-import sys
+import dataclasses
 
-from absl import logging as absl_logging
-
-from dpjax import gin_cli
-
-
-def _floats(text: str) -> list[float]:
-  return [math.inf if x.strip() == "inf" else float(x) for x in text.split(",")]
+from dpjax import harness
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("table", choices=["table1", "table4"])
   p.add_argument("--output_dir", required=True)
-  p.add_argument("--epsilons", default="3,8,16,256,inf", type=_floats)
+  p.add_argument("--epsilons", default="3,8,16,256,inf",
+                 type=harness.parse_epsilons)
   p.add_argument("--step_size", type=float, default=None, help="PPLM step size")
   p.add_argument("--samples_per_class", type=int, default=None,
                  help="default: as many as the training set has")
@@ -41,14 +35,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                  "steps as the LM; both share one (ε, δ))")
 
 
-def main(argv=None):
-  argv = list(sys.argv[1:] if argv is None else argv)
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  args, files, bindings = gin_cli.parse_args(
-      argv, "Tables 1 and 4 of DP conditional text generation.", _add_arguments)
-  import dataclasses
-  from dpjax.textcls import experiment
-  files = files or experiment.DEFAULT_GIN_FILES
+def _run(args, gin_files, bindings):
+  from dpjax.textcls import experiment  # lazy: the data layer, TensorFlow
+  files = gin_files or experiment.DEFAULT_GIN_FILES
   if args.table == "table4":
     return experiment.table4(args.output_dir, epsilons=args.epsilons,
                              gin_files=files, bindings=bindings)
@@ -56,10 +45,16 @@ def main(argv=None):
                                  head_epochs=args.head_epochs)
   if args.step_size is not None:
     settings = dataclasses.replace(settings, step_size=args.step_size)
-  return experiment.table1(args.output_dir, epsilons=args.epsilons, gin_files=files,
-                           bindings=bindings, settings=settings)
+  return experiment.table1(args.output_dir, epsilons=args.epsilons,
+                           gin_files=files, bindings=bindings,
+                           settings=settings)
+
+
+def main(argv=None):
+  return harness.run_command(
+      argv, "Tables 1 and 4 of DP conditional text generation.",
+      _add_arguments, _run)
 
 
 if __name__ == "__main__":
-  from dpjax import train
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  harness.command_main(main)

@@ -60,7 +60,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import json
 import math
 import os
 from typing import Any, Sequence
@@ -266,32 +265,22 @@ def train_baselines(out_dir: str, eps: float, *,
 
 
 def _read_results(out_dir: str) -> dict[str, dict]:
-  path = os.path.join(out_dir, RESULTS)
-  rows = {}
-  if os.path.isfile(path):
-    with open(path) as f:
-      for line in f:
-        if line.strip():
-          row = json.loads(line)
-          rows[row["key"]] = row
-  return rows
+  """The results log's rows by key."""
+  return {r["key"]: r for r in harness.read_results(
+      os.path.join(out_dir, RESULTS))}
 
 
 def _append_result(out_dir: str, row: dict) -> None:
-  rows = _read_results(out_dir)
-  rows[row["key"]] = row
-  fileio.write_atomic(os.path.join(out_dir, RESULTS), "".join(
-      json.dumps(r, allow_nan=True) + "\n" for r in rows.values()))
+  harness.append_result(os.path.join(out_dir, RESULTS), row)
 
 
 def _write_table(out_dir: str, name: str, header: Sequence[str],
                  rows: Sequence[Sequence], title: str) -> None:
   fmt = lambda v: (f"{v:.4f}" if isinstance(v, float) and math.isfinite(v)
                    else ("n/a" if isinstance(v, float) else str(v)))
-  cells = [[fmt(v) for v in r] for r in rows]
-  fileio.write_csv(os.path.join(out_dir, f"{name}.csv"), header, cells)
-  lines = [f"# {title}", "", *fileio.markdown_table(header, cells)]
-  fileio.write_atomic(os.path.join(out_dir, f"{name}.md"), "\n".join(lines) + "\n")
+  harness.write_table([[fmt(v) for v in r] for r in rows], header,
+                      os.path.join(out_dir, f"{name}.md"),
+                      os.path.join(out_dir, f"{name}.csv"), title=title)
 
 
 # ----------------------------------------------------------------------------
@@ -302,7 +291,8 @@ def _write_table(out_dir: str, name: str, header: Sequence[str],
 def table4(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
            gin_files: Sequence[str] = DEFAULT_GIN_FILES,
            bindings: Sequence[str] = ()) -> list[dict]:
-  """LM test loss, naive vs multitask, per ε: table4.md / table4.csv."""
+  """LM test loss, naive vs multitask, per ε: table4.md / table4.csv and
+  table4_loss_vs_epsilon.png."""
   os.makedirs(out_dir, exist_ok=True)
   for eps in epsilons:
     for kind in KINDS:
@@ -325,6 +315,11 @@ def table4(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                  *(results[f"table4/{k}/{eps_name(e)}"]["noise_multiplier"]
                    for k in KINDS)] for e in epsilons],
                "Table 4: LM test loss (naive vs multitask)")
+  harness.plot_vs_epsilon(
+      {kind: {float(r["epsilon"]): r["test_loss"] for r in rows
+              if r["kind"] == kind} for kind in KINDS},
+      os.path.join(out_dir, "table4_loss_vs_epsilon.png"), "LM test loss",
+      title="Table 4: naive vs multitask")
   return rows
 
 
@@ -440,7 +435,8 @@ def table1(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
            settings: Settings = Settings()) -> list[dict]:
   """Downstream accuracy per ε of ours (multitask + PPLM), Baseline 2
   (post-hoc head + PPLM) and Baseline 1 (filtered), the original-data row
-  and memorisation: table1.md / table1.csv. Returns the original row, then
+  and memorisation: table1.md / table1.csv, table1_accuracy_vs_epsilon.png.
+  Returns the original row, then
   per ε ours (key `table1/ε`) and the baselines (key `table1/baselines/ε`)."""
   os.makedirs(out_dir, exist_ok=True)
   data = task_data(gin_files, bindings)
@@ -472,4 +468,14 @@ def table1(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
        *[[o["variant"], o["accuracy"], b["baseline2_accuracy"], b["baseline1_accuracy"],
           b["baseline1_kept"], o["ngram_memorization_mean"]] for o, b in per_eps]],
       f"Table 1: downstream accuracy on the real {data.dataset} test split")
+  harness.plot_vs_epsilon(
+      {label: {float(o["epsilon"]): pick(o, b) for o, b in per_eps}
+       for label, pick in (
+           ("ours (multitask + PPLM)", lambda o, b: o["accuracy"]),
+           ("baseline 2 (post-hoc disc + PPLM)",
+            lambda o, b: b["baseline2_accuracy"]),
+           ("baseline 1 (filtered)", lambda o, b: b["baseline1_accuracy"]))},
+      os.path.join(out_dir, "table1_accuracy_vs_epsilon.png"),
+      "downstream accuracy", title=f"Table 1 ({data.dataset})",
+      references={"original data": results["original"]["accuracy"]})
   return [results["original"], *(r for pair in per_eps for r in pair)]

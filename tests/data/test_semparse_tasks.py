@@ -371,9 +371,11 @@ def test_register_tasks_with_gin_and_errors(tmp_path):
   with pytest.raises(ValueError, match="portion"):
     semparse_tasks.register_semparse_task("test_never", "treedst", "parser", portion="half")
   with pytest.raises(ValueError, match="both bpe_vocab_path and bpe_merges_path"):
-    semparse_tasks.register_semparse_tasks(bpe_vocab_path=semparse_tasks.DEFAULT_BPE_VOCAB_PATH)
+    semparse_tasks.register_semparse_tasks(semparse_tasks.SemparseConfig(
+        bpe_vocab_path=semparse_tasks.DEFAULT_BPE_VOCAB_PATH))
   with pytest.raises(FileNotFoundError, match="SentencePiece"):
-    semparse_tasks.register_semparse_tasks(sentencepiece_path=str(tmp_path / "x.model"))
+    semparse_tasks.register_semparse_tasks(semparse_tasks.SemparseConfig(
+        sentencepiece_path=str(tmp_path / "x.model")))
   assert "test_never" not in seqio.TaskRegistry.names()
 
 
