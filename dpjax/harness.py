@@ -27,6 +27,7 @@ import numpy as np
 from absl import logging as absl_logging
 
 from dpjax import checkpoints, fileio, gin_cli, train, trainer
+import tasks  # noqa: F401  (the data layer's gin configurables)
 
 SUMMARY_FILENAME = "train_summary.json"
 SETTINGS_FILENAME = "settings.json"
@@ -221,7 +222,6 @@ def run_command(argv: Sequence[str] | None, description: str,
   args, files, bindings = gin_cli.parse_args(
       list(sys.argv[1:] if argv is None else argv), description,
       add_arguments, extra_prefixes)
-  import tasks  # noqa: F401  (lazy: the data layer's gin configurables)
   return run(args, files, bindings)
 
 

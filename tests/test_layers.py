@@ -203,3 +203,28 @@ def test_the_tensorflow_block_works():
 
 def test_dp_core_names_existing_modules():
   assert all(m in MODULES for m in DP_CORE)
+
+
+def _imports_tensorflow_at_load(module: str) -> bool:
+  """Whether importing `module` imports TensorFlow (or seqio, tfds):
+  itself or anything it imports at module level."""
+  for name in [module, *_reachable(module)]:
+    tree = ast.parse(MODULES[name].read_text())
+    for node in tree.body:
+      if isinstance(node, ast.Import):
+        tops = [a.name.split(".")[0] for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        tops = [(node.module or "").split(".")[0]]
+      else:
+        continue
+      if set(tops) & set(TENSORFLOW):
+        return True
+  return False
+
+
+def test_function_level_imports_of_the_project_are_lazy_for_tensorflow():
+  # The only reason to import a dpjax module inside a function: it loads
+  # TensorFlow, which the caller must not pay for (or need) at import.
+  eager = sorted((m, t) for m in MODULES for t in GRAPH[m]["function"]
+                 if not _imports_tensorflow_at_load(t))
+  assert not eager, f"imports that could sit at the top: {eager}"

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 
 from dpjax import gin_cli, harness
+from dpjax.dialog import experiment, lira
 
 _LIST = lambda s: [x for x in s.split(",") if x]
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-  from dpjax.dialog import experiment, lira
   p.add_argument("experiment", choices=["table"])
   p.add_argument("--output_dir", required=True)
   p.add_argument("--prompt_domain", default="AIRLINE")
@@ -41,7 +41,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args, gin_files, bindings) -> dict:
-  from dpjax.dialog import experiment  # lazy: the data layer, TensorFlow
   for name, given, known in (("modes", args.modes, experiment.MODES),
                              ("policies", args.policies, experiment.POLICIES)):
     if not given or set(given) - set(known):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 
 from dpjax import harness
+from dpjax.semparse import experiments
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +49,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args, gin_files, bindings) -> dict:
-  from dpjax.semparse import experiments  # lazy: the data layer, TensorFlow
   gin_files = gin_files or ("semparse_sample.gin",)
   parser = dict(parser_bindings=args.parser_gin_bindings)
   if args.parser_gin_file:

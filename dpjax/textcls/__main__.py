@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 
 from dpjax import harness
+from dpjax.textcls import experiment
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args, gin_files, bindings):
-  from dpjax.textcls import experiment  # lazy: the data layer, TensorFlow
   files = gin_files or experiment.DEFAULT_GIN_FILES
   if args.table == "table4":
     return experiment.table4(args.output_dir, epsilons=args.epsilons,

@@ -74,6 +74,7 @@ from dpjax.harness import eps_name
 from dpjax.eval import text_quality
 from dpjax.models import bert
 from dpjax.datasets import textcls
+import tasks
 
 EPSILONS = (3.0, 8.0, 16.0, 256.0, math.inf)
 KINDS = ("naive", "multitask")
@@ -126,8 +127,7 @@ def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
               bindings: Sequence[str] = ()) -> TaskData:
   """`TaskData` of the gin config: the task's files (or TFDS) and BPE, the
   pretrained checkpoint's tokenizer when INITIAL_CHECKPOINT_PATH is set."""
-  import seqio
-  import tasks
+  import seqio  # lazy: TensorFlow
   by_task = {f"{d}_conditional_lm": d for d in textcls.DATASETS}
   gin.clear_config()
   try:
@@ -212,7 +212,6 @@ def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
   LM, T2 of the head: `head_epochs`, None for T1) and the one σ (0 for
   ε = ∞) with which the events the two ledgers will record, T1 then T2 DP
   steps of one release each with the gin's sampler, meet (ε, δ)."""
-  import tasks
   gin.clear_config()
   try:
     gin_cli.configure(list(gin_files), list(bindings))
