@@ -89,19 +89,38 @@ def test_tpu_pod_requires_name_zone_and_train_flags():
   assert proc.returncode == 2 and "--name and --zone are required" in proc.stderr
 
 
-def test_slurm_script_runs_one_train_per_task_with_slurm_detection(tmp_path):
+def _fake_srun(tmp_path):
   fake = tmp_path / "srun"  # records what sbatch's srun would start
   fake.write_text('#!/bin/sh\necho "DETECTION=$DPJAX_CLUSTER_DETECTION"\n'
                   'for a in "$@"; do echo "ARG=$a"; done\n')
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-  proc = subprocess.run(
+
+
+def _sbatch(tmp_path, **env):
+  return subprocess.run(
       ["bash", os.path.join(REPO, "launch", "slurm.sbatch"), *TRAIN_ARGS], capture_output=True,
-      text=True, cwd=tmp_path, timeout=60,
+      text=True, cwd=tmp_path, timeout=120,
       env=dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}",
-               SLURM_SUBMIT_DIR=REPO))
+               SLURM_SUBMIT_DIR=REPO, **env))
+
+
+def test_slurm_script_refuses_a_node_whose_jax_sees_no_gpu(tmp_path):
+  _fake_srun(tmp_path)
+  proc = _sbatch(tmp_path, JAX_PLATFORMS="cpu")  # this machine: no GPU
+  assert proc.returncode == 2
+  assert "jax sees no GPU" in proc.stderr and ".[cuda12]" in proc.stderr
+  assert proc.stdout == ""  # srun never started
+
+
+def test_slurm_script_runs_one_train_per_task_with_slurm_detection(tmp_path):
+  _fake_srun(tmp_path)
+  python = tmp_path / "gpu_python"  # passes the GPU check, as on a GPU node
+  python.write_text("#!/bin/sh\nexit 0\n")
+  python.chmod(python.stat().st_mode | stat.S_IEXEC)
+  proc = _sbatch(tmp_path, DPJAX_PYTHON=str(python))
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
   assert lines[0] == "DETECTION=slurm"
   args = [line[len("ARG="):] for line in lines[1:]]
-  assert args[:2] == ["--kill-on-bad-exit=1", "--label"]
+  assert args[:3] == ["--kill-on-bad-exit=1", "--label", str(python)]
   assert args[3:] == ["-m", "dpjax.train", *TRAIN_ARGS]
