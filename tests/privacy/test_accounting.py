@@ -100,11 +100,17 @@ def test_calibrate_general_events():
   assert 0.99 * 1.5 <= eps <= 1.5
 
 
-def test_infinite_target_means_no_noise_and_empty_is_free():
+def test_infinite_target_means_no_noise():
   assert accounting.dpsgd_noise_multiplier(math.inf, DELTA, 0.1, 10) == 0.0
+
+
+def test_no_event_is_free():
   assert accounting.epsilon([], DELTA) == 0.0
-  assert accounting.dpsgd_epsilon(0.0, 0.1, 10, DELTA) == math.inf
-  assert accounting.dpsgd_epsilon(0.0, 0.1, 10, DELTA, "pld") == math.inf
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_no_noise_spends_infinite_epsilon(acc):
+  assert accounting.dpsgd_epsilon(0.0, 0.1, 10, DELTA, acc) == math.inf
 
 
 @pytest.mark.parametrize("call", [
@@ -126,88 +132,169 @@ def test_invalid_inputs_raise_one_line_value_errors(call):
   assert "\n" not in str(info.value)
 
 
-def test_events_round_trip_through_json_and_merge():
-  events = [accounting.PoissonGaussian(0.01, [1.0, 2.0], 3),
-            accounting.Gaussian(2.0, 4)]
-  for e in events:
-    assert accounting.event_from_json(e.to_json()) == e
-  assert events[0].noise_multipliers == (1.0, 2.0)
-  merged = accounting.merge(events[0],
+EVENTS = [accounting.PoissonGaussian(0.01, [1.0, 2.0], 3),
+          accounting.Gaussian(2.0, 4)]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=["poisson_gaussian",
+                                               "gaussian"])
+def test_events_round_trip_through_json(event):
+  assert accounting.event_from_json(event.to_json()) == event
+
+
+def test_noise_multipliers_given_as_a_list_are_kept_as_a_tuple():
+  assert EVENTS[0].noise_multipliers == (1.0, 2.0)
+
+
+def test_like_events_merge_into_one_of_the_summed_count():
+  merged = accounting.merge(EVENTS[0],
                             accounting.PoissonGaussian(0.01, (1.0, 2.0), 5))
   assert merged == accounting.PoissonGaussian(0.01, (1.0, 2.0), 8)
-  assert accounting.merge(events[0], events[1]) is None
+
+
+def test_unlike_events_do_not_merge():
+  assert accounting.merge(EVENTS[0], EVENTS[1]) is None
+
+
+def test_unknown_event_type_is_refused():
   with pytest.raises(ValueError):
     accounting.event_from_json({"type": "exponential"})
 
 
-def test_shuffle_accounting():
+def test_an_epoch_of_shuffled_sigma_is_one_gaussian_of_sigma_over_2():
   assert accounting.shuffle_epochs_event(2.0, 3) == accounting.Gaussian(1.0, 3)
-  shuffle = sampling.scheme_from_description(
-      {"method": "shuffle", "steps_per_epoch": 10})
-  assert shuffle == sampling.ShuffleSampler(105, 10, seed=0).scheme
-  assert shuffle.neighbouring is sampling.Neighbouring.REPLACE_ONE
-  assert shuffle.events((2.0,), 25) == [
+
+
+SHUFFLE = sampling.scheme_from_description(
+    {"method": "shuffle", "steps_per_epoch": 10})
+POISSON = sampling.scheme_from_description(
+    {"method": "poisson", "sampling_rate": 0.1})
+
+
+def test_shuffle_scheme_is_rebuilt_from_its_description():
+  assert SHUFFLE == sampling.ShuffleSampler(105, 10, seed=0).scheme
+
+
+def test_shuffle_scheme_neighbours_replace_one():
+  assert SHUFFLE.neighbouring is sampling.Neighbouring.REPLACE_ONE
+
+
+def test_shuffle_scheme_counts_a_started_epoch_as_whole():
+  assert SHUFFLE.events((2.0,), 25) == [
       accounting.Gaussian(1.0, 3)]  # 2.5 epochs count as 3.
-  assert shuffle.events((2.0,), 25, start=20) == [
+
+
+def test_shuffle_scheme_from_an_epoch_start_counts_that_epoch():
+  assert SHUFFLE.events((2.0,), 25, start=20) == [
       accounting.Gaussian(1.0, 1)]  # epoch 3 starts at step 20
-  assert shuffle.events((2.0,), 25, start=21) == []
-  poisson = sampling.scheme_from_description(
-      {"method": "poisson", "sampling_rate": 0.1})
-  assert poisson == sampling.PoissonSampler(1000, 100, seed=0).scheme
-  assert poisson.neighbouring is sampling.Neighbouring.ADD_OR_REMOVE_ONE
-  assert poisson.events((1.0, 2.0), 7) == [
+
+
+def test_shuffle_scheme_within_a_counted_epoch_counts_nothing():
+  assert SHUFFLE.events((2.0,), 25, start=21) == []
+
+
+def test_poisson_scheme_is_rebuilt_from_its_description():
+  assert POISSON == sampling.PoissonSampler(1000, 100, seed=0).scheme
+
+
+def test_poisson_scheme_neighbours_add_or_remove_one():
+  assert POISSON.neighbouring is sampling.Neighbouring.ADD_OR_REMOVE_ONE
+
+
+def test_poisson_scheme_counts_every_step():
+  assert POISSON.events((1.0, 2.0), 7) == [
       accounting.PoissonGaussian(0.1, (1.0, 2.0), 7)]
-  for sampler in (sampling.PoissonSampler(1000, 100, seed=0),
-                  sampling.ShuffleSampler(105, 10, seed=0)):
-    assert sampler.describe()["adjacency"] == sampler.scheme.neighbouring.value
+
+
+@pytest.mark.parametrize("sampler", [
+    sampling.PoissonSampler(1000, 100, seed=0),
+    sampling.ShuffleSampler(105, 10, seed=0)], ids=["poisson", "shuffle"])
+def test_sampler_description_names_its_schemes_adjacency(sampler):
+  assert sampler.describe()["adjacency"] == sampler.scheme.neighbouring.value
+
+
+def test_unknown_sampling_method_is_refused():
   with pytest.raises(ValueError, match="method"):
     sampling.scheme_from_description({"method": "cyclic"})
 
 
 @pytest.mark.parametrize("acc", ["rdp", "pld"])
-def test_a_noiseless_release_makes_the_step_non_private(acc):
-  two = accounting.PoissonGaussian(0.1, (0.0, 0.0), 3)
-  mixed = accounting.PoissonGaussian(0.1, (1.0, 0.0), 3)
-  assert accounting.epsilon([two], 1e-5, acc) == math.inf
-  assert accounting.epsilon([mixed], 1e-5, acc) == math.inf
-  # The noisy release alone is private: the 0 is what makes it infinite.
+@pytest.mark.parametrize("sigmas", [(0.0, 0.0), (1.0, 0.0)])
+def test_a_noiseless_release_makes_the_step_non_private(acc, sigmas):
+  event = accounting.PoissonGaussian(0.1, sigmas, 3)
+  assert accounting.epsilon([event], 1e-5, acc) == math.inf
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_the_noisy_release_alone_is_private(acc):
+  """The 0 is what makes the mixed step's ε infinite."""
   assert accounting.epsilon(
       [accounting.PoissonGaussian(0.1, (1.0,), 3)], 1e-5, acc) < 10
 
 
-@pytest.mark.parametrize("acc", ["rdp", "pld"])
-def test_laplace_event_matches_dp_accounting_and_pure_dp(acc):
-  event = accounting.Laplace(20.0, 300)
-  assert event.to_dp_event() == dpa.SelfComposedDpEvent(
+LAPLACE = accounting.Laplace(20.0, 300)
+
+
+def test_laplace_event_is_dp_accountings_self_composed_laplace():
+  assert LAPLACE.to_dp_event() == dpa.SelfComposedDpEvent(
       dpa.LaplaceDpEvent(20.0), 300)
-  assert accounting.epsilon([event], DELTA, acc) == pytest.approx(
-      direct_epsilon(event.to_dp_event(), acc), rel=1e-9)
-  # One Laplace mechanism with multiplier s is pure (1/s)-DP: at delta > 0
-  # its epsilon is at most 1/s (RDP's conversion adds up to
-  # log(1/delta) / (largest order - 1)), and close to it at a small delta.
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_laplace_epsilon_matches_dp_accounting(acc):
+  assert accounting.epsilon([LAPLACE], DELTA, acc) == pytest.approx(
+      direct_epsilon(LAPLACE.to_dp_event(), acc), rel=1e-9)
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_one_laplace_of_multiplier_s_is_pure_1_over_s_dp(acc):
+  """At delta > 0 its epsilon is at most 1/s (RDP's conversion adds up to
+  log(1/delta) / (largest order - 1)), and close to it at a small delta."""
   one = accounting.epsilon([accounting.Laplace(4.0)], 1e-9, acc)
   slack = (math.log(1e9) / (max(accounting.RDP_ORDERS) - 1) if acc == "rdp"
            else 1e-3 / 4.0)
   assert 0.9 / 4.0 <= one <= 1 / 4.0 + slack
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_noiseless_laplace_spends_infinite_epsilon(acc):
   no_noise = accounting.Laplace(0.0, 2)
   assert accounting.epsilon([no_noise], DELTA, acc) == math.inf
-  # Composed with other kinds, and calibrated like any event.
-  mixed = [event, accounting.Gaussian(3.0, 4)]
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_laplace_composes_with_other_kinds(acc):
+  mixed = [LAPLACE, accounting.Gaussian(3.0, 4)]
   assert accounting.epsilon(mixed, DELTA, acc) == pytest.approx(
       direct_epsilon(dpa.ComposedDpEvent(
           [e.to_dp_event() for e in mixed]), acc), rel=1e-9)
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_laplace_is_calibrated_like_any_event(acc):
   s = accounting.calibrate_noise_multiplier(
       3.0, DELTA, lambda s: [accounting.Laplace(s, 300)], acc)
   assert 0.99 * 3.0 <= accounting.epsilon(
       [accounting.Laplace(s, 300)], DELTA, acc) <= 3.0
 
 
-def test_laplace_event_round_trips_and_merges():
+def test_laplace_event_round_trips_through_json():
   event = accounting.Laplace(2.5, 3)
   assert accounting.event_from_json(event.to_json()) == event
-  assert accounting.merge(event, accounting.Laplace(2.5, 4)) == \
+
+
+def test_like_laplace_events_merge():
+  assert accounting.merge(accounting.Laplace(2.5, 3),
+                          accounting.Laplace(2.5, 4)) == \
       accounting.Laplace(2.5, 7)
-  assert accounting.merge(event, accounting.Gaussian(2.5, 4)) is None
+
+
+def test_laplace_does_not_merge_with_a_gaussian():
+  assert accounting.merge(accounting.Laplace(2.5, 3),
+                          accounting.Gaussian(2.5, 4)) is None
+
+
+def test_negative_laplace_multiplier_is_refused():
   with pytest.raises(ValueError):
     accounting.Laplace(-1.0)
 

@@ -110,41 +110,90 @@ def linear_loss(params, example):
   return (jnp.dot(params["w"], example["x"]) + params["b"] - example["y"]) ** 2
 
 
-def test_adversarial_examples_are_bounded_and_nan_is_dropped():
-  n, clip = 6, 2.0
+def tree_norm(tree):
+  return float(jnp.sqrt(sum(jnp.sum(x ** 2)
+                            for x in jax.tree_util.tree_leaves(tree))))
+
+
+N_ADV, CLIP_ADV = 6, 2.0
+
+
+@pytest.fixture(scope="module")
+def adversarial():
+  """Six examples at clip norm 2: 0 and 1 with gradient norms of 1e6 and
+  more, 4 with a NaN target. Returns the jitted clipped sum, its
+  sensitivity, the params and the batch."""
   params = {"w": jnp.full(3, 0.1), "b": jnp.zeros(())}
-  x = np.ones((n, 3), np.float32)
-  y = np.zeros(n, np.float32)
+  x = np.ones((N_ADV, 3), np.float32)
+  y = np.zeros(N_ADV, np.float32)
   x[0], y[1] = 1e3, 1e6  # Gradient norms of 1e6 and more.
   y[4] = np.nan
   batch = {"x": jnp.asarray(x), "y": jnp.asarray(y)}
-  clip_fn = clipping.clipped_grad(linear_loss, clip_norm=clip)
+  clip_fn = clipping.clipped_grad(linear_loss, clip_norm=CLIP_ADV)
   fn = jax.jit(clip_fn)
+  return (lambda mask: fn(params, batch, mask)), clip_fn.sensitivity
 
-  def norm(tree):
-    return float(jnp.sqrt(sum(jnp.sum(x ** 2)
-                              for x in jax.tree_util.tree_leaves(tree))))
 
-  mask = jnp.ones(n)
-  total, stats = fn(params, batch, mask)
+@pytest.fixture(scope="module")
+def adversarial_sum(adversarial):
+  fn, _ = adversarial
+  return fn(jnp.ones(N_ADV))
+
+
+def test_adversarial_sum_is_finite(adversarial_sum):
+  total, _ = adversarial_sum
   assert all(bool(jnp.isfinite(x).all())
              for x in jax.tree_util.tree_leaves(total))
-  assert norm(total) <= n * clip * (1 + 1e-6)
+
+
+def test_adversarial_sum_is_bounded_by_n_clip_norms(adversarial_sum):
+  total, _ = adversarial_sum
+  assert tree_norm(total) <= N_ADV * CLIP_ADV * (1 + 1e-6)
+
+
+def test_adversarial_nan_is_counted_as_nonfinite(adversarial_sum):
+  _, stats = adversarial_sum
   assert int(stats.num_nonfinite) == 1
+
+
+def test_adversarial_huge_gradients_are_counted_as_clipped(adversarial_sum):
+  _, stats = adversarial_sum
   assert int(stats.num_clipped) == 2
   assert float(stats.norms[0]) > 1e5 and float(stats.norms[1]) > 1e5
+
+
+def test_adversarial_nan_example_reports_zero_norm_and_loss(adversarial_sum):
+  _, stats = adversarial_sum
   assert float(stats.norms[4]) == 0.0 and float(stats.losses[4]) == 0.0
-  for i in range(n):  # Each example's own contribution.
-    single, _ = fn(params, batch, jnp.zeros(n).at[i].set(1.0))
-    assert norm(single) <= clip * (1 + 1e-6)
-    if i in (0, 1):
-      assert norm(single) == pytest.approx(clip, rel=1e-5)
-    if i == 4:
-      assert norm(single) == 0.0
-  # Removing one example moves the sum by at most the sensitivity.
-  without0, _ = fn(params, batch, mask.at[0].set(0.0))
+
+
+@pytest.mark.parametrize("i", range(N_ADV))
+def test_each_examples_own_contribution_is_bounded(adversarial, i):
+  fn, _ = adversarial
+  single, _ = fn(jnp.zeros(N_ADV).at[i].set(1.0))
+  assert tree_norm(single) <= CLIP_ADV * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("i", [0, 1])
+def test_a_huge_gradient_contributes_exactly_the_clip_norm(adversarial, i):
+  fn, _ = adversarial
+  single, _ = fn(jnp.zeros(N_ADV).at[i].set(1.0))
+  assert tree_norm(single) == pytest.approx(CLIP_ADV, rel=1e-5)
+
+
+def test_a_nan_example_contributes_nothing(adversarial):
+  fn, _ = adversarial
+  single, _ = fn(jnp.zeros(N_ADV).at[4].set(1.0))
+  assert tree_norm(single) == 0.0
+
+
+def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(
+    adversarial, adversarial_sum):
+  fn, sensitivity = adversarial
+  total, _ = adversarial_sum
+  without0, _ = fn(jnp.ones(N_ADV).at[0].set(0.0))
   diff = jax.tree_util.tree_map(jnp.subtract, total, without0)
-  assert norm(diff) <= clip_fn.sensitivity * (1 + 1e-5)
+  assert tree_norm(diff) <= sensitivity * (1 + 1e-5)
 
 
 def test_accumulated_microbatches_equal_one_large_batch():

@@ -46,34 +46,84 @@ def test_shuffled_steps_count_each_epoch_once():
   assert ledger.planned_events(31) == [accounting.Gaussian(1.0, 1)]
 
 
-def test_check_budget():
+OVERSPENDING = [accounting.PoissonGaussian(0.01, (1.0,), 5000)]
+
+
+def spent_100_steps():
   ledger = make_ledger(target=2.0)
   ledger.record_dp_steps(100, noise_multipliers=(1.0,))
-  ledger.check_budget([accounting.PoissonGaussian(0.01, (1.0,), 10)])
-  planned = [accounting.PoissonGaussian(0.01, (1.0,), 5000)]
-  total = accounting.epsilon(ledger.events + planned, 1e-5, "rdp")
+  return ledger
+
+
+def test_check_budget_accepts_a_plan_within_the_target():
+  spent_100_steps().check_budget(
+      [accounting.PoissonGaussian(0.01, (1.0,), 10)])
+
+
+@pytest.fixture(scope="module")
+def overspent():
+  """The refusal of 5000 more steps after 100 at target 2, and the total ε
+  they would spend."""
+  ledger = spent_100_steps()
+  total = accounting.epsilon(ledger.events + OVERSPENDING, 1e-5, "rdp")
   with pytest.raises(ledger_lib.BudgetExceededError) as info:
-    ledger.check_budget(planned)
-  assert isinstance(info.value, ValueError)
-  message = str(info.value)
-  assert f"{total:.6g}" in message and "target 2 " in message
-  assert f"{total - 2.0:.4g}" in message
-  assert f"{100 * (total - 2.0) / 2.0:.2f}%" in message
-  make_ledger(target=math.inf).check_budget(planned)
+    ledger.check_budget(OVERSPENDING)
+  return info.value, total
 
 
-def test_save_load_round_trip(tmp_path):
+def test_budget_exceeded_is_a_value_error(overspent):
+  assert isinstance(overspent[0], ValueError)
+
+
+def test_budget_refusal_names_the_total_and_the_target(overspent):
+  error, total = overspent
+  assert f"{total:.6g}" in str(error) and "target 2 " in str(error)
+
+
+def test_budget_refusal_names_the_excess(overspent):
+  error, total = overspent
+  assert f"{total - 2.0:.4g}" in str(error)
+
+
+def test_budget_refusal_names_the_excess_in_percent(overspent):
+  error, total = overspent
+  assert f"{100 * (total - 2.0) / 2.0:.2f}%" in str(error)
+
+
+def test_infinite_target_accepts_any_plan():
+  make_ledger(target=math.inf).check_budget(OVERSPENDING)
+
+
+@pytest.fixture
+def saved(tmp_path):
+  """A ledger of mixed events at target ∞, saved in an empty dir."""
   ledger = make_ledger(target=math.inf)
   ledger.record_dp_steps(3, noise_multipliers=(1.0, 2.0))
   ledger.record(accounting.Gaussian(4.0, 2))
   path = tmp_path / ledger_lib.LEDGER_FILENAME
   ledger.save(path)
-  raw = json.loads(path.read_text())  # Strict JSON: no Infinity literal.
-  assert raw["target_epsilon"] == "inf"
-  assert raw["epsilon_spent"] == pytest.approx(ledger.epsilon_spent())
-  loaded = ledger_lib.PrivacyLedger.load(path)
-  assert loaded == ledger
-  assert os.listdir(tmp_path) == [ledger_lib.LEDGER_FILENAME]
+  return ledger, path
+
+
+def test_saved_ledger_is_strict_json_without_infinity(saved):
+  _, path = saved
+  assert json.loads(path.read_text())["target_epsilon"] == "inf"
+
+
+def test_saved_ledger_records_the_epsilon_spent(saved):
+  ledger, path = saved
+  assert json.loads(path.read_text())["epsilon_spent"] == pytest.approx(
+      ledger.epsilon_spent())
+
+
+def test_save_load_round_trip(saved):
+  ledger, path = saved
+  assert ledger_lib.PrivacyLedger.load(path) == ledger
+
+
+def test_save_leaves_no_temporary_file(saved):
+  _, path = saved
+  assert os.listdir(path.parent) == [ledger_lib.LEDGER_FILENAME]
 
 
 @pytest.mark.parametrize("fail", ["os.replace", "os.fsync"])
@@ -97,31 +147,68 @@ def test_interrupted_save_keeps_previous_ledger(tmp_path, monkeypatch, fail):
   assert os.listdir(tmp_path) == [ledger_lib.LEDGER_FILENAME]
 
 
-def test_two_stage_ledger_equals_one_accountant_run(tmp_path):
-  """Stage 2 composed after stage 1 (same σ, same q) spends exactly what one
-  dp-accounting run over T1 + T2 steps spends, and survives a round trip."""
-  stage1, stage2 = make_ledger(target=8.0), make_ledger(target=8.0)
-  stage1.record_dp_steps(30)
-  stage2.compose_after(stage1)
-  stage2.record_dp_steps(70)
-  direct = accounting.dpsgd_epsilon(1.0, 0.01, 100, 1e-5, "rdp")
-  assert stage2.epsilon_spent() == pytest.approx(direct, rel=1e-9)
-  assert stage2.epsilon_spent() > stage1.epsilon_spent()
-  stage2.save(tmp_path / "l.json")
+def stage1():
+  """30 steps at σ = 1, q = 0.01."""
+  ledger = make_ledger(target=8.0)
+  ledger.record_dp_steps(30)
+  return ledger
+
+
+def stage2():
+  """70 steps at the same σ and q, composed after stage 1."""
+  ledger = make_ledger(target=8.0)
+  ledger.compose_after(stage1())
+  ledger.record_dp_steps(70)
+  return ledger
+
+
+DIRECT_100 = accounting.dpsgd_epsilon(1.0, 0.01, 100, 1e-5, "rdp")
+
+
+def test_two_stage_ledger_equals_one_accountant_run():
+  """Stage 2 spends exactly what one dp-accounting run over T1 + T2 steps
+  spends."""
+  assert stage2().epsilon_spent() == pytest.approx(DIRECT_100, rel=1e-9)
+
+
+def test_second_stage_spends_more_than_the_first():
+  assert stage2().epsilon_spent() > stage1().epsilon_spent()
+
+
+def test_two_stage_ledger_survives_a_round_trip(tmp_path):
+  ledger = stage2()
+  ledger.save(tmp_path / "l.json")
   loaded = ledger_lib.PrivacyLedger.load(tmp_path / "l.json")
-  assert loaded.epsilon_spent() == stage2.epsilon_spent()
-  # The budget check counts the prior stage: with a budget of exactly
-  # T1 + T2 steps, one more step is refused, though T2 + 1 alone would fit.
-  exact = make_ledger(target=direct)
-  exact.compose_after(stage1)
+  assert loaded.epsilon_spent() == ledger.epsilon_spent()
+
+
+def exact_budget_after_stage1():
+  """Stage 2 with a budget of exactly T1 + T2 steps."""
+  exact = make_ledger(target=DIRECT_100)
+  exact.compose_after(stage1())
   exact.record_dp_steps(70)
-  exact.check_budget([])
+  return exact
+
+
+def test_budget_of_exactly_both_stages_accepts_them():
+  exact_budget_after_stage1().check_budget([])
+
+
+def test_budget_check_counts_the_prior_stage():
+  """One more step than T1 + T2 is refused."""
+  exact = exact_budget_after_stage1()
   with pytest.raises(ledger_lib.BudgetExceededError):
     exact.check_budget(exact.planned_events(71))
-  alone = make_ledger(target=direct)
+
+
+def test_without_the_prior_stage_one_more_step_fits():
+  alone = make_ledger(target=DIRECT_100)
   alone.record_dp_steps(70)
   alone.check_budget(alone.planned_events(71))
+
+
+def test_prior_stage_on_another_dataset_is_refused():
   with pytest.raises(ValueError, match="another dataset"):
     ledger_lib.PrivacyLedger(
         accountant="rdp", sampling={}, noise_multiplier=1.0, clip_norm=1.0,
-        dataset_size=5, delta=1e-5, target_epsilon=1.0).compose_after(stage1)
+        dataset_size=5, delta=1e-5, target_epsilon=1.0).compose_after(stage1())

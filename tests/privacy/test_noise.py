@@ -14,6 +14,10 @@ from dpjax.privacy.secret import RunSecret
 SECRET = RunSecret.pinned(7).noise_key()
 
 
+def key_data(keys):
+  return np.asarray(jax.random.key_data(keys))
+
+
 def test_noise_key_is_both_halves_folded_with_stream_and_step():
   k = noise.noise_key(SECRET, 3)
   for half, key in zip(SECRET.reshape(2, 2), k):
@@ -22,17 +26,33 @@ def test_noise_key_is_both_halves_folded_with_stream_and_step():
         noise.NOISE_STREAM_CONSTANT), 3)
     np.testing.assert_array_equal(jax.random.key_data(key),
                                   jax.random.key_data(expected))
-  data = lambda keys: np.asarray(jax.random.key_data(keys))
-  np.testing.assert_array_equal(data(k), data(noise.noise_key(SECRET,
-                                                              jnp.int32(3))))
-  assert not np.array_equal(data(k), data(noise.noise_key(SECRET, 4)))
+
+
+def test_noise_key_of_a_traced_step_equals_the_python_ints():
+  np.testing.assert_array_equal(
+      key_data(noise.noise_key(SECRET, 3)),
+      key_data(noise.noise_key(SECRET, jnp.int32(3))))
+
+
+def test_noise_key_differs_at_another_step():
+  assert not np.array_equal(key_data(noise.noise_key(SECRET, 3)),
+                            key_data(noise.noise_key(SECRET, 4)))
+
+
+def test_noise_key_differs_for_another_secret():
   other = RunSecret.pinned(8).noise_key()
-  assert not np.array_equal(data(k), data(noise.noise_key(other, 3)))
+  assert not np.array_equal(key_data(noise.noise_key(SECRET, 3)),
+                            key_data(noise.noise_key(other, 3)))
+
+
+def standard_normal_0():
+  return np.asarray(noise.standard_normal(noise.noise_key(SECRET, 0),
+                                          (1000,)))
 
 
 def test_standard_normal_is_the_xor_of_both_streams_mapped_like_jax():
   keys = noise.noise_key(SECRET, 0)
-  got = np.asarray(noise.standard_normal(keys, (1000,)))
+  got = standard_normal_0()
   # Independent recomputation in numpy/scipy from the two streams' bits.
   bits = (np.asarray(jax.random.bits(keys[0], (1000,), jnp.uint32))
           ^ np.asarray(jax.random.bits(keys[1], (1000,), jnp.uint32)))
@@ -41,13 +61,15 @@ def test_standard_normal_is_the_xor_of_both_streams_mapped_like_jax():
   u = np.maximum(low, unit * (1 - low) + low)
   np.testing.assert_allclose(got, np.sqrt(2) * special.erfinv(
       u.astype(np.float64)), rtol=1e-5, atol=1e-6)
-  # Replacing either half of the secret gives unrelated noise.
-  for i in (0, 1):
-    changed = SECRET.copy()
-    changed[2 * i] ^= 1
-    other = np.asarray(noise.standard_normal(noise.noise_key(changed, 0),
-                                             (1000,)))
-    assert abs(np.corrcoef(got, other)[0, 1]) < 0.15
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_replacing_either_half_of_the_secret_gives_unrelated_noise(half):
+  changed = SECRET.copy()
+  changed[2 * half] ^= 1
+  other = np.asarray(noise.standard_normal(noise.noise_key(changed, 0),
+                                           (1000,)))
+  assert abs(np.corrcoef(standard_normal_0(), other)[0, 1]) < 0.15
 
 
 def test_laplace_is_standard():
@@ -55,27 +77,55 @@ def test_laplace_is_standard():
   assert stats.kstest(z, stats.laplace.cdf).pvalue > 1e-3
 
 
-def test_gaussian_noise_statistics():
-  stddev = 2.5
-  tree = {"a": jnp.zeros((300, 400)), "b": jnp.zeros((300, 400))}
-  keys = noise.noise_key(SECRET, 0)
-  out = noise.add_gaussian_noise(tree, keys, stddev)
-  a, b = np.asarray(out["a"]).ravel(), np.asarray(out["b"]).ravel()
-  # 120k draws per leaf: sample std within ~0.2% (1 sigma) of stddev.
-  assert np.std(a) == pytest.approx(stddev, rel=0.01)
-  assert np.std(b) == pytest.approx(stddev, rel=0.01)
-  assert abs(np.mean(a)) < 5 * stddev / np.sqrt(a.size)
-  assert stats.kstest(a / stddev, "norm").pvalue > 1e-3
-  assert abs(np.corrcoef(a, b)[0, 1]) < 0.02  # Leaves get independent keys.
-  again = noise.add_gaussian_noise(tree, keys, stddev)
-  np.testing.assert_array_equal(out["a"], again["a"])
+STDDEV = 2.5
+ZEROS = {"a": jnp.zeros((300, 400)), "b": jnp.zeros((300, 400))}
 
 
-def test_gaussian_noise_is_float32_and_zero_stddev_is_identity():
-  tree = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
-  out = noise.add_gaussian_noise(tree, noise.noise_key(SECRET, 1), 0.0)
+@pytest.fixture(scope="module")
+def gaussian_noise():
+  """N(0, 2.5²) added to two zero leaves of 120k entries (flat)."""
+  out = noise.add_gaussian_noise(ZEROS, noise.noise_key(SECRET, 0), STDDEV)
+  return np.asarray(out["a"]).ravel(), np.asarray(out["b"]).ravel()
+
+
+@pytest.mark.parametrize("leaf", [0, 1])
+def test_gaussian_noise_has_the_stddev(gaussian_noise, leaf):
+  """120k draws per leaf: sample std within ~0.2% (1 sigma) of stddev."""
+  assert np.std(gaussian_noise[leaf]) == pytest.approx(STDDEV, rel=0.01)
+
+
+def test_gaussian_noise_has_mean_zero(gaussian_noise):
+  a, _ = gaussian_noise
+  assert abs(np.mean(a)) < 5 * STDDEV / np.sqrt(a.size)
+
+
+def test_gaussian_noise_is_normal(gaussian_noise):
+  a, _ = gaussian_noise
+  assert stats.kstest(a / STDDEV, "norm").pvalue > 1e-3
+
+
+def test_gaussian_noise_leaves_get_independent_keys(gaussian_noise):
+  a, b = gaussian_noise
+  assert abs(np.corrcoef(a, b)[0, 1]) < 0.02
+
+
+def test_gaussian_noise_of_the_same_key_is_the_same(gaussian_noise):
+  again = noise.add_gaussian_noise(ZEROS, noise.noise_key(SECRET, 0), STDDEV)
+  np.testing.assert_array_equal(gaussian_noise[0],
+                                np.asarray(again["a"]).ravel())
+
+
+BF16 = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
+
+
+def test_gaussian_noise_of_bfloat16_is_float32():
+  out = noise.add_gaussian_noise(BF16, noise.noise_key(SECRET, 1), 0.0)
   assert out["w"].dtype == jnp.float32
-  np.testing.assert_array_equal(out["w"], tree["w"].astype(jnp.float32))
+
+
+def test_gaussian_noise_of_zero_stddev_is_identity():
+  out = noise.add_gaussian_noise(BF16, noise.noise_key(SECRET, 1), 0.0)
+  np.testing.assert_array_equal(out["w"], BF16["w"].astype(jnp.float32))
 
 
 def _one(sigma, sens, normalizer):
@@ -84,19 +134,34 @@ def _one(sigma, sens, normalizer):
                           sensitivities={"loss": sens}, normalizer=normalizer)
 
 
-def test_privatize_adds_calibrated_noise_and_normalizes():
-  sigma, sens, normalizer = 1.3, 0.5, 64.0
-  privatize = jax.jit(_one(sigma, sens, normalizer))
-  grad_sum = {"w": jnp.linspace(-3, 3, 200_000).reshape(400, 500)}
-  out0 = privatize({"loss": grad_sum}, 0, SECRET)
-  out1 = privatize({"loss": grad_sum}, 1, SECRET)
-  residual = np.asarray(out0["w"]) * normalizer - np.asarray(grad_sum["w"])
-  assert np.std(residual) == pytest.approx(sigma * sens, rel=0.01)
-  for step, out in enumerate([out0, out1]):  # Keyed by (secret, count).
-    want = noise.add_gaussian_noise(grad_sum, noise.noise_key(SECRET, step),
-                                    sigma * sens)["w"] / normalizer
-    np.testing.assert_allclose(out["w"], want, rtol=1e-6, atol=1e-7)
-  assert not np.allclose(out0["w"], out1["w"])
+SIGMA, SENS, NORMALIZER = 1.3, 0.5, 64.0
+GRAD_SUM = {"w": jnp.linspace(-3, 3, 200_000).reshape(400, 500)}
+
+
+@pytest.fixture(scope="module")
+def privatized():
+  """GRAD_SUM privatized (σ 1.3, sensitivity 0.5, normaliser 64) as
+  releases 0 and 1."""
+  privatize = jax.jit(_one(SIGMA, SENS, NORMALIZER))
+  return [privatize({"loss": GRAD_SUM}, step, SECRET) for step in (0, 1)]
+
+
+def test_privatize_adds_calibrated_noise_and_normalizes(privatized):
+  residual = (np.asarray(privatized[0]["w"]) * NORMALIZER
+              - np.asarray(GRAD_SUM["w"]))
+  assert np.std(residual) == pytest.approx(SIGMA * SENS, rel=0.01)
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_privatize_is_keyed_by_secret_and_release_count(privatized, step):
+  want = noise.add_gaussian_noise(GRAD_SUM, noise.noise_key(SECRET, step),
+                                  SIGMA * SENS)["w"] / NORMALIZER
+  np.testing.assert_allclose(privatized[step]["w"], want, rtol=1e-6,
+                             atol=1e-7)
+
+
+def test_privatize_draws_fresh_noise_per_release(privatized):
+  assert not np.allclose(privatized[0]["w"], privatized[1]["w"])
 
 
 def test_privatize_without_noise_is_exact_mean():

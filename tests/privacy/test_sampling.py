@@ -9,17 +9,33 @@ from scipy import stats
 from dpjax.privacy import sampling
 
 
-def test_poisson_is_deterministic_and_resumable():
+def poisson_forward():
+  """Ten steps' samples of a Poisson sampler (seed 3), in order."""
   a = sampling.PoissonSampler(5000, 50, seed=3)
+  return [a.indices(s) for s in range(10)]
+
+
+def test_poisson_is_deterministic_and_resumable():
+  """The same seed, whatever the order of the steps (and an expected batch
+  size or the rate), gives the same samples."""
   b = sampling.PoissonSampler(5000, sampling_rate=0.01, seed=3)
-  forward = [a.indices(s) for s in range(10)]
   backward = [b.indices(s) for s in reversed(range(10))][::-1]
-  for x, y in zip(forward, backward):
+  for x, y in zip(poisson_forward(), backward):
     np.testing.assert_array_equal(x, y)
+
+
+def test_poisson_steps_draw_different_samples():
+  forward = poisson_forward()
   assert not np.array_equal(forward[0], forward[1])
+
+
+def test_poisson_seeds_draw_different_samples():
   other = sampling.PoissonSampler(5000, 50, seed=4)
-  assert not np.array_equal(forward[0], other.indices(0))
-  assert forward[7].dtype == np.int64
+  assert not np.array_equal(poisson_forward()[0], other.indices(0))
+
+
+def test_poisson_indices_are_int64():
+  assert poisson_forward()[7].dtype == np.int64
 
 
 def test_poisson_empirical_rate():
@@ -69,16 +85,20 @@ def test_poisson_overflow_returns_more_microbatches_and_drops_nothing():
     np.testing.assert_array_equal(idx[mask == 1], sample)
 
 
-def test_poisson_describe_and_validation():
+def test_poisson_describe():
   d = sampling.PoissonSampler(100, 10, seed=0, max_batch_size=30).describe()
   assert d["method"] == "poisson" and d["adjacency"] == "add_or_remove_one"
   assert d["sampling_rate"] == 0.1 and d["dataset_size"] == 100
   assert d["expected_batch_size"] == 10 and d["max_batch_size"] == 30
   assert "overflow_policy" in d
-  for kwargs in [dict(expected_batch_size=0), dict(sampling_rate=1.5),
-                 dict(expected_batch_size=10, sampling_rate=0.1), dict()]:
-    with pytest.raises(ValueError):
-      sampling.PoissonSampler(100, seed=0, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(expected_batch_size=0), dict(sampling_rate=1.5),
+    dict(expected_batch_size=10, sampling_rate=0.1), dict()])
+def test_poisson_validation(kwargs):
+  with pytest.raises(ValueError):
+    sampling.PoissonSampler(100, seed=0, **kwargs)
 
 
 def test_shuffle_covers_each_example_once_per_epoch():
@@ -97,17 +117,28 @@ def test_shuffle_covers_each_example_once_per_epoch():
       sampling.ShuffleSampler(n, b, seed=9).indices(13), epochs[1][30:40])
 
 
-def test_shuffle_drops_remainder_and_microbatches():
-  sampler = sampling.ShuffleSampler(105, 10, seed=0)
-  assert sampler.steps_per_epoch == 10
-  seen = np.concatenate([sampler.indices(s) for s in range(10)])
+SHUFFLE_105 = sampling.ShuffleSampler(105, 10, seed=0)
+
+
+def test_shuffle_drops_remainder():
+  assert SHUFFLE_105.steps_per_epoch == 10
+  seen = np.concatenate([SHUFFLE_105.indices(s) for s in range(10)])
   assert np.unique(seen).size == 100
-  idx, mask = sampler.microbatches(3, 5)
+
+
+def test_shuffle_microbatches_are_full_and_hold_the_batch():
+  idx, mask = SHUFFLE_105.microbatches(3, 5)
   assert idx.shape == (2, 5) and np.all(mask == 1)
-  assert sampler.max_batch_size == mask.sum() == 10  # the trainer's shape
-  np.testing.assert_array_equal(idx.ravel(), sampler.indices(3))
-  d = sampler.describe()
+  assert SHUFFLE_105.max_batch_size == mask.sum() == 10  # the trainer's shape
+  np.testing.assert_array_equal(idx.ravel(), SHUFFLE_105.indices(3))
+
+
+def test_shuffle_describe():
+  d = SHUFFLE_105.describe()
   assert d["method"] == "shuffle" and d["adjacency"] == "replace_one"
   assert "sigma/2" in d["accounting"]
+
+
+def test_shuffle_batch_larger_than_the_data_is_refused():
   with pytest.raises(ValueError):
     sampling.ShuffleSampler(10, 11, seed=0)
