@@ -48,8 +48,8 @@ undercounted: on CPU, jax's threefry keeps a rolled loop in the noise of
 `apply`) and, where the whole step was compiled, its own analysis
 (`whole_step`). Bytes accessed are the compiled backend's, after its fusion.
 `--compare_nodp` also compiles the nodp step for the same model and shape
-and adds `nodp_flops`, `nodp_bytes_accessed`, `flops_vs_nodp` and
-`bytes_vs_nodp`. `--cost_only` compiles the parts alone (no memory
+and adds `nodp_flops`, `nodp_bytes_accessed` (`nodp_cost_parts`),
+`flops_vs_nodp` and `bytes_vs_nodp`. `--cost_only` compiles the parts alone (no memory
 analysis, nothing allocated): the DP overhead of any model on a CPU.
 `--ghost_norm` and `--ghost_summation` pick ghost clipping's per-site norm
 path and summation (`ghost.ghost_clipped_grad`'s `norm`, `summation`).
@@ -385,6 +385,7 @@ def run(args: argparse.Namespace) -> dict:
                                     rules)[1], batch_abstract, mask_abstract)
     cost.update(nodp_flops=nodp["flops"],
                 nodp_bytes_accessed=nodp["bytes_accessed"],
+                nodp_cost_parts=nodp["cost_parts"],
                 flops_vs_nodp=cost["flops"] / nodp["flops"],
                 bytes_vs_nodp=cost["bytes_accessed"] / nodp["bytes_accessed"])
   cost["cost_compile_s"] = round(time.perf_counter() - start, 3)
@@ -397,7 +398,8 @@ def run(args: argparse.Namespace) -> dict:
       batch=args.batch, microbatch=m, lengths=lengths,
       tokens_per_step=tokens_per_step,
       params=num_params, mesh=dict(mesh.shape), rules=args.rules,
-      compile_s=round(compile_s, 3), **cost)
+      compile_s=None if args.cost_only else round(compile_s, 3),
+      **cost)
   if args.mode == "ghost":
     result.update(ghost_norm=args.ghost_norm,
                   ghost_summation=args.ghost_summation)

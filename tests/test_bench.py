@@ -144,6 +144,7 @@ def test_dp_does_more_work_and_ratios_match_separate_runs(cost_lines):
     assert line["flops"] >= nodp["flops"]
     assert line["nodp_flops"] == nodp["flops"]
     assert line["nodp_bytes_accessed"] == nodp["bytes_accessed"]
+    assert line["nodp_cost_parts"] == nodp["cost_parts"]
     assert line["flops_vs_nodp"] == pytest.approx(
         line["flops"] / nodp["flops"], rel=1e-12)
     assert line["bytes_vs_nodp"] == pytest.approx(
