@@ -11,7 +11,8 @@ Modes:
                baseline;
   vmap, ghost  the trainer's DP step: `train_step.make_accumulate` over
                [K, m] microbatches, clipping by
-               `clipping_method.make_clipped_grad` with that method, then
+               `clipping_method.make_clipped_grad` with that method (ghost:
+               `ghost.ghost_clipped_grad`, the same callable), then
                `make_apply` with DP-Adam (noise on);
   jax_privacy  `jax_privacy.clipping.clipped_grad` on the same model and the
                same DP-Adam, when jax-privacy is installed (never a
@@ -38,6 +39,21 @@ memory analysis shows little of the saving; run with
 `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false` for the
 memory-minimising one (every line records the XLA_FLAGS it ran with).
 
+Every line also carries XLA's cost analysis of one logical step as it runs:
+`flops` and `bytes_accessed` = K x (accumulate of one microbatch) + apply,
+each part compiled alone for abstract inputs (XLA counts a loop's body once,
+so the whole step's own analysis would count one microbatch); `cost_parts`
+holds the parts, with the `while_loops` each kept (a part with loops left is
+undercounted: on CPU, jax's threefry keeps a rolled loop in the noise of
+`apply`) and, where the whole step was compiled, its own analysis
+(`whole_step`). Bytes accessed are the compiled backend's, after its fusion.
+`--compare_nodp` also compiles the nodp step for the same model and shape
+and adds `nodp_flops`, `nodp_bytes_accessed` (`nodp_cost_parts`),
+`flops_vs_nodp` and `bytes_vs_nodp`. `--cost_only` compiles the parts alone (no memory
+analysis, nothing allocated): the DP overhead of any model on a CPU.
+`--ghost_norm` and `--ghost_summation` pick ghost clipping's per-site norm
+path and summation (`ghost.ghost_clipped_grad`'s `norm`, `summation`).
+
 Failures that are the setup's, not a bug (an unknown model, a mode that is
 not available, out of device memory), are one JSON line with an "error"
 field and exit status 1.
@@ -48,6 +64,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -63,7 +80,7 @@ import optax
 from dpjax import gin_cli, partitioning, train_step
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
-from dpjax.privacy import clipping_method, optimizers, secret
+from dpjax.privacy import clipping_method, ghost, optimizers, secret
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 MODEL_DIR = os.path.join(gin_cli.REPO_GIN_DIR, "models")
@@ -136,33 +153,51 @@ def synthetic_batch(converter: str, vocab_size: int, lengths: dict,
   return {"tokens": ids, "loss_weights": np.ones(ids.shape, np.float32)}
 
 
+@dataclasses.dataclass(frozen=True)
+class BenchStep:
+  """One logical step in two parts, as the trainer runs it: `accumulate(params,
+  batch[K,m,...], mask[K,m], step) -> (sums, metrics)` scans the K
+  microbatches, `apply(state, sums) -> state` updates once."""
+  tx: optax.GradientTransformation | optimizers.DPOptimizer
+  accumulate: Callable
+  apply: Callable
+
+  def __call__(self, state, batch, mask):
+    sums, metrics = self.accumulate(state.params, batch, mask, state.step)
+    return self.apply(state, sums), metrics
+
+
 def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
                microbatch_size: int, clip_norm: float,
-               noise_multiplier: float, learning_rate: float, seed: int
-               ) -> tuple[optax.GradientTransformation | optimizers.DPOptimizer,
-                 Callable]:
-  """(optimizer, step): `step(state, batch[K,m,...], mask[K,m]) -> (state,
-  metrics)`, one logical batch, to be jitted."""
+               noise_multiplier: float, learning_rate: float, seed: int,
+               ghost_norm: str = "auto", ghost_summation: str = "auto"
+               ) -> BenchStep:
+  """The step of `mode`; `step(state, batch[K,m,...], mask[K,m]) -> (state,
+  metrics)`, one logical batch, to be jitted. `ghost_norm` and
+  `ghost_summation`: `ghost.ghost_clipped_grad`'s `norm` and `summation`."""
   if mode == "nodp":
     tx = optax.adam(learning_rate)
 
-    def nodp_step(state, batch, mask):
-      del mask  # every synthetic example is real
+    def nodp_accumulate(params, batch, mask, step):
+      del mask, step  # every synthetic example is real
 
       def add_grad(grads, microbatch):
         loss_sum = lambda p: model.batch_loss(p, microbatch).sum()
-        loss, g = jax.value_and_grad(loss_sum)(state.params)
+        loss, g = jax.value_and_grad(loss_sum)(params)
         return jax.tree.map(jnp.add, grads, g), loss
 
       grads, losses = jax.lax.scan(
-          add_grad, train_step.zeros_like_f32(state.params), batch)
+          add_grad, train_step.zeros_like_f32(params), batch)
+      return grads, {"loss_sum": losses.sum()}
+
+    def nodp_apply(state, grads):
       grads = jax.tree.map(lambda g: g / batch_size, grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       return train_step.TrainState(
           state.step + 1, optax.apply_updates(state.params, updates),
-          opt_state, state.noise_count), {"loss_sum": losses.sum()}
+          opt_state, state.noise_count)
 
-    return tx, nodp_step
+    return BenchStep(tx, nodp_accumulate, nodp_apply)
 
   dp_adam = lambda sensitivity: optimizers.dp_optimizer(
       optax.adam(learning_rate),
@@ -180,29 +215,30 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
         keep_batch_dim=False, microbatch_size=microbatch_size,
         dtype=jnp.float32)
     tx = dp_adam(clip_norm)
-    apply = train_step.make_apply(tx)
 
-    def jax_privacy_step(state, batch, mask):
+    def jax_privacy_accumulate(params, batch, mask, step):
+      del step
       flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
-      grads = clipped(state.params, flat,
-                      is_padding_example=mask.reshape(-1) == 0)
-      return apply(state, {train_step.LOSS: grads}, noise_secret), {}
-
-    return tx, jax_privacy_step
-
-  clipped = clipping_method.make_clipped_grad(model.example_loss, clip_norm=clip_norm,
-                                      method=mode)
-  tx = dp_adam(clipped.sensitivity)
-  accumulate = train_step.make_accumulate(clipped, seed=seed, dropout=False)
-  apply = train_step.make_apply(tx)
-
-  def dp_step(state, batch, mask):
-    grads, metrics = accumulate(
-        state.params, {train_step.LOSS: train_step.zeros_like_f32(state.params)},
-        batch, mask, state.step, 0)
-    return apply(state, grads, noise_secret), metrics
-
-  return tx, dp_step
+      grads = clipped(params, flat, is_padding_example=mask.reshape(-1) == 0)
+      return {train_step.LOSS: grads}, {}
+    accumulate = jax_privacy_accumulate
+  else:
+    if mode == "ghost":
+      clipped = ghost.ghost_clipped_grad(
+          model.example_loss, clip_norm=clip_norm, norm=ghost_norm,
+          summation=ghost_summation)
+    else:
+      clipped = clipping_method.make_clipped_grad(
+          model.example_loss, clip_norm=clip_norm, method=mode)
+    tx = dp_adam(clipped.sensitivity)
+    dp_accumulate = train_step.make_accumulate(clipped, seed=seed,
+                                               dropout=False)
+    accumulate = lambda params, batch, mask, step: dp_accumulate(
+        params, {train_step.LOSS: train_step.zeros_like_f32(params)}, batch,
+        mask, step, 0)
+  dp_apply = train_step.make_apply(tx)
+  return BenchStep(tx, accumulate,
+                   lambda state, sums: dp_apply(state, sums, noise_secret))
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -226,6 +262,53 @@ def _memory_analysis(compiled) -> dict:
                                 + out["temp_size_in_bytes"]
                                 - out["alias_size_in_bytes"])
   return out
+
+
+def cost_analysis(compiled) -> dict:
+  """XLA's `flops` and `bytes_accessed` of a compiled program, and the while
+  loops left in it (`while_loops`: XLA counts a loop's body once, whatever
+  its trip count)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
+    (analysis,) = analysis
+  return {"flops": float(analysis["flops"]),
+          "bytes_accessed": float(analysis["bytes accessed"]),
+          "while_loops": len(re.findall(r"\swhile\(", compiled.as_text()))}
+
+
+def abstract_state(tx, abstract_params, axes, mesh, rules):
+  """(state shardings, the abstract train state carrying them)."""
+  state_sh = partitioning.state_shardings(mesh, tx, abstract_params, axes,
+                                          rules)
+  state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params),
+      state_sh)
+  return state_sh, state
+
+
+def logical_step_cost(step: BenchStep, state, batch, mask) -> dict:
+  """XLA's cost of one logical step on abstract `state`, `batch[K,m,...]`,
+  `mask[K,m]`, as it is executed: K x (accumulate of one microbatch) + apply,
+  each compiled alone (the whole step's analysis counts the scan's body
+  once). `cost_parts` holds the parts."""
+  k = mask.shape[0]
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (1, *x.shape[1:]), x.dtype, sharding=x.sharding), (batch, mask))
+  accumulate = jax.jit(step.accumulate).lower(
+      state.params, *one, state.step).compile()
+  sums = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      jax.eval_shape(step.accumulate, state.params, *one, state.step)[0],
+      accumulate.output_shardings[0])
+  apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums).compile()
+  parts = {"accumulate": cost_analysis(accumulate),
+           "apply": cost_analysis(apply)}
+  total = {f: k * parts["accumulate"][f] + parts["apply"][f]
+           for f in ("flops", "bytes_accessed")}
+  return {**total, "cost_parts": {
+      "sum": "microbatches x accumulate + apply", "microbatches": k,
+      **parts}}
 
 
 def residual_bytes(loss: Callable, params, microbatch) -> int:
@@ -260,13 +343,16 @@ def run(args: argparse.Namespace) -> dict:
     raise Unavailable(f"microbatch {m} does not split over the "
                       f"{partitioning.data_parallel_size(mesh, rules)} "
                       "data-parallel devices")
-  tx, step = build_step(
-      args.mode, model, batch_size=args.batch, microbatch_size=m,
+  build = lambda mode: build_step(
+      mode, model, batch_size=args.batch, microbatch_size=m,
       clip_norm=args.clip_norm, noise_multiplier=args.noise_multiplier,
-      learning_rate=args.learning_rate, seed=args.seed)
+      learning_rate=args.learning_rate, seed=args.seed,
+      ghost_norm=args.ghost_norm, ghost_summation=args.ghost_summation)
+  step = build(args.mode)
+  tx = step.tx
   abstract_params, axes = model.abstract_params()
-  state_sh = partitioning.state_shardings(mesh, tx, abstract_params, axes,
-                                          rules)
+  state_sh, state_abstract = abstract_state(tx, abstract_params, axes, mesh,
+                                            rules)
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
   jitted = jax.jit(step, in_shardings=(state_sh, batch_sh, mask_sh),
@@ -276,14 +362,33 @@ def run(args: argparse.Namespace) -> dict:
   batch = synthetic_batch(model.converter, config.vocab_size, lengths, shape,
                           args.seed)
   mask = np.ones(shape, np.float32)
-  abstract_state = jax.tree.map(
+  batch_abstract, mask_abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params),
-      state_sh)
+      (batch, mask), (jax.tree.map(lambda _: batch_sh, batch), mask_sh))
   start = time.perf_counter()
-  compiled = jitted.lower(abstract_state, *jax.eval_shape(
-      lambda: (batch, mask))).compile()
+  if not args.cost_only:
+    compiled = jitted.lower(state_abstract, batch_abstract,
+                            mask_abstract).compile()
   compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  cost = logical_step_cost(step, state_abstract, batch_abstract,
+                           mask_abstract)
+  if not args.cost_only:
+    cost["cost_parts"]["whole_step"] = cost_analysis(compiled)
+  if args.compare_nodp:
+    if args.mode == "nodp":
+      nodp = cost
+    else:
+      nodp_step = build("nodp")
+      nodp = logical_step_cost(
+          nodp_step, abstract_state(nodp_step.tx, abstract_params, axes, mesh,
+                                    rules)[1], batch_abstract, mask_abstract)
+    cost.update(nodp_flops=nodp["flops"],
+                nodp_bytes_accessed=nodp["bytes_accessed"],
+                nodp_cost_parts=nodp["cost_parts"],
+                flops_vs_nodp=cost["flops"] / nodp["flops"],
+                bytes_vs_nodp=cost["bytes_accessed"] / nodp["bytes_accessed"])
+  cost["cost_compile_s"] = round(time.perf_counter() - start, 3)
 
   num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
   tokens_per_step = args.batch * sum(lengths.values())
@@ -293,7 +398,13 @@ def run(args: argparse.Namespace) -> dict:
       batch=args.batch, microbatch=m, lengths=lengths,
       tokens_per_step=tokens_per_step,
       params=num_params, mesh=dict(mesh.shape), rules=args.rules,
-      compile_s=round(compile_s, 3))
+      compile_s=None if args.cost_only else round(compile_s, 3),
+      **cost)
+  if args.mode == "ghost":
+    result.update(ghost_norm=args.ghost_norm,
+                  ghost_summation=args.ghost_summation)
+  if args.cost_only:
+    return result
   if args.memory_only:
     result["memory_analysis"] = _memory_analysis(compiled)
     microbatch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], batch))
@@ -372,6 +483,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--noise_multiplier", type=float, default=1.0)
   p.add_argument("--learning_rate", type=float, default=1e-4)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--compare_nodp", action="store_true",
+                 help="also compile the nodp step for the same model and "
+                 "shape; add flops_vs_nodp and bytes_vs_nodp")
+  p.add_argument("--ghost_norm", choices=("auto", "ghost", "direct"), default="auto",
+                 help="ghost mode: per-site norm path (ghost_clipped_grad)")
+  p.add_argument("--ghost_summation", choices=("auto", "book_keeping", "second_pass"),
+                 default="auto",
+                 help="ghost mode: book_keeping or second_pass sums")
+  p.add_argument("--cost_only", action="store_true",
+                 help="compile only the step's parts for XLA's cost "
+                 "analysis; no memory analysis, allocates and runs nothing")
   p.add_argument("--memory_only", action="store_true",
                  help="compile for abstract inputs and report XLA's memory "
                  "analysis; allocates and runs nothing")

@@ -1,6 +1,8 @@
 """`python -m dpjax.bench`, and the compute path it measures: bf16 compute
 with float32 master params and DP arithmetic, fused attention."""
+import contextlib
 import functools
+import io
 import json
 import os
 import subprocess
@@ -21,8 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"model", "mode", "dtype", "batch", "microbatch", "lengths",
           "tokens_per_step", "params", "steps", "warmup", "step_time_s",
           "tokens_per_s", "examples_per_s", "peak_memory_bytes",
-          "peak_memory_source", "mfu", "device_kind", "jax_version",
-          "xla_flags", "command"}
+          "peak_memory_source", "mfu", "flops", "bytes_accessed",
+          "cost_parts", "device_kind", "jax_version", "xla_flags",
+          "command"}
 TINY = ["--model=gpt2_tiny", "--vocab=128", "--seq=16", "--batch=4",
         "--microbatch=2", "--steps=2", "--warmup=1"]
 
@@ -45,6 +48,7 @@ def check_result(result, mode):
       64 / result["step_time_s"], rel=1e-3)
   assert result["peak_memory_bytes"] > 0
   assert result["mfu"] is None  # no known peak for a CPU
+  assert result["flops"] > 0 and result["bytes_accessed"] > 0
 
 
 def test_cli_prints_one_json_line():
@@ -79,6 +83,7 @@ def test_memory_only_compiles_t5_without_running(capsys):
   # The arguments hold at least the float32 params and both Adam moments.
   assert result["memory_analysis"]["argument_size_in_bytes"] >= (
       3 * 4 * result["params"])
+  assert result["flops"] > 0 and result["bytes_accessed"] > 0
 
 
 def test_memory_only_with_remat(capsys):
@@ -87,6 +92,83 @@ def test_memory_only_with_remat(capsys):
   result = json.loads(capsys.readouterr().out)
   assert result["remat"] == "layer"
   assert result["residual_bytes"] > 0 and "memory_analysis" in result
+
+
+# --- XLA cost analysis: compile only, nothing timed. ------------------------
+
+COST = ["--model=gpt2_tiny", "--vocab=128", "--seq=16", "--batch=4",
+        "--microbatch=2", "--cost_only"]
+
+
+@pytest.fixture(scope="module")
+def cost_lines():
+  """{mode: JSON line}: nodp alone, vmap and ghost with --compare_nodp."""
+  lines = {}
+  for mode in ("nodp", "vmap", "ghost"):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      extra = [] if mode == "nodp" else ["--compare_nodp"]
+      assert bench.main(COST + extra + [f"--mode={mode}"]) == 0
+    lines[mode] = json.loads(out.getvalue())
+  return lines
+
+
+def test_cost_fields_exist_and_add_up(cost_lines):
+  for mode, line in cost_lines.items():
+    parts = line["cost_parts"]
+    assert parts["microbatches"] == 2
+    for part in ("accumulate", "apply"):
+      assert parts[part]["flops"] > 0 and parts[part]["bytes_accessed"] > 0
+    # No loop left in a microbatch's accumulate, so K x it is what runs.
+    assert parts["accumulate"]["while_loops"] == 0
+    for field in ("flops", "bytes_accessed"):
+      assert line[field] == 2 * parts["accumulate"][field] + (
+          parts["apply"][field])
+  assert "flops_vs_nodp" not in cost_lines["nodp"]
+
+
+def test_nodp_flops_cover_every_microbatch(cost_lines):
+  """At least 6 flops per matmul weight and token (forward + backward): all
+  4 examples' tokens, not one microbatch's, and not twice them."""
+  d, layers, vocab = 64, 2, 128
+  matmul_weights = vocab * d + layers * 12 * d * d  # logits, attention, MLP
+  line = cost_lines["nodp"]
+  forward_backward = line["flops"] - line["cost_parts"]["apply"]["flops"]
+  assert 1 <= forward_backward / (6 * matmul_weights * 4 * 16) < 2
+
+
+def test_dp_does_more_work_and_ratios_match_separate_runs(cost_lines):
+  nodp = cost_lines["nodp"]
+  for mode in ("vmap", "ghost"):
+    line = cost_lines[mode]
+    assert line["flops"] >= nodp["flops"]
+    assert line["nodp_flops"] == nodp["flops"]
+    assert line["nodp_bytes_accessed"] == nodp["bytes_accessed"]
+    assert line["nodp_cost_parts"] == nodp["cost_parts"]
+    assert line["flops_vs_nodp"] == pytest.approx(
+        line["flops"] / nodp["flops"], rel=1e-12)
+    assert line["bytes_vs_nodp"] == pytest.approx(
+        line["bytes_accessed"] / nodp["bytes_accessed"], rel=1e-12)
+  assert cost_lines["ghost"]["ghost_summation"] == "auto"
+
+
+def test_cost_analysis_of_a_list_or_a_dict():
+  """Older jax returns a list of one dict per program, newer jax the dict."""
+
+  class Compiled:
+    def __init__(self, analysis):
+      self.analysis = analysis
+
+    def cost_analysis(self):
+      return self.analysis
+
+    def as_text(self):
+      return "%w = (s32[]) while(%t), condition=%c, body=%b"
+
+  analysis = {"flops": 6.0, "bytes accessed": 8.0, "transcendentals": 1.0}
+  expected = {"flops": 6.0, "bytes_accessed": 8.0, "while_loops": 1}
+  assert bench.cost_analysis(Compiled(analysis)) == expected
+  assert bench.cost_analysis(Compiled([analysis])) == expected
 
 
 def test_residual_bytes_by_hand():
