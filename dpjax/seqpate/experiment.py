@@ -48,15 +48,8 @@ Steps, each skipped when its output exists (rerunning resumes):
    `max_queries`, noise calibrated for epsilon); epsilon spent is read from
    it.
 
-Evaluation on the private test set:
-* PPL: exp of the mean token NLL over every token after BOS (EOS included).
-* BLEU-3 / BLEU-4: each test prefix (its first 4 words) completed greedily;
-  the completion (text after the prefix) scored against the reference
-  completion with sacrebleu's corpus BLEU at `max_ngram_order` 3 / 4
-  (defaults otherwise: 13a, exp smoothing).
-* Name leakage (AirDialogue; paper App. O's R_name): the fraction of test
-  completions whose generated text contains, as whole words, the full name
-  of a user of the private training set.
+Evaluation on the private test set: `dpjax.seqpate.evaluation` (PPL,
+BLEU-3/4, name leakage), and
 * Per-phrase epsilon (`partition="user"`, AirDialogue; paper Sec. 5.3,
   Table 6): the secret phrases are the private users' full names; each
   teacher-supervised row's ledger gives every name's epsilon from the number
@@ -84,14 +77,14 @@ from typing import Callable, Sequence
 import flax.serialization
 import jax
 import numpy as np
-import sacrebleu
 import tokenizers
 
-from dpjax import decoding, fileio, harness
-from dpjax.models import gpt2, losses
+from dpjax import fileio, harness
+from dpjax.models import gpt2
 from dpjax.privacy import secret as secret_lib
-from dpjax.seqpate import (accounting, aggregation, cache, noisysgd,
-                           partition, pseudo_data, student, teachers)
+from dpjax.seqpate import (accounting, aggregation, cache, evaluation,
+                           noisysgd, partition, pseudo_data, student,
+                           teachers)
 from dpjax.datasets import seqpate as data
 
 DATASETS = data.DATASETS
@@ -181,87 +174,6 @@ def train_lm(config, init_params, arrays: dict, *, epochs: int,
 
 
 @functools.lru_cache(maxsize=None)
-def _make_nll(config: gpt2.GPT2Config) -> Callable:
-  model = gpt2.GPT2(config)
-
-  def nll(params, tokens, weights):
-    logits = model.apply({"params": params}, tokens)[:, :-1]
-    return (losses.token_cross_entropy(logits, tokens[:, 1:])
-            * weights[:, 1:]).sum()
-
-  return jax.jit(nll)
-
-
-def perplexity(config: gpt2.GPT2Config, params, arrays: dict,
-               batch_size: int = 64) -> float:
-  """exp(mean NLL) over the tokens with nonzero loss weight."""
-  nll = _make_nll(config)
-  tokens, weights = arrays["tokens"], arrays["loss_weights"]
-  pad = -len(tokens) % batch_size
-  tokens = np.concatenate([tokens, np.repeat(tokens[-1:], pad, 0)])
-  weights = np.concatenate([weights, np.zeros((pad,) + weights.shape[1:],
-                                              weights.dtype)])
-  total = sum(float(nll(params, tokens[i:i + batch_size],
-                        weights[i:i + batch_size]))
-              for i in range(0, len(tokens), batch_size))
-  return math.exp(total / weights.sum())
-
-
-def complete(config: gpt2.GPT2Config, params, arrays: dict,
-             tokenizer: Tokenizer, *, batch_size: int = 64) -> list[str]:
-  """Greedy completions of each row's prefix (`prefix_lengths`), decoded up
-  to the first EOS."""
-  lengths = arrays["prefix_lengths"]
-  width = int(lengths.max())
-  prompts = arrays["tokens"][:, :width]
-  max_new = arrays["tokens"].shape[1] - int(lengths.min())
-  pad = -len(prompts) % batch_size
-  prompts = np.concatenate([prompts, np.repeat(prompts[-1:], pad, 0)])
-  lengths = np.concatenate([lengths, np.repeat(lengths[-1:], pad)])
-  out = np.concatenate([np.asarray(decoding.generate_causal(
-      config, params, prompts[i:i + batch_size], lengths[i:i + batch_size],
-      max_new_tokens=max_new, rng=None, greedy=True,
-      eos_id=tokenizer.eos_id)) for i in range(0, len(prompts), batch_size)])
-  texts = []
-  for row in out[:len(out) - pad]:
-    eos = np.flatnonzero(row == tokenizer.eos_id)
-    texts.append(tokenizer.decode(row[:eos[0] if len(eos) else len(row)])
-                 .strip())
-  return texts
-
-
-def bleu(hypotheses: Sequence[str], references: Sequence[str],
-         order: int) -> float:
-  """sacrebleu corpus BLEU (0-100) up to `order`-grams, one reference each."""
-  return sacrebleu.BLEU(max_ngram_order=order).corpus_score(
-      list(hypotheses), [list(references)]).score
-
-
-def name_leakage(generated: Sequence[str], names: Sequence[str]) -> float:
-  """Fraction of `generated` texts containing one of `names` (whole words,
-  case-sensitive)."""
-  if not names:
-    raise ValueError("no names to look for.")
-  pattern = re.compile(r"\b(?:" + "|".join(
-      re.escape(n) for n in sorted(set(names), key=len, reverse=True))
-      + r")\b")
-  return float(np.mean([bool(pattern.search(t)) for t in generated]))
-
-
-def evaluate(config: gpt2.GPT2Config, params, test: dict,
-             tokenizer: Tokenizer, names: Sequence[str] | None) -> dict:
-  """PPL, BLEU-3/4 and (with `names`) name leakage on the test set."""
-  generated = complete(config, params, test["arrays"], tokenizer)
-  row = {"ppl": perplexity(config, params, test["arrays"]),
-         "bleu3": bleu(generated, test["references"], 3),
-         "bleu4": bleu(generated, test["references"], 4)}
-  if names:
-    row["name_leakage"] = name_leakage(generated, names)
-  row["samples"] = [{"prefix": p, "generated": g}
-                    for p, g in zip(test["prefixes"][:5], generated[:5])]
-  return row
-
-
 # Rows: name -> (kind, student/aggregator options).
 def table_rows(settings: Settings) -> dict[str, tuple[str, dict]]:
   rows = {"Pub-GPT": ("public", {}),
@@ -412,7 +324,7 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
             phrase_counts=teacher_cache.phrase_counts(names)
             if settings.partition == "user" and names else None)
       row = {"row": name, "dataset": dataset, "seed": seed, **privacy,
-             **evaluate(config, params, test, tokenizer, names),
+             **evaluation.evaluate(config, params, test, tokenizer, names),
              "seconds": round(time.time() - t, 1)}
       _write_json(scores_path, row)
       log(f"[{dataset} seed {seed}] {name}: ppl {row['ppl']:.2f}, bleu3 "

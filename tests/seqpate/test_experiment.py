@@ -18,7 +18,8 @@ from dpjax import trainer
 from dpjax.models import gpt2
 from dpjax.privacy import accounting as privacy_accounting
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.seqpate import accounting, experiment, partition, student, teachers
+from dpjax.seqpate import (accounting, evaluation, experiment, partition,
+                           student, teachers)
 
 SETTINGS = experiment.Settings(
     model=gpt2.GPT2Config(vocab_size=1255, n_positions=48, d_model=16,
@@ -44,7 +45,7 @@ def test_name_leakage_counts_whole_names():
   generated = ["book it for Ann Lee please", "Ann Leeds called",
                "no name here", "ann lee, lower case", "Bo Li and Ann Lee"]
   # Whole words, case-sensitive: rows 0 and 4 only.
-  assert experiment.name_leakage(generated, ["Ann Lee", "Bo Li"]) == 2 / 5
+  assert evaluation.name_leakage(generated, ["Ann Lee", "Bo Li"]) == 2 / 5
 
 
 @pytest.fixture(scope="module")
