@@ -92,7 +92,7 @@ def test_release_round_trips_and_states_the_recomputed_epsilon(run_dir,
   assert s["epsilon"] == pytest.approx(direct, rel=1e-9)
   assert (s["unit_of_privacy"], s["adjacency"], s["sampling"]["method"]) == (
       "one training example", "add_or_remove_one", "poisson")
-  assert s["target_epsilon"] == 3.0 and s["accountant"] == "rdp"
+  assert s["target_epsilon"] == 3.0 and s["accountant"] == "pld"
   assert s["noise_key"] == ledger["secret"] == "pinned"
   text = (out / "PRIVACY.md").read_text()
   assert f"{s['epsilon']:.4g}" in text

@@ -10,7 +10,7 @@ import os
 import re
 
 import dp_accounting as dpa
-from dp_accounting import rdp
+from dp_accounting import pld, rdp
 import numpy as np
 import pytest
 
@@ -102,7 +102,8 @@ def test_noisysgd_ledger_equals_dp_accounting_for_its_steps(first_run):
   assert ledger.steps == steps == line["dp_steps"]
   assert ledger.delta == accounting.DELTA
   sigma = ledger.noise_multiplier
-  direct = rdp.RdpAccountant(orders=privacy_accounting.RDP_ORDERS).compose(
+  assert ledger.accountant == "pld"  # the trainer's default
+  direct = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
       dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(
           q, dpa.GaussianDpEvent(sigma)), steps)).get_epsilon(accounting.DELTA)
   assert line["epsilon_spent"] == ledger.epsilon_spent()

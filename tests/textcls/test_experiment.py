@@ -12,7 +12,7 @@ import gin
 import jax
 import numpy as np
 import pytest
-from dp_accounting import rdp
+from dp_accounting import pld
 
 from dpjax import checkpoints, gin_cli, trainer
 from dpjax.models import gpt2_disc, trainable
@@ -79,14 +79,15 @@ def _params(out_dir, kind):
 
 
 def test_baseline_pipeline_ledger_counts_both_trainings(out_dir):
-  """The head run's ledger (the pipeline's ε) = dp_accounting's RDP ε of
+  """The head run's ledger (the pipeline's ε) = dp_accounting's PLD ε of
   T1 = 2 LM steps then T2 = 2 head steps, one Gaussian each at q = 32/800,
   with the one σ both runs used; it meets ε = 8 and exceeds the LM's alone."""
   lm, head = _ledger(out_dir, "baseline_lm"), _ledger(out_dir, "baseline_disc")
   sigma, q, delta = head.noise_multiplier, 32 / 800, 1 / 800
   assert lm.noise_multiplier == sigma and (lm.steps, head.steps) == (2, 2)
   step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
-  direct = rdp.RdpAccountant(orders=accounting.RDP_ORDERS).compose(
+  assert head.accountant == "pld"
+  direct = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
       dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(step, 2),
                                      dp_accounting.SelfComposedDpEvent(step, 2)])
   ).get_epsilon(delta)
