@@ -117,16 +117,16 @@ def test_noise_is_calibrated_for_the_planned_dp_steps_only():
   ledger, plan = _plan(10)
   assert plan.dp_steps == 10 and plan.steps == 40
   direct = accounting.dpsgd_epsilon(ledger.noise_multiplier, BATCH / N, 10,
-                                    1e-4)
+                                    1e-4, "rdp")
   assert 0.99 * 8.0 <= direct <= 8.0
   # All 40 steps at this σ would overspend: the 30 public steps cost nothing.
   assert accounting.dpsgd_epsilon(ledger.noise_multiplier, BATCH / N, 40,
-                                  1e-4) > 8.5
+                                  1e-4, "rdp") > 8.5
 
 
 def test_overspending_dp_steps_refuse_to_start_and_public_steps_do_not():
   sigma = 0.4  # 10 releases fit in ε = 8 at this σ, 20 do not
-  eps = lambda k: accounting.dpsgd_epsilon(sigma, BATCH / N, k, 1e-4)
+  eps = lambda k: accounting.dpsgd_epsilon(sigma, BATCH / N, k, 1e-4, "rdp")
   assert eps(10) <= 8.0 < eps(20)
   _plan(10, noise_multiplier=sigma)  # 10 DP + 30 public steps: fine
   with pytest.raises(ledger_lib.BudgetExceededError, match="refusing"):
