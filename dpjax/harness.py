@@ -68,17 +68,22 @@ def ensure_trained(run_dir: str, train: Callable[[], dict]) -> dict:
   return finished_summary(run_dir) or train()
 
 
+def configured(make: Callable[[], Any], gin_files: Sequence[str],
+               bindings: Sequence[str]) -> Any:
+  """`make()` (a typed record such as `RunConfig()`, or a training run) as
+  `gin_files` and `bindings` alone configure it: the gin config is cleared
+  first, and stays bound afterwards."""
+  gin.clear_config()
+  gin_cli.configure(list(gin_files), list(bindings))
+  return make()
+
+
 def train_run(run_dir: str, gin_files: Sequence[str],
               bindings: Sequence[str]) -> dict:
   """The summary of the run in `run_dir` configured by `gin_files` and
   `bindings` (MODEL_DIR = run_dir), trained or resumed unless finished."""
-
-  def train() -> dict:
-    gin.clear_config()
-    gin_cli.configure(list(gin_files), [f"MODEL_DIR = '{run_dir}'", *bindings])
-    return trainer.train()
-
-  return ensure_trained(run_dir, train)
+  return ensure_trained(run_dir, lambda: configured(
+      trainer.train, gin_files, [f"MODEL_DIR = '{run_dir}'", *bindings]))
 
 
 def check_settings(root: str, settings: Any) -> None:

@@ -121,17 +121,13 @@ class _Settings:
   def __init__(self, gin_files: Sequence[str], bindings: Sequence[str]):
     self.gin_files, self.bindings = list(gin_files), list(bindings)
 
-  def configure(self, *extra: str) -> None:
-    gin.clear_config()
-    gin_cli.configure(self.gin_files, [*self.bindings, *extra])
-
   def multidogo(self) -> multidogo_tasks.MultidogoConfig:
-    self.configure()
-    return multidogo_tasks.MultidogoConfig()
+    return harness.configured(multidogo_tasks.MultidogoConfig,
+                              self.gin_files, self.bindings)
 
   def run_config(self) -> run_config.RunConfig:
-    self.configure()
-    return run_config.RunConfig()
+    return harness.configured(run_config.RunConfig, self.gin_files,
+                              self.bindings)
 
 
 def _train_classifier(path: str, data: multidogo_tasks.MultidogoConfig,
@@ -230,9 +226,9 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
         run_dir(t["name"]), settings.gin_files,
         [*settings.bindings, *t["bindings"], *init])
 
-  # Attack and evaluation settings: the shared gin config, tasks registered.
+  # Attack and evaluation settings: the shared gin config (left bound by
+  # `run_config`), tasks registered.
   lengths = settings.run_config().task_feature_lengths
-  settings.configure()
   tasks.register_tasks()
   vocabulary = _task_vocabulary("multidogo_lm")
   conversations = [c for c in multidogo.load_split(

@@ -29,11 +29,9 @@ import math
 import os
 from typing import Iterable, Sequence
 
-import gin
 import numpy as np
 
-from dpjax import (checkpoints, fileio, gin_cli, harness, plan as plan_lib,
-                   run_config)
+from dpjax import checkpoints, fileio, harness, plan as plan_lib, run_config
 from dpjax.datasets import semparse
 from dpjax.semparse import pipeline
 from tasks import semparse as semparse_tasks
@@ -72,19 +70,15 @@ class _Runs:
   def with_bindings(self, *extra) -> "_Runs":
     return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
 
-  def _configure(self) -> None:
-    gin.clear_config()
-    gin_cli.configure(list(self.gin_files), list(self.bindings))
-
   def run_config(self) -> run_config.RunConfig:
     """The runs' settings as these gin files and bindings configure them."""
-    self._configure()
-    return run_config.RunConfig()
+    return harness.configured(run_config.RunConfig, self.gin_files,
+                              self.bindings)
 
   def data_config(self) -> semparse_tasks.SemparseConfig:
     """The runs' task settings (data directories, portions)."""
-    self._configure()
-    return semparse_tasks.SemparseConfig()
+    return harness.configured(semparse_tasks.SemparseConfig, self.gin_files,
+                              self.bindings)
 
   def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
                    delta: float | None = None) -> dict:
