@@ -90,16 +90,26 @@ def check_settings(root: str, settings: Any) -> None:
   """Saves `settings` (a dataclass or a JSON-able dict) with a new table
   directory; raises CheckpointMismatchError naming every field that differs
   if the table already there was made with other settings (its finished
-  rows, their ε among them, would otherwise be reused as this table's)."""
+  rows, their ε among them, would otherwise be reused as this table's).
+
+  A dataclass field the saved settings lack (added to the settings after
+  that table was made) reads as its default, the value the older code used,
+  so adding a field with the old behaviour as its default keeps old tables
+  resumable."""
+  as_json = lambda x: json.loads(json.dumps(x, default=str))
+  defaults = {}
   if dataclasses.is_dataclass(settings):
+    defaults = as_json({f.name: f.default for f in dataclasses.fields(settings)
+                        if f.default is not dataclasses.MISSING})
     settings = dataclasses.asdict(settings)
-  current = json.loads(json.dumps(settings, default=str))
+  current = as_json(settings)
   path = os.path.join(root, SETTINGS_FILENAME)
   if not os.path.isfile(path):
     fileio.write_atomic(path, json.dumps(current, indent=2))
     return
   with open(path) as f:
     saved = json.load(f)
+  saved = {**{k: v for k, v in defaults.items() if k in current}, **saved}
   checkpoints.check_compatible(
       saved, current, "Settings", source=f"the table in {root}",
       fix="Use another --output_dir, or the settings that table was made with.")

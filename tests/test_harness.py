@@ -57,6 +57,15 @@ def test_a_table_refuses_rows_made_with_other_settings(tmp_path):
       "epsilon": 3.0, "teachers": 64}
 
 
+def test_a_field_newer_than_the_table_resumes_only_at_its_default(tmp_path):
+  # A table saved before `teachers` existed: the older code used 64.
+  (tmp_path / harness.SETTINGS_FILENAME).write_text('{"epsilon": 3.0}')
+  harness.check_settings(str(tmp_path), _Settings())
+  with pytest.raises(checkpoints.CheckpointMismatchError,
+                     match="teachers: checkpoint has 64, this run has 8"):
+    harness.check_settings(str(tmp_path), _Settings(teachers=8))
+
+
 def test_a_table_is_written_as_markdown_and_csv(tmp_path):
   rows = [["3", "0.5000 ± 0.0100"], ["inf", "a|b, c"]]
   md, csv_path = tmp_path / "t.md", tmp_path / "t.csv"
