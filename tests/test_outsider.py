@@ -95,7 +95,7 @@ def test_a_trainer_update_carries_the_ledgers_noise(runs):
   noisy, meta = _released_noisy_sum(runs / "p", runs / "p_release")
   ledger = meta.privacy_ledger()
   values = np.concatenate([np.ravel(x) for x in jax.tree.leaves(noisy)])
-  assert ledger.noise_multiplier > 0.5
+  assert ledger.noise_multiplier > 0.4  # PLD: 0.456 at ε = 1, one step
   assert np.std(values) == pytest.approx(
       ledger.noise_multiplier * ledger.clip_norm, rel=0.02)
 

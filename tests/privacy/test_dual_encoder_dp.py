@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dp_accounting import rdp
+from dp_accounting import pld
 
 from dpjax import gin_cli, trainer
 from dpjax.models import dual_encoder, t5, trainable
@@ -189,7 +189,8 @@ def test_dp_run_ledger_is_the_pair_level_replace_one_guarantee(tmp_path):
   assert ledger.delta == pytest.approx(1 / (2 * pairs))
   assert ledger.clip_norm == 0.1 and result["examples_per_step"] == 4
   sigma = ledger.noise_multiplier
-  direct = rdp.RdpAccountant(orders=accounting.RDP_ORDERS).compose(
+  assert ledger.accountant == "pld"
+  direct = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
       dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(
           sigma / 2), 1)).get_epsilon(1 / (2 * pairs))
   assert result["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
