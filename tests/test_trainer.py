@@ -66,34 +66,58 @@ def eight_steps(tmp_path_factory):
   return model_dir, result
 
 
-def test_run_writes_ledger_matching_dp_accounting(eight_steps):
-  model_dir, result = eight_steps
-  ledger = ledger_lib.PrivacyLedger.load(
+N, Q = 2998, 16 / 2998  # the sample's train split; BATCH_SIZE / N
+
+
+def eight_steps_ledger(eight_steps):
+  model_dir, _ = eight_steps
+  return ledger_lib.PrivacyLedger.load(
       os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
-  n = 2998
-  q = 16 / n
+
+
+def load_ledger_json(model_dir) -> dict:
+  with open(os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)) as f:
+    return json.load(f)
+
+
+def test_ledger_records_the_steps_delta_and_poisson_rate(eight_steps):
+  ledger = eight_steps_ledger(eight_steps)
   assert ledger.steps == 8
-  assert ledger.delta == pytest.approx(1 / (2 * n))
+  assert ledger.delta == pytest.approx(1 / (2 * N))
   assert ledger.sampling["method"] == "poisson"
-  assert ledger.sampling["sampling_rate"] == pytest.approx(q)
-  # PLD by default. σ was calibrated for 8 steps at ε = 3: ε spent equals
-  # dp-accounting's own PLD accountant and reaches the target within 1%.
+  assert ledger.sampling["sampling_rate"] == pytest.approx(Q)
+
+
+def test_epsilon_spent_equals_dp_accountings_own_pld_accountant(eight_steps):
+  """PLD by default: ε spent is dp-accounting's PLDAccountant, called here
+  directly, over the 8 Poisson-sampled Gaussian releases."""
+  ledger = eight_steps_ledger(eight_steps)
   assert ledger.accountant == "pld"
   direct = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
       dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-          q, dp_accounting.GaussianDpEvent(ledger.noise_multiplier)), 8)
+          Q, dp_accounting.GaussianDpEvent(ledger.noise_multiplier)), 8)
   ).get_epsilon(ledger.delta)
-  assert result["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
-  assert 0.99 * 3.0 <= result["epsilon_spent"] <= 3.0
+  assert eight_steps[1]["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
+
+
+def test_calibrated_sigma_spends_the_target_epsilon_within_1pc(eight_steps):
+  """σ was calibrated for 8 steps at ε = 3."""
+  assert 0.99 * 3.0 <= eight_steps[1]["epsilon_spent"] <= 3.0
+
+
+def test_run_writes_config_summary_and_tensorboard_events(eight_steps):
+  model_dir, _ = eight_steps
   for name in ("config.gin", "train_summary.json"):
     assert os.path.isfile(os.path.join(model_dir, name))
   assert os.listdir(os.path.join(model_dir, "train"))  # TensorBoard events
 
 
-def test_killed_run_resumes_to_the_uninterrupted_result(eight_steps, tmp_path,
-                                                        monkeypatch):
-  reference_dir, reference = eight_steps
-  model_dir = tmp_path / "killed"
+@pytest.fixture(scope="module")
+def killed(eight_steps, tmp_path_factory):
+  """The 8-step run killed at step 6 (what it left behind recorded), then
+  resumed to the end with the reference's secret."""
+  reference_dir, _ = eight_steps
+  model_dir = tmp_path_factory.mktemp("killed")
   original = sampling.PoissonSampler.microbatches
 
   def dies_at_step_6(self, step, m):
@@ -101,24 +125,46 @@ def test_killed_run_resumes_to_the_uninterrupted_result(eight_steps, tmp_path,
       raise KeyboardInterrupt("killed")
     return original(self, step, m)
 
-  monkeypatch.setattr(sampling.PoissonSampler, "microbatches", dies_at_step_6)
   same_secret(reference_dir, model_dir)
-  with pytest.raises(KeyboardInterrupt):
-    run(model_dir, "TRAIN_STEPS = 8")
-  monkeypatch.setattr(sampling.PoissonSampler, "microbatches", original)
-  assert checkpoints.manager(str(model_dir)).latest_step() == 4
-  assert ledger_lib.PrivacyLedger.load(
-      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)).steps == 4
-
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(sampling.PoissonSampler, "microbatches", dies_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+      run(model_dir, "TRAIN_STEPS = 8")
+  left = {"checkpoint_step": checkpoints.manager(str(model_dir)).latest_step(),
+          "ledger_steps": ledger_lib.PrivacyLedger.load(
+              os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)).steps}
   resumed = run(model_dir, "TRAIN_STEPS = 8")
-  assert resumed["epsilon_spent"] == reference["epsilon_spent"]
-  with open(os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)) as f:
-    got = json.load(f)
-  with open(os.path.join(reference_dir, ledger_lib.LEDGER_FILENAME)) as f:
-    want = json.load(f)
-  assert got == want
+  return model_dir, left, resumed
+
+
+def test_killed_run_leaves_the_last_periodic_checkpoint(killed):
+  _, left, _ = killed
+  assert left["checkpoint_step"] == 4
+
+
+def test_killed_run_leaves_a_ledger_of_the_checkpointed_steps(killed):
+  _, left, _ = killed
+  assert left["ledger_steps"] == 4
+
+
+def test_resumed_run_spends_the_uninterrupted_epsilon(killed, eight_steps):
+  _, _, resumed = killed
+  assert resumed["epsilon_spent"] == eight_steps[1]["epsilon_spent"]
+
+
+def test_resumed_run_writes_the_uninterrupted_ledger(killed, eight_steps):
+  model_dir, _, _ = killed
+  assert load_ledger_json(model_dir) == load_ledger_json(eight_steps[0])
+
+
+def test_resumed_run_ends_with_the_uninterrupted_params(killed, eight_steps):
+  model_dir, _, _ = killed
   jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
-               restored_params(reference_dir))
+               restored_params(eight_steps[0]))
+
+
+def test_resumed_run_checkpoints_the_data_position_at_the_end(killed):
+  model_dir, _, _ = killed
   _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
   assert meta.data_position.step == 8
 
@@ -192,36 +238,63 @@ def test_cli_bad_input_exits_2_with_a_message(tmp_path, args, message):
   assert not model_dir.exists()
 
 
-def test_quickstart_end_to_end(tmp_path):
-  model_dir = tmp_path / "quickstart"
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+  """`python -m dpjax.train` on gin/quickstart.gin: 4 steps, then 40
+  synthetic queries."""
+  model_dir = tmp_path_factory.mktemp("quickstart")
   proc = _cli("--gin_file=gin/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
               "--gin.TRAIN_STEPS=4", "--gin.train.log_period=2",
               "--gin.train.eval_period=2", "--gin.generate_synthetic.limit=40")
+  return model_dir, proc
+
+
+def synthetic_lines(model_dir, name):
+  return (model_dir / "synthetic" / name).read_text().splitlines()
+
+
+def test_quickstart_exits_0_and_reports_epsilon_and_steps(quickstart):
+  _, proc = quickstart
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "ε spent" in proc.stdout and "step 4/4" in proc.stdout
-  out = model_dir / "synthetic"
-  queries = (out / "queries.synthetic.tsv").read_text().splitlines()
-  qrels = (out / "qrels.synthetic.tsv").read_text().splitlines()
+
+
+def test_quickstart_writes_40_queries_with_40_qrels(quickstart):
+  model_dir, _ = quickstart
+  queries = synthetic_lines(model_dir, "queries.synthetic.tsv")
+  qrels = synthetic_lines(model_dir, "qrels.synthetic.tsv")
   assert len(queries) == len(qrels) == 40
+
+
+def test_quickstart_qrels_pair_each_query_with_a_train_passage(quickstart):
+  model_dir, _ = quickstart
+  queries = synthetic_lines(model_dir, "queries.synthetic.tsv")
+  qrels = synthetic_lines(model_dir, "qrels.synthetic.tsv")
+  assert queries and qrels
   train_pids = set(tasks.load_collection_ids(tasks.DEFAULT_SAMPLE_DIR, "train"))
   for q, r in zip(queries, qrels):
     qid, text = q.split("\t")
     rqid, zero, pid, rel = r.split("\t")
     assert qid == rqid and zero == "0" and rel == "1"
     assert int(pid) in train_pids
-  record = json.loads((out / "synthetic.jsonl").read_text().splitlines()[0])
+
+
+def test_quickstart_records_decoding_epsilon_and_model_dir(quickstart):
+  model_dir, _ = quickstart
+  record = json.loads(synthetic_lines(model_dir, "synthetic.jsonl")[0])
   assert record["decoding"]["top_p"] == 0.8
   assert record["epsilon"] <= 3.0 and record["model_dir"] == str(model_dir)
 
 
-def test_xl_eps3_train_step_builds_with_abstract_shapes():
-  """The 3B config's DP step traces end to end (CPU cannot train it)."""
+@pytest.fixture(scope="module")
+def xl_eps3_step():
+  """The 3B config's DP step traced with abstract shapes (CPU cannot train
+  it): the params, the accumulated grads and the applied state."""
   gin.clear_config()
   gin_cli.configure(["msmarco_t5_xl_eps3.gin"], [])
   config = t5.T5Config()
   model = trainable.trainable(config, {"inputs": 384, "targets": 128})
   params, _ = model.abstract_params()
-  assert 2.8e9 < t5.param_count(params) < 3.0e9
   tx, accumulate, apply = steps_lib.build_dp_step(
       model, clip_norm=0.1, optimizer="adam", learning_rate=1e-3,
       noise_multiplier=1.0, normalizer=1024.0, seed=0)
@@ -235,19 +308,35 @@ def test_xl_eps3_train_step_builds_with_abstract_shapes():
   grads = {train_step.LOSS: jax.eval_shape(train_step.zeros_like_f32, params)}
   new_grads, metrics = jax.eval_shape(accumulate, params, grads, batch, mask,
                                       0, 0)
-  assert jax.tree.structure(new_grads[train_step.LOSS]) == \
-      jax.tree.structure(params)
   state = jax.eval_shape(lambda p: train_step.init_state(p, tx), params)
   new_state = jax.eval_shape(apply, state, new_grads,
                              secret.RunSecret.pinned(0).noise_key())
+  return params, new_grads, new_state
+
+
+def test_xl_eps3_config_has_about_3b_params(xl_eps3_step):
+  params, _, _ = xl_eps3_step
+  assert 2.8e9 < t5.param_count(params) < 3.0e9
+
+
+def test_xl_eps3_accumulate_traces_to_grads_shaped_like_params(xl_eps3_step):
+  params, new_grads, _ = xl_eps3_step
+  assert jax.tree.structure(new_grads[train_step.LOSS]) == \
+      jax.tree.structure(params)
+
+
+def test_xl_eps3_apply_traces_to_params_of_the_same_shapes(xl_eps3_step):
+  params, _, new_state = xl_eps3_step
   assert jax.tree.map(lambda a: a.shape, new_state.params) == \
       jax.tree.map(lambda a: a.shape, params)
 
 
-def test_sigterm_checkpoints_at_the_step_boundary_and_resumes(
-    eight_steps, tmp_path, monkeypatch):
-  reference_dir, reference = eight_steps
-  model_dir = tmp_path / "preempted"
+@pytest.fixture(scope="module")
+def preempted(eight_steps, tmp_path_factory):
+  """The 8-step run sent SIGTERM during step 2 (its result and checkpoint
+  recorded), then resumed to the end with the reference's secret."""
+  reference_dir, _ = eight_steps
+  model_dir = tmp_path_factory.mktemp("preempted")
   original = sampling.PoissonSampler.microbatches
 
   def preempted_during_step_2(self, step, m):
@@ -255,26 +344,63 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes(
       os.kill(os.getpid(), signal.SIGTERM)
     return original(self, step, m)
 
-  monkeypatch.setattr(sampling.PoissonSampler, "microbatches",
-                      preempted_during_step_2)
   same_secret(reference_dir, model_dir)
-  stopped = run(model_dir, "TRAIN_STEPS = 8")
-  monkeypatch.setattr(sampling.PoissonSampler, "microbatches", original)
-  assert stopped["steps_done"] == 3  # finished step 2, then checkpointed
-  assert checkpoints.manager(str(model_dir)).latest_step() == 3
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(sampling.PoissonSampler, "microbatches",
+               preempted_during_step_2)
+    stopped = run(model_dir, "TRAIN_STEPS = 8")
+  checkpoint_step = checkpoints.manager(str(model_dir)).latest_step()
   resumed = run(model_dir, "TRAIN_STEPS = 8")
+  return model_dir, stopped, checkpoint_step, resumed
+
+
+def test_sigterm_stops_after_the_step_under_way(preempted):
+  _, stopped, _, _ = preempted
+  assert stopped["steps_done"] == 3  # finished step 2, then checkpointed
+
+
+def test_sigterm_checkpoints_at_the_step_boundary(preempted):
+  _, _, checkpoint_step, _ = preempted
+  assert checkpoint_step == 3
+
+
+def test_run_resumed_after_sigterm_runs_to_the_last_step(preempted):
+  _, _, _, resumed = preempted
   assert resumed["steps_done"] == 8
-  assert resumed["epsilon_spent"] == reference["epsilon_spent"]
+
+
+def test_run_resumed_after_sigterm_spends_the_uninterrupted_epsilon(
+    preempted, eight_steps):
+  _, _, _, resumed = preempted
+  assert resumed["epsilon_spent"] == eight_steps[1]["epsilon_spent"]
+
+
+def test_run_resumed_after_sigterm_ends_with_the_uninterrupted_params(
+    preempted, eight_steps):
+  model_dir, _, _, _ = preempted
   jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
-               restored_params(reference_dir))
+               restored_params(eight_steps[0]))
 
 
-def test_infinite_epsilon_runs_the_same_code_without_noise(tmp_path):
-  result = run(tmp_path, "TRAIN_STEPS = 2", "TARGET_EPSILON = 'inf'")
-  assert result["noise_multiplier"] == 0.0
-  assert result["epsilon_spent"] == float("inf")
+@pytest.fixture(scope="module")
+def infinite_epsilon(tmp_path_factory):
+  """A 2-step run at TARGET_EPSILON = inf."""
+  model_dir = tmp_path_factory.mktemp("infinite_epsilon")
+  return model_dir, run(model_dir, "TRAIN_STEPS = 2", "TARGET_EPSILON = 'inf'")
+
+
+def test_infinite_epsilon_runs_without_noise(infinite_epsilon):
+  assert infinite_epsilon[1]["noise_multiplier"] == 0.0
+
+
+def test_infinite_epsilon_run_reports_infinite_epsilon_spent(infinite_epsilon):
+  assert infinite_epsilon[1]["epsilon_spent"] == float("inf")
+
+
+def test_infinite_epsilon_ledger_records_the_noiseless_steps(infinite_epsilon):
+  model_dir, _ = infinite_epsilon
   ledger = ledger_lib.PrivacyLedger.load(
-      os.path.join(tmp_path, ledger_lib.LEDGER_FILENAME))
+      os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
   assert ledger.steps == 2 and ledger.noise_multiplier == 0.0
 
 
@@ -300,29 +426,47 @@ def test_data_parallel_over_two_devices_matches_one_device(eight_steps,
                restored_params(model_dir), restored_params(reference_dir))
 
 
-def test_initial_checkpoint_initialises_params_and_vocabulary(tmp_path):
-  """INITIAL_CHECKPOINT_PATH: a Hugging Face export of a tiny T5 with its
-  spiece.model; with learning rate 0 the trained params stay the imported
-  ones exactly, and the checkpoint's vocabulary becomes the task's."""
+@pytest.fixture(scope="module")
+def from_pretrained(tmp_path_factory):
+  """A 2-step run at learning rate 0 from INITIAL_CHECKPOINT_PATH: a Hugging
+  Face export of a tiny T5 with its spiece.model. Returns the imported
+  params, the checkpoint, the run's dir and the task's vocabulary file right
+  after the run."""
+  import seqio
   from dpjax import pretrained
-  configure(tmp_path / "unused")
+  root = tmp_path_factory.mktemp("from_pretrained")
+  configure(root / "unused")
   config = t5.T5Config()
   params, _ = t5.init_params(config, jax.random.PRNGKey(7), input_length=8,
                              target_length=8)
-  ckpt = tmp_path / "hf_t5"
+  ckpt = root / "hf_t5"
   pretrained.export_hf(params, config, str(ckpt))
   shutil.copy(tasks.DEFAULT_VOCABULARY_PATH, ckpt / "spiece.model")
-  model_dir = tmp_path / "from_pretrained"
+  model_dir = root / "from_pretrained"
   run(model_dir, "TRAIN_STEPS = 2", "LEARNING_RATE = 0.0",
       f"INITIAL_CHECKPOINT_PATH = '{ckpt}'")
-  jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
-               params)
-  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
-  assert meta.tokenizer_files["sentencepiece"] == str(ckpt / "spiece.model")
-  import seqio
   vocab = seqio.get_mixture_or_task("msmarco_query_generation").output_features[
       "inputs"].vocabulary
-  assert vocab.sentencepiece_model_file == str(ckpt / "spiece.model")
+  return params, ckpt, model_dir, vocab.sentencepiece_model_file
+
+
+def test_initial_checkpoint_initialises_the_params(from_pretrained):
+  """With learning rate 0 the trained params stay the imported ones."""
+  params, _, model_dir, _ = from_pretrained
+  jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
+               params)
+
+
+def test_initial_checkpoint_vocabulary_is_recorded_in_the_checkpoint(
+    from_pretrained):
+  _, ckpt, model_dir, _ = from_pretrained
+  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  assert meta.tokenizer_files["sentencepiece"] == str(ckpt / "spiece.model")
+
+
+def test_initial_checkpoint_vocabulary_becomes_the_tasks(from_pretrained):
+  _, ckpt, _, vocabulary_file = from_pretrained
+  assert vocabulary_file == str(ckpt / "spiece.model")
 
 
 def test_checkpoint_of_another_architecture_is_refused_before_writing(tmp_path):
@@ -340,15 +484,29 @@ def test_checkpoint_of_another_architecture_is_refused_before_writing(tmp_path):
   assert not model_dir.exists()
 
 
-def test_infer_without_a_trained_model_exits_2_and_writes_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def infer_without_model(tmp_path_factory):
+  """`python -m dpjax.infer` on a model dir that does not exist."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  model_dir = tmp_path / "no_model"
+  model_dir = tmp_path_factory.mktemp("infer") / "no_model"
   proc = subprocess.run([sys.executable, "-m", "dpjax.infer",
                          f"--model_dir={model_dir}"], capture_output=True,
                         text=True, cwd=REPO, env=env, timeout=300)
-  assert proc.returncode == 2
-  assert "no checkpoint under" in proc.stderr and "Traceback" not in proc.stderr
-  assert not model_dir.exists()
+  return model_dir, proc
+
+
+def test_infer_without_a_trained_model_exits_2(infer_without_model):
+  assert infer_without_model[1].returncode == 2
+
+
+def test_infer_without_a_trained_model_says_so_without_a_traceback(
+    infer_without_model):
+  stderr = infer_without_model[1].stderr
+  assert "no checkpoint under" in stderr and "Traceback" not in stderr
+
+
+def test_infer_without_a_trained_model_writes_nothing(infer_without_model):
+  assert not infer_without_model[0].exists()
 
 
 GPT2_ON_SAMPLE = [  # a tiny GPT-2 as a prompted LM: passage -> query
@@ -359,74 +517,135 @@ GPT2_ON_SAMPLE = [  # a tiny GPT-2 as a prompted LM: passage -> query
 ]
 
 
-def test_gpt2_trains_on_decoder_only_features(tmp_path):
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory):
+  """A 30-step DP run of a tiny GPT-2 on the sample, with the model (from
+  the checkpoint's config) and its initial params."""
+  model_dir = tmp_path_factory.mktemp("gpt2")
   gin.clear_config()
   gin_cli.configure(["quickstart.gin", "models/gpt2_tiny.gin"],
-                    [f"MODEL_DIR = '{tmp_path}'", *TINY, *GPT2_ON_SAMPLE,
+                    [f"MODEL_DIR = '{model_dir}'", *TINY, *GPT2_ON_SAMPLE,
                      "TRAIN_STEPS = 30", "LEARNING_RATE = 1e-2",
                      "train.eval_period = 30", "train.eval_examples = 128"])
   result = trainer.train()
-  # The same privacy plan as any model: ε from dp-accounting directly.
-  ledger = ledger_lib.PrivacyLedger.load(
-      os.path.join(tmp_path, ledger_lib.LEDGER_FILENAME))
-  assert ledger.steps == 30
-  assert result["epsilon_spent"] == pytest.approx(accounting.dpsgd_epsilon(
-      ledger.noise_multiplier, 16 / 2998, 30, ledger.delta, "pld"), rel=1e-9)
-  # It learned: eval loss (query tokens only) below the initial model's.
   config = gpt2.GPT2Config.from_json(checkpoints.latest_meta(
-      checkpoints.manager(str(tmp_path)))[1].model_config)
+      checkpoints.manager(str(model_dir)))[1].model_config)
   model = trainable.trainable(config, {"inputs": 48, "targets": 16})
   params, _ = model.init_params(jax.random.PRNGKey(0))
+  return model_dir, result, model, params
+
+
+def gpt2_ledger(gpt2_run):
+  return ledger_lib.PrivacyLedger.load(
+      os.path.join(gpt2_run[0], ledger_lib.LEDGER_FILENAME))
+
+
+def test_gpt2_ledger_records_every_step(gpt2_run):
+  assert gpt2_ledger(gpt2_run).steps == 30
+
+
+def test_gpt2_epsilon_equals_a_direct_dp_accounting_call(gpt2_run):
+  """The same privacy plan as any model."""
+  ledger = gpt2_ledger(gpt2_run)
+  assert gpt2_run[1]["epsilon_spent"] == pytest.approx(
+      accounting.dpsgd_epsilon(ledger.noise_multiplier, Q, 30, ledger.delta),
+      rel=1e-9)
+
+
+def test_gpt2_on_decoder_only_features_lowers_the_eval_loss(gpt2_run):
+  """Eval loss (query tokens only) ends below the initial model's."""
+  _, result, model, params = gpt2_run
   dev = data_arrays.load_task_arrays("msmarco_query_generation", "validation",
                                      {"inputs": 48, "targets": 16},
                                      converter="decoder_only")
   first = {k: v[:128] for k, v in dev.items()}
   initial = float(np.mean(model.batch_loss(params, first)))
   assert result["eval_loss"] < initial - 0.5, (result["eval_loss"], initial)
-  restored = restored_params(tmp_path)
+
+
+def test_gpt2_checkpoint_holds_the_models_params(gpt2_run):
+  model_dir, _, _, params = gpt2_run
+  restored = restored_params(model_dir)
   assert jax.tree.structure(restored) == jax.tree.structure(params)
 
 
-def test_second_stage_composes_with_the_first_in_one_ledger(tmp_path):
-  """Two runs on the same data, the second with `train.prior_ledger`, spend
-  what one accountant run over both stages' steps spends."""
-  sigma = 1.3
-  stage1 = run(tmp_path / "stage1", "TRAIN_STEPS = 3",
-               f"train.noise_multiplier = {sigma}")
-  stage2 = run(tmp_path / "stage2", "TRAIN_STEPS = 5",
-               f"train.noise_multiplier = {sigma}",
-               f"train.prior_ledger = '{tmp_path / 'stage1'}'")
-  q, delta = 16 / 2998, 1 / (2 * 2998)
+SIGMA = 1.3  # the two stages' noise multiplier
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+  """Two runs on the same data at σ = 1.3: 3 steps, then 5 steps with
+  `train.prior_ledger` the first's."""
+  root = tmp_path_factory.mktemp("stages")
+  stage1 = run(root / "stage1", "TRAIN_STEPS = 3",
+               f"train.noise_multiplier = {SIGMA}")
+  stage2 = run(root / "stage2", "TRAIN_STEPS = 5",
+               f"train.noise_multiplier = {SIGMA}",
+               f"train.prior_ledger = '{root / 'stage1'}'")
+  return root, stage1, stage2
+
+
+def test_first_stage_spends_its_own_steps(two_stages):
+  _, stage1, _ = two_stages
   assert stage1["epsilon_spent"] == pytest.approx(
-      accounting.dpsgd_epsilon(sigma, q, 3, delta, "pld"), rel=1e-9)
+      accounting.dpsgd_epsilon(SIGMA, Q, 3, 1 / (2 * N)), rel=1e-9)
+
+
+def test_second_stage_spends_one_accountant_run_over_both_stages(two_stages):
+  _, _, stage2 = two_stages
   assert stage2["epsilon_spent"] == pytest.approx(
-      accounting.dpsgd_epsilon(sigma, q, 8, delta, "pld"), rel=1e-9)
+      accounting.dpsgd_epsilon(SIGMA, Q, 8, 1 / (2 * N)), rel=1e-9)
+
+
+def test_second_stage_ledger_holds_its_steps_and_the_composed_epsilon(
+    two_stages):
+  root, _, stage2 = two_stages
   saved = ledger_lib.PrivacyLedger.load(
-      tmp_path / "stage2" / ledger_lib.LEDGER_FILENAME)
+      root / "stage2" / ledger_lib.LEDGER_FILENAME)
   assert saved.steps == 5 and saved.epsilon_spent() == stage2["epsilon_spent"]
+
+
+def test_missing_prior_ledger_is_a_usage_error(tmp_path):
   with pytest.raises(gin_cli.UsageError, match="no ledger"):
     run(tmp_path / "stage3", "TRAIN_STEPS = 1",
         f"train.prior_ledger = '{tmp_path / 'missing'}'")
 
 
-def test_ghost_clipping_and_fsdp_rules_train_like_vmap(eight_steps, tmp_path):
-  """`train.clipping_method = 'ghost'` under the FSDP rule set reproduces
-  the vmap run: the same clipped sums, so the same params (float
-  tolerance) and the identical ledger."""
-  reference_dir, reference = eight_steps
-  same_secret(reference_dir, tmp_path)
-  result = run(tmp_path, "TRAIN_STEPS = 8", "train.clipping_method = 'ghost'",
+@pytest.fixture(scope="module")
+def ghost_fsdp(eight_steps, tmp_path_factory):
+  """The 8-step run with `train.clipping_method = 'ghost'` under the FSDP
+  rule set and the reference's secret."""
+  model_dir = tmp_path_factory.mktemp("ghost_fsdp")
+  same_secret(eight_steps[0], model_dir)
+  result = run(model_dir, "TRAIN_STEPS = 8", "train.clipping_method = 'ghost'",
                "logical_axis_rules.name = 'fsdp'")
-  assert result["epsilon_spent"] == reference["epsilon_spent"]
+  return model_dir, result
+
+
+def test_ghost_clipping_and_fsdp_rules_spend_the_vmap_epsilon(ghost_fsdp,
+                                                              eight_steps):
+  assert ghost_fsdp[1]["epsilon_spent"] == eight_steps[1]["epsilon_spent"]
+
+
+def test_ghost_clipping_and_fsdp_rules_train_the_vmap_params(ghost_fsdp,
+                                                             eight_steps):
+  """The same clipped sums, so the same params (float tolerance)."""
   # Adam divides by sqrt(v): float rounding in near-zero gradients moves a
   # few params by ~1e-5 after 8 steps.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
                                                        atol=2e-5),
-               restored_params(tmp_path), restored_params(reference_dir))
+               restored_params(ghost_fsdp[0]), restored_params(eight_steps[0]))
+
+
+def test_unknown_clipping_method_is_a_usage_error(tmp_path):
   with pytest.raises(gin_cli.UsageError, match="clipping_method"):
     run(tmp_path / "bad", "TRAIN_STEPS = 1", "train.clipping_method = 'fast'")
+
+
+def test_unknown_task_is_a_usage_error_naming_the_known_ones(tmp_path):
   with pytest.raises(gin_cli.UsageError,
-                     match="MIXTURE_OR_TASK_NAME = 'no_such_task' is no registered.*msmarco_query_gen"):
+                     match="MIXTURE_OR_TASK_NAME = 'no_such_task' is no "
+                     "registered.*msmarco_query_gen"):
     run(tmp_path / "unknown", "TRAIN_STEPS = 1",
         "MIXTURE_OR_TASK_NAME = 'no_such_task'")
   assert not (tmp_path / "unknown").exists()
@@ -448,27 +667,60 @@ class FitSpy:
     monkeypatch.setattr(loop, "fit", fit)
 
 
-def test_a_trainer_update_carries_the_ledgers_noise(tmp_path, monkeypatch):
-  """One real DP-SGD step at learning rate 1 moves the params by
-  -(clipped sum + N(0, σ²C²·I)) / (q·n). The clipped sum of ~16 examples of
-  norm <= C spread over d coordinates has a per-coordinate RMS of about
-  C/√d, so the update's standard deviation is σ·C/(q·n) with the ledger's
-  σ: a trainer that handed its step σ = 0, another C or another normaliser
-  fails here, though every other trainer test would pass."""
-  spy = FitSpy(monkeypatch)
-  run(tmp_path, "TRAIN_STEPS = 1", "train.optimizer = 'sgd'",
-      "LEARNING_RATE = 1.0", "TARGET_EPSILON = 1.0",
-      "train.accountant = 'rdp'")  # σ = 0.775 (PLD's 0.456 is too close to the sum)
-  ledger = checkpoints.run_ledger(str(tmp_path))
-  assert ledger.steps == 1 and ledger.noise_multiplier > 0.5
+@pytest.fixture(scope="module")
+def one_sgd_step(tmp_path_factory):
+  """One real DP-SGD step at learning rate 1 and ε = 1: the ledger, the
+  state the loop ends with and the update it applied (flat, float64).
+
+  The step moves the params by -(clipped sum + N(0, σ²C²·I)) / (q·n). The
+  clipped sum of ~16 examples of norm <= C spread over d coordinates has a
+  per-coordinate RMS of about C/√d, so the update's standard deviation is
+  σ·C/(q·n) with the ledger's σ."""
+  model_dir = tmp_path_factory.mktemp("one_sgd_step")
+  with pytest.MonkeyPatch.context() as mp:
+    spy = FitSpy(mp)
+    run(model_dir, "TRAIN_STEPS = 1", "train.optimizer = 'sgd'",
+        "LEARNING_RATE = 1.0", "TARGET_EPSILON = 1.0",
+        "train.accountant = 'rdp'")  # σ 0.775; PLD's 0.456 is too near the sum
+  ledger = checkpoints.run_ledger(str(model_dir))
   update = np.concatenate([
       (np.asarray(a, np.float64) - np.asarray(b, np.float64)).ravel()
       for a, b in zip(jax.tree.leaves(jax.device_get(spy.state.params)),
                       jax.tree.leaves(spy.start_params))])
+  return ledger, spy.state, update
+
+
+def noise_scales(one_sgd_step):
+  """The update's expected noise std σ·C/(q·n) and a bound on the RMS of its
+  signal (the clipped sum's share)."""
+  ledger, _, update = one_sgd_step
   d, c, qn = update.size, 0.1, 16  # q·n = BATCH_SIZE
-  expected = ledger.noise_multiplier * c / qn
   signal_rms = 2 * c / np.sqrt(d)  # generous: up to 32 sampled examples
+  return ledger.noise_multiplier * c / qn, signal_rms
+
+
+def test_one_step_run_records_one_noisy_release(one_sgd_step):
+  ledger, _, _ = one_sgd_step
+  assert ledger.steps == 1 and ledger.noise_multiplier > 0.5
+
+
+def test_a_trainer_update_carries_the_ledgers_noise(one_sgd_step):
+  """The update's std is σ·C/(q·n) with the ledger's σ: a trainer that
+  handed its step σ = 0, another C or another normaliser fails here, though
+  every other trainer test would pass."""
+  _, _, update = one_sgd_step
+  expected, signal_rms = noise_scales(one_sgd_step)
   assert signal_rms < 0.1 * expected
   assert np.std(update) == pytest.approx(expected, rel=0.02)
-  assert abs(np.mean(update)) < 5 * expected / np.sqrt(d) + signal_rms
-  assert int(spy.state.noise_count) == 1
+
+
+def test_a_trainer_update_is_centred_on_the_clipped_signal(one_sgd_step):
+  _, _, update = one_sgd_step
+  expected, signal_rms = noise_scales(one_sgd_step)
+  assert abs(np.mean(update)) < 5 * expected / np.sqrt(update.size) \
+      + signal_rms
+
+
+def test_a_trainer_update_counts_one_release(one_sgd_step):
+  _, state, _ = one_sgd_step
+  assert int(state.noise_count) == 1
