@@ -64,7 +64,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -77,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import gin_cli, partitioning, train_step
+from dpjax import gin_cli, partitioning, step_cost, train_step
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping_method, ghost, optimizers, secret
@@ -250,32 +249,6 @@ def _parse_mesh(text: str) -> dict[str, int]:
         f"expected AXIS:SIZE[,AXIS:SIZE...], e.g. data:2,fsdp:4; got {text!r}")
 
 
-def _memory_analysis(compiled) -> dict:
-  m = compiled.memory_analysis()
-  fields = ("argument_size_in_bytes", "output_size_in_bytes",
-            "temp_size_in_bytes", "alias_size_in_bytes",
-            "generated_code_size_in_bytes")
-  out = {f: int(getattr(m, f)) for f in fields}
-  # Donated inputs alias outputs, so they are counted once.
-  out["peak_estimate_bytes"] = (out["argument_size_in_bytes"]
-                                + out["output_size_in_bytes"]
-                                + out["temp_size_in_bytes"]
-                                - out["alias_size_in_bytes"])
-  return out
-
-
-def cost_analysis(compiled) -> dict:
-  """XLA's `flops` and `bytes_accessed` of a compiled program, and the while
-  loops left in it (`while_loops`: XLA counts a loop's body once, whatever
-  its trip count)."""
-  analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
-    (analysis,) = analysis
-  return {"flops": float(analysis["flops"]),
-          "bytes_accessed": float(analysis["bytes accessed"]),
-          "while_loops": len(re.findall(r"\swhile\(", compiled.as_text()))}
-
-
 def abstract_state(tx, abstract_params, axes, mesh, rules):
   """(state shardings, the abstract train state carrying them)."""
   state_sh = partitioning.state_shardings(mesh, tx, abstract_params, axes,
@@ -302,8 +275,8 @@ def logical_step_cost(step: BenchStep, state, batch, mask) -> dict:
       jax.eval_shape(step.accumulate, state.params, *one, state.step)[0],
       accumulate.output_shardings[0])
   apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums).compile()
-  parts = {"accumulate": cost_analysis(accumulate),
-           "apply": cost_analysis(apply)}
+  parts = {"accumulate": step_cost.cost_analysis(accumulate),
+           "apply": step_cost.cost_analysis(apply)}
   total = {f: k * parts["accumulate"][f] + parts["apply"][f]
            for f in ("flops", "bytes_accessed")}
   return {**total, "cost_parts": {
@@ -374,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
   cost = logical_step_cost(step, state_abstract, batch_abstract,
                            mask_abstract)
   if not args.cost_only:
-    cost["cost_parts"]["whole_step"] = cost_analysis(compiled)
+    cost["cost_parts"]["whole_step"] = step_cost.cost_analysis(compiled)
   if args.compare_nodp:
     if args.mode == "nodp":
       nodp = cost
@@ -406,7 +379,7 @@ def run(args: argparse.Namespace) -> dict:
   if args.cost_only:
     return result
   if args.memory_only:
-    result["memory_analysis"] = _memory_analysis(compiled)
+    result["memory_analysis"] = step_cost.memory_analysis(compiled)
     microbatch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], batch))
     result["residual_bytes"] = residual_bytes(
         lambda p, b: model.batch_loss(p, b).sum(), abstract_params, microbatch)
@@ -433,7 +406,7 @@ def run(args: argparse.Namespace) -> dict:
     peak_memory = max(s["peak_bytes_in_use"] for s in stats)
     memory_source = "memory_stats"
   else:
-    peak_memory = _memory_analysis(compiled)["peak_estimate_bytes"]
+    peak_memory = step_cost.memory_analysis(compiled)["peak_estimate_bytes"]
     memory_source = "memory_analysis"
   peak = peak_flops(device.device_kind)
   result.update(

@@ -287,11 +287,15 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
   if not gin_cli.is_int(batch_size) or batch_size < 1:
     raise gin_cli.UsageError("BATCH_SIZE (train.batch_size) must be a "
                              f"positive integer, got {batch_size!r}")
-  if microbatch_size is not None and (not gin_cli.is_int(microbatch_size)
-                                      or microbatch_size < 1):
+  if microbatch_size not in (None, "auto") and (
+      not gin_cli.is_int(microbatch_size) or microbatch_size < 1):
     raise gin_cli.UsageError(
-        "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer "
-        f"or None, got {microbatch_size!r}")
+        "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer, "
+        f"'auto' or None, got {microbatch_size!r}")
+  headroom = config.memory_headroom
+  if not gin_cli.is_number(headroom) or not 0 < headroom <= 1:
+    raise gin_cli.UsageError("train.memory_headroom must be in (0, 1], got "
+                             f"{headroom!r}")
   if train_steps is not None and (not gin_cli.is_int(train_steps)
                                   or train_steps < 1):
     raise gin_cli.UsageError("TRAIN_STEPS (train.train_steps) must be a "

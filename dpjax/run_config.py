@@ -28,7 +28,11 @@ class RunConfig:
 
   Steps and batches: `batch_size` (BATCH_SIZE: the expected Poisson batch,
   or the exact shuffled one), `train_steps` (TRAIN_STEPS) or `epochs`,
-  `microbatch_size` (None: the padded sample in one call),
+  `microbatch_size` (None: the padded sample in one call; 'auto': the
+  largest that fits the device, `dpjax.sizing`, as is a model config's
+  `remat = 'auto'`), `device_memory` (bytes or '80GiB' per device for
+  'auto'; None: read from the backend) and `memory_headroom` (the fraction
+  of it a step may use),
   `sampling_method` ('poisson' | 'shuffle'), `overflow_probability` (sizes
   the padded Poisson batch: a larger sample costs one more accumulate call,
   nothing is dropped).
@@ -62,7 +66,9 @@ class RunConfig:
   batch_size: int = gin.REQUIRED
   train_steps: int | None = None
   epochs: float | None = None
-  microbatch_size: int | None = None
+  microbatch_size: int | str | None = None
+  device_memory: int | str | None = None
+  memory_headroom: float = 0.9
   target_epsilon: float | str = 3.0
   delta: float | str | None = None
   clip_norm: float = 0.1

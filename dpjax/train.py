@@ -2,6 +2,7 @@
 
   python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin \\
       [--gin_file=G ...] [--gin.NAME=VALUE ...] [--gin_bindings='NAME = VALUE']
+      [--dry_run [--dry_run_steps=K]]
 
 The work is done by `dpjax.trainer.train`, configured by gin; this module only
 parses the command line (it is kept apart so gin sees one `train`).
@@ -13,7 +14,7 @@ from typing import Sequence
 
 from absl import logging as absl_logging
 
-from dpjax import checkpoints, gin_cli, trainer
+from dpjax import checkpoints, dry_run, gin_cli, trainer
 from dpjax.datasets import malformed
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
@@ -24,9 +25,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   absl_logging.set_verbosity(absl_logging.ERROR)  # dp-accounting's RDP chatter
   args, files, bindings = gin_cli.parse_args(
-      argv, "DP fine-tuning with gin configuration (t5x-style flags).")
+      argv, "DP fine-tuning with gin configuration (t5x-style flags).",
+      add_arguments=_add_arguments)
   gin_cli.configure(files, bindings, args.gin_search_paths)
+  if args.dry_run or args.dry_run_steps:
+    return dry_run.dry_run(steps=args.dry_run_steps)
   return trainer.train()
+
+
+def _add_arguments(parser) -> None:
+  parser.add_argument(
+      "--dry_run", action="store_true",
+      help="build everything the run would use, write nothing, and print "
+           "its plan and compiled cost as one JSON line (dpjax.dry_run)")
+  parser.add_argument(
+      "--dry_run_steps", type=int, default=0, metavar="K",
+      help="with --dry_run: also run K real steps (nothing is saved) and "
+           "report the step time and the projected wall time of the run")
 
 
 def user_errors() -> tuple[type[Exception], ...]:

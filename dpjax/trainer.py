@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import gin
 import jax
@@ -58,13 +58,201 @@ import numpy as np
 
 from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
                    partitioning, plan as plan_lib, pretrained, reporting,
-                   run_config, steps as steps_lib, train_step)
+                   run_config, sizing as sizing_lib, step_cost,
+                   steps as steps_lib, train_step)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
 import tasks
 
 RunConfig = run_config.RunConfig
+
+
+class Built(NamedTuple):
+  """A run assembled before anything is written (`build`): its data, plan,
+  sizing and steps placed on the mesh, not yet initialised."""
+  config: RunConfig
+  model_dir: str
+  target_epsilon: float
+  model: trainable_lib.Trainable
+  lengths: dict
+  splits: "_Splits"
+  tokenizer: dict | None
+  init_run: tuple | None
+  mngr: Any  # the existing run's orbax manager, or None
+  resume: tuple | None  # (step, RunMeta) of its newest readable checkpoint
+  run_secret: secret_lib.RunSecret
+  plan: plan_lib.RunPlan
+  plan_for: Callable  # saved RunMeta | None -> RunPlan
+  mesh: Any
+  rules: Any
+  sizing: sizing_lib.Choice
+  sizing_key: str | None  # an automatic choice's fingerprint, to record
+  placed: steps_lib.PlacedSteps
+  schedule: Any
+
+  @property
+  def batch_rows(self) -> dict:
+    """One training example's features, as abstract shapes."""
+    return {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+            for f, x in self.splits.train.items()}
+
+
+def build(config: RunConfig, *, dry_run: bool = False) -> Built:
+  """Everything a run needs before its first write: inputs checked, data
+  loaded, plan made (σ calibrated, budget checked), microbatch and remat
+  sized, steps placed. With `dry_run` nothing is ever written: a new run's
+  secret is drawn and kept in memory only."""
+  model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
+  target_epsilon = plan_lib.check_run_inputs(config)
+
+  # --- Data: validated before anything is written. -------------------------
+  init_run = (checkpoints.read_run(os.path.expanduser(
+      config.initial_checkpoint_path)) if config.initial_checkpoint_path
+              else None)
+  tokenizer = initial_tokenizer_files(config.initial_checkpoint_path)
+  tasks.register_tasks(tokenizer_files=tokenizer)
+  lengths = dict(config.task_feature_lengths)
+  model_config = config.model_config
+  try:  # the data layer needs the model's converter, not its remat
+    model = trainable_lib.trainable(
+        sizing_lib.with_remat(model_config, "none"), lengths)
+  except (TypeError, KeyError) as e:
+    raise gin_cli.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
+  if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
+    # or the one this model extends (`checkpoints.init_from_run`)
+    checkpoints.check_initialises(init_run[2], model_config)
+  splits = _load_splits(config, model, lengths)
+  n = len(splits.tokens)
+
+  # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
+  mngr, resume = _existing_run(model_dir, config.keep_checkpoints)
+  if dry_run:
+    run_secret = (secret_lib.RunSecret.pinned(config.pinned_secret_seed)
+                  if config.pinned_secret_seed is not None
+                  else secret_lib.RunSecret.draw())
+  else:
+    run_secret = _run_secret(model_dir, resuming=resume is not None,
+                             pinned_seed=config.pinned_secret_seed)
+  bounds = steps_lib.loss_clip_norms(model, float(config.clip_norm),
+                                     config.clip_norms)
+
+  def plan_for(saved: checkpoints.RunMeta | None) -> plan_lib.RunPlan:
+    return plan_lib.make_plan(
+        config, n=n, sampling_seed=run_secret.sampling_seed(),
+        secret_source=run_secret.source, clip_norms=bounds,
+        public_n=(None if splits.public is None
+                  else len(splits.public_tokens)),
+        saved=saved)
+
+  plan = plan_for(resume[1] if resume else None)
+  if resume:
+    checkpoints.check_model(resume[1], model_config)
+  reporting.say(plan.summary())
+  if run_secret.is_pinned:
+    reporting.say(
+        "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"
+        " whoever knows the seed can regenerate them, and this run's (ε, δ) "
+        "does not hold against them; the ledger records the secret as pinned")
+
+  # --- Steps on the mesh, sized to the device. ------------------------------
+  mesh = partitioning.make_mesh()
+  rules = partitioning.logical_axis_rules()
+  schedule = (config.learning_rate if config.learning_rate is not None else
+              steps_lib.learning_rate_schedule(total_steps=plan.steps))
+
+  def place(remat: str) -> tuple[trainable_lib.Trainable,
+                                 steps_lib.PlacedSteps]:
+    sized = trainable_lib.trainable(
+        sizing_lib.with_remat(model_config, remat), lengths)
+    return sized, steps_lib.place_steps(
+        sized, mesh=mesh, rules=rules, optimizer=config.optimizer,
+        learning_rate=schedule, clip_norm=float(config.clip_norm),
+        clip_norms=bounds, noise_multiplier=float(plan.noise_multiplier),
+        normalizer=plan.normalizer, seed=config.seed,
+        clipping_method=config.clipping_method)
+
+  rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+          for f, x in splits.train.items()}
+  choice, key = _size(config, plan, mesh=mesh, rules=rules, rows=rows,
+                      place=place, model_dir=model_dir, dry_run=dry_run)
+  model, placed = place(choice.remat or "none")
+  return Built(
+      config=config, model_dir=model_dir, target_epsilon=target_epsilon,
+      model=model, lengths=lengths, splits=splits, tokenizer=tokenizer,
+      init_run=init_run, mngr=mngr, resume=resume, run_secret=run_secret,
+      plan=plan, plan_for=plan_for, mesh=mesh, rules=rules, sizing=choice,
+      sizing_key=key, placed=placed, schedule=schedule)
+
+
+def _size(config: RunConfig, plan: plan_lib.RunPlan, *, mesh, rules,
+          rows: dict, place: Callable, model_dir: str, dry_run: bool
+          ) -> tuple[sizing_lib.Choice, str | None]:
+  """(the microbatch and remat the run uses, the fingerprint of an
+  automatic choice): the settings as given, or `sizing.choose`'s (recorded
+  in MODEL_DIR, reused on a rerun with the same fingerprint)."""
+  data_devices = partitioning.data_parallel_size(mesh, rules)
+  max_batch = plan.sampler.max_batch_size
+  auto_m = config.microbatch_size == sizing_lib.AUTO
+  remat = sizing_lib.model_remat(config.model_config)
+  sizes = (sizing_lib.microbatch_candidates(max_batch, data_devices) if auto_m
+           else [-(-(config.microbatch_size or max_batch) // data_devices)
+                 * data_devices])
+  if not auto_m and remat != sizing_lib.AUTO:
+    return sizing_lib.Choice(
+        microbatch_size=sizes[0], remat=None,
+        accumulation_steps=-(-max_batch // sizes[0]), peak_bytes=None,
+        limit_bytes=None, memory_source=None), None
+  memory, source = sizing_lib.device_memory(config.device_memory)
+  limit = int(memory * config.memory_headroom)
+  key = sizing_lib.fingerprint(
+      model=checkpoints.config_json(config.model_config),
+      lengths=config.task_feature_lengths, max_batch=max_batch,
+      microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
+      clipping=config.clipping_method, optimizer=config.optimizer,
+      limit=limit)
+  choice = sizing_lib.load(model_dir, key)
+  if choice is not None:
+    reporting.say(f"auto sizing (recorded in {model_dir}): "
+                  f"{choice.summary()}")
+    return choice, key
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+  remats = (sizing_lib.REMAT_ORDER if remat == sizing_lib.AUTO else (remat,))
+  placed = place(remats[-1])[1]
+  # The state and one clipped sum per loss stay resident whatever the
+  # microbatch: if they alone overflow, no candidate is worth compiling.
+  floor = step_cost.device_bytes(placed.abstract_state) + sum(
+      step_cost.device_bytes(step_cost.abstract_like(
+          g, placed.state_shardings.params))
+      for g in jax.eval_shape(placed.zero_grads,
+                              placed.abstract_state.params).values())
+
+  def peak(m: int, remat_choice: str) -> int:
+    return step_cost.step_cost(
+        place(remat_choice)[1], rows, m=m, k=-(-max_batch // m),
+        batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes
+
+  if floor > limit:
+    choice = sizing_lib.Choice(
+        microbatch_size=sizes[-1], remat=remats[-1],
+        accumulation_steps=-(-max_batch // sizes[-1]), peak_bytes=floor,
+        limit_bytes=limit, memory_source=source, fits=False)
+  else:
+    choice = sizing_lib.choose(peak, sizes=sizes, max_batch=max_batch,
+                               remats=remats, limit_bytes=limit,
+                               memory_source=source)
+  reporting.say(f"auto sizing: {choice.summary()}")
+  if not choice.fits and not dry_run:
+    raise gin_cli.UsageError(
+        f"no microbatch fits: even {choice.microbatch_size} example(s) per "
+        f"call with remat {choice.remat!r} needs at least "
+        f"{choice.peak_bytes / 2**30:.2f} GiB per device, over the "
+        f"{limit / 2**30:.2f} GiB usable ({source} x train.memory_headroom "
+        f"{config.memory_headroom}). Shard the params "
+        "(gin/performance/fsdp.gin: logical_axis_rules.name = 'fsdp' on an 'fsdp' "
+        "mesh), use more devices, or set train.device_memory")
+  return choice, key
 
 
 def train(config: RunConfig | None = None) -> dict:
@@ -79,73 +267,21 @@ def train(config: RunConfig | None = None) -> dict:
   # Lazy: the arrays import TensorFlow, which the DP core never needs.
   from dpjax.data import arrays as data_arrays
   wall_start = time.perf_counter()
-  model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
-  target_epsilon = plan_lib.check_run_inputs(config)
-
-  # --- Data: validated before anything is written. -------------------------
-  init_run = (checkpoints.read_run(os.path.expanduser(
-      config.initial_checkpoint_path)) if config.initial_checkpoint_path
-              else None)
-  tokenizer = initial_tokenizer_files(config.initial_checkpoint_path)
-  tasks.register_tasks(tokenizer_files=tokenizer)
-  lengths = dict(config.task_feature_lengths)
-  try:
-    model = trainable_lib.trainable(config.model_config, lengths)
-  except (TypeError, KeyError) as e:
-    raise gin_cli.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
-  if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
-    # or the one this model extends (`checkpoints.init_from_run`)
-    checkpoints.check_initialises(init_run[2], config.model_config)
+  built = build(config)
+  (model_dir, target_epsilon, model, lengths, splits, tokenizer, init_run,
+   mngr, resume, run_secret, plan, mesh, rules, placed, schedule) = (
+       built.model_dir, built.target_epsilon, built.model, built.lengths,
+       built.splits, built.tokenizer, built.init_run, built.mngr,
+       built.resume, built.run_secret, built.plan, built.mesh, built.rules,
+       built.placed, built.schedule)
   task = config.mixture_or_task_name
-  splits = _load_splits(config, model, lengths)
-  n = len(splits.tokens)
-
-  # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
-  mngr, resume = _existing_run(model_dir, config.keep_checkpoints)
-  run_secret = _run_secret(model_dir, resuming=resume is not None,
-                           pinned_seed=config.pinned_secret_seed)
-  bounds = steps_lib.loss_clip_norms(model, float(config.clip_norm),
-                                     config.clip_norms)
-
-  def plan_for(saved: checkpoints.RunMeta | None) -> plan_lib.RunPlan:
-    return plan_lib.make_plan(
-        config, n=n, sampling_seed=run_secret.sampling_seed(),
-        secret_source=run_secret.source, clip_norms=bounds,
-        public_n=(None if splits.public is None
-                  else len(splits.public_tokens)),
-        saved=saved)
-
-  plan = plan_for(resume[1] if resume else None)
-  if resume:
-    checkpoints.check_model(resume[1], config.model_config)
-  reporting.say(plan.summary())
-  if run_secret.is_pinned:
-    reporting.say(
-        "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"
-        " whoever knows the seed can regenerate them, and this run's (ε, δ) "
-        "does not hold against them; the ledger records the secret as pinned")
-
-  # --- Steps on the mesh; the state restored or initialised. ---------------
-  mesh = partitioning.make_mesh()
-  rules = partitioning.logical_axis_rules()
-  data_devices = partitioning.data_parallel_size(mesh, rules)
-  m = config.microbatch_size or plan.sampler.max_batch_size
-  m = -(-m // data_devices) * data_devices
-  k = -(-plan.sampler.max_batch_size // m)
-  schedule = (config.learning_rate if config.learning_rate is not None else
-              steps_lib.learning_rate_schedule(total_steps=plan.steps))
-  placed = steps_lib.place_steps(
-      model, mesh=mesh, rules=rules, optimizer=config.optimizer,
-      learning_rate=schedule, clip_norm=float(config.clip_norm),
-      clip_norms=bounds, noise_multiplier=float(plan.noise_multiplier),
-      normalizer=plan.normalizer, seed=config.seed,
-      clipping_method=config.clipping_method)
+  m, k = built.sizing.microbatch_size, built.sizing.accumulation_steps
   start_step = 0
   if resume:  # restored straight into place (any saved mesh: re-sharded)
     start_step, state, saved = checkpoints.restore_newest(
         mngr, placed.abstract_state, model_dir)
     if start_step != resume[0]:  # newer ones unreadable: this one's ledger
-      plan = plan_for(saved)
+      plan = built.plan_for(saved)
     plan_lib.check_release_counts(
         plan.ledger, checkpoint_step=start_step,
         dp_steps=plan.dp_steps_before(start_step),
@@ -162,9 +298,11 @@ def train(config: RunConfig | None = None) -> dict:
   if init_run:  # read; orbax's threads need not live through the run
     init_run[0].close()
   _write_run_files(model_dir, run_secret, plan.ledger)
+  if built.sizing_key and distributed.is_primary():
+    sizing_lib.save(model_dir, built.sizing_key, built.sizing)
 
   # --- The loop. ------------------------------------------------------------
-  step_fn = _step_function(
+  step_fn = step_function(
       plan, placed, splits, mesh=mesh, rules=rules, m=m, k=k,
       noise_secret=distributed.global_array(run_secret.noise_key(),
                                             partitioning.replicated(mesh)))
@@ -278,7 +416,7 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
       len(public_tokens), config.batch_size, config.seed))
 
 
-def _step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
+def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
                    splits: _Splits, *, mesh, rules, m: int, k: int,
                    noise_secret):
   """`step_fn(state, step) -> (state, loop.StepOutput)`: the plan's step t,
@@ -360,7 +498,7 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
     # The run's init key: parts the checkpoint lacks (a discriminator
     # head) start as they would without it.
     params = pretrained.load_pretrained(
-        config.initial_checkpoint_path, config.model_config,
+        config.initial_checkpoint_path, model.config,
         shardings=shardings, rng=jax.random.PRNGKey(seed))
     reporting.say(f"initialised from {config.initial_checkpoint_path}")
     return params

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import bench, train_step
+from dpjax import bench, step_cost, train_step
 from dpjax.models import common, t5
 from dpjax.privacy import clipping, optimizers
 from dpjax.privacy.secret import RunSecret
@@ -167,8 +167,8 @@ def test_cost_analysis_of_a_list_or_a_dict():
 
   analysis = {"flops": 6.0, "bytes accessed": 8.0, "transcendentals": 1.0}
   expected = {"flops": 6.0, "bytes_accessed": 8.0, "while_loops": 1}
-  assert bench.cost_analysis(Compiled(analysis)) == expected
-  assert bench.cost_analysis(Compiled([analysis])) == expected
+  assert step_cost.cost_analysis(Compiled(analysis)) == expected
+  assert step_cost.cost_analysis(Compiled([analysis])) == expected
 
 
 def test_residual_bytes_by_hand():

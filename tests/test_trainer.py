@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax import (checkpoints, gin_cli, loop, steps as steps_lib, train_step,
-                   trainer)
+from dpjax import (checkpoints, gin_cli, loop, sizing, steps as steps_lib,
+                   train_step, trainer)
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
@@ -292,7 +292,7 @@ def xl_eps3_step():
   it): the params, the accumulated grads and the applied state."""
   gin.clear_config()
   gin_cli.configure(["msmarco_t5_xl_eps3.gin"], [])
-  config = t5.T5Config()
+  config = sizing.with_remat(t5.T5Config(), "layer")  # the gin's is 'auto'
   model = trainable.trainable(config, {"inputs": 384, "targets": 128})
   params, _ = model.abstract_params()
   tx, accumulate, apply = steps_lib.build_dp_step(

@@ -65,8 +65,8 @@ class GPT2Config(common.ModelConfig):
 
   def __post_init__(self):
     self.check_dtype()
-    if self.remat not in t5.REMATS:
-      raise ValueError(f"remat must be one of {t5.REMATS}, got {self.remat!r}")
+    if self.remat not in t5.CONFIG_REMATS:
+      raise ValueError(f"remat must be one of {t5.CONFIG_REMATS}, got {self.remat!r}")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model {self.d_model} is not a multiple of num_heads "
                        f"{self.num_heads}")

@@ -47,6 +47,8 @@ PyTree = Any
 _MASK_VALUE = -1e10
 _FEED_FORWARDS = ("relu", "gated-gelu")
 REMATS = ("none", "layer")
+# A config may say 'auto': the trainer picks one of REMATS (dpjax.sizing).
+CONFIG_REMATS = REMATS + ("auto",)
 
 
 @gin.configurable
@@ -73,8 +75,8 @@ class T5Config(common.ModelConfig):
   def __post_init__(self):
     if self.feed_forward not in _FEED_FORWARDS:
       raise ValueError(f"feed_forward must be one of {_FEED_FORWARDS}, got {self.feed_forward!r}")
-    if self.remat not in REMATS:
-      raise ValueError(f"remat must be one of {REMATS}, got {self.remat!r}")
+    if self.remat not in CONFIG_REMATS:
+      raise ValueError(f"remat must be one of {CONFIG_REMATS}, got {self.remat!r}")
     self.check_dtype()
 
 
@@ -292,6 +294,8 @@ def remat_layer(layer: type[nn.Module], remat: str, static_argnums: tuple[int, .
   """
   if remat == "none":
     return layer
+  if remat != "layer":  # 'auto' is resolved before a model is built
+    raise ValueError(f"remat {remat!r}: build the model with one of {REMATS}")
   return nn.remat(layer, static_argnums=static_argnums,
                   policy=jax.checkpoint_policies.nothing_saveable)
 

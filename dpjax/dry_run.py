@@ -1,0 +1,147 @@
+"""A plan before the run: `python -m dpjax.train ... --dry_run`.
+
+`dry_run` builds everything the run would use (`trainer.build`: data
+loaded and counted, σ calibrated, budget checked, microbatch and remat
+sized, steps placed on the mesh) and writes nothing: no MODEL_DIR, no
+secret file, no sizing record. It compiles the DP step for abstract shapes
+(`dpjax.step_cost`: nothing allocated, so the paper's T5-XL is checked on a
+CPU) and prints one JSON line:
+
+  n, q, steps, dp_steps, sigma, epsilon (planned), target_epsilon, delta,
+  accountant, sampling, clipping_method (what 'auto' resolves to), remat,
+  microbatch_size, accumulation_calls (microbatches per step), mesh, rules,
+  compute_dtype, params, peak_bytes_per_device (compiled), state_bytes,
+  device_memory_bytes, fits, flops_per_step and bytes_accessed_per_step
+  (XLA cost analysis), backend, device_kind;
+
+and with `steps=K` (`--dry_run_steps=K`) it also initialises the params,
+runs K real steps (their releases go nowhere: nothing is saved) and adds
+step_time_s (the median after the first, which compiles) and
+projected_wall_s (that times the steps left to run).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+
+from dpjax import (distributed, partitioning, run_config, sizing, step_cost,
+                   trainer, train_step)
+from dpjax.privacy import ghost
+
+RunConfig = run_config.RunConfig
+
+
+def clipping_method(built: trainer.Built) -> str:
+  """The clipping the run's step uses: 'auto' resolved as
+  `clipping_method.make_clipped_grad` resolves it when traced."""
+  method = built.config.clipping_method
+  if method != "auto":
+    return method
+  model = built.model
+  if model.example_losses is not None:
+    return "vmap"  # several losses: clipped by vmap only (steps.build_dp_step)
+  params = model.abstract_params()[0]
+  example = {f: jax.ShapeDtypeStruct(x.shape, x.dtype)
+             for f, x in built.batch_rows.items()}
+  if model.example_rng:
+    example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  return ("ghost" if ghost.find_sites(model.example_loss, params, example)
+          else "vmap")
+
+
+def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
+  """The run's plan and compiled cost as one JSON line (printed and
+  returned); with `steps` > 0, also K timed steps. Writes nothing."""
+  config = config or RunConfig()
+  distributed.initialize()
+  built = trainer.build(config, dry_run=True)
+  plan, choice, mesh = built.plan, built.sizing, built.mesh
+  m, k = choice.microbatch_size, choice.accumulation_steps
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1,
+                                         rules=built.rules)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1,
+                                        rules=built.rules)
+  cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
+                             batch_sharding=batch_sh, mask_sharding=mask_sh,
+                             with_flops=True)
+  memory, source = sizing.device_memory(config.device_memory)
+  limit = int(memory * config.memory_headroom)
+  start = built.resume[0] if built.resume else 0
+  abstract = built.placed.abstract_state.params
+  device = jax.devices()[0]
+  record = {
+      "n": plan.privacy.dataset_size,
+      "q": plan.privacy.batch_size / plan.privacy.dataset_size,
+      "steps": plan.steps, "dp_steps": plan.privacy.dp_steps,
+      "start_step": start, "sigma": plan.noise_multiplier,
+      "epsilon": plan.planned_epsilon,
+      "target_epsilon": plan.target_epsilon, "delta": plan.delta,
+      "accountant": plan.ledger.accountant,
+      "sampling": plan.sampler.describe()["method"],
+      "clipping_method": clipping_method(built),
+      "remat": sizing.model_remat(built.model.config),
+      "microbatch_size": m, "accumulation_calls": k,
+      "auto_sizing": choice.peak_bytes is not None,
+      "mesh": dict(mesh.shape), "rules": [list(r) for r in built.rules],
+      "compute_dtype": _compute_dtype(built.model.config),
+      "params": int(sum(x.size for x in jax.tree.leaves(abstract))),
+      "peak_bytes_per_device": cost.peak_bytes,
+      "state_bytes_per_device": cost.state_bytes,
+      "device_memory_bytes": limit, "device_memory_source": source,
+      "fits": cost.peak_bytes <= limit,
+      "flops_per_step": cost.flops,
+      "bytes_accessed_per_step": cost.bytes_accessed,
+      "backend": device.platform, "device_kind": device.device_kind,
+      "devices": jax.device_count(),
+  }
+  if steps:
+    record.update(_timed_steps(built, steps, start))
+  if built.mngr is not None:
+    built.mngr.close()
+  if built.init_run:
+    built.init_run[0].close()
+  if distributed.is_primary():
+    print(json.dumps(record), flush=True)
+  return record
+
+
+def _compute_dtype(model_config) -> str | None:
+  """The config's compute `dtype` (a part's, e.g. a dual encoder's T5)."""
+  if hasattr(model_config, "dtype"):
+    return str(model_config.dtype)
+  for field in dataclasses.fields(model_config):
+    part = getattr(model_config, field.name)
+    if dataclasses.is_dataclass(part):
+      return _compute_dtype(part)
+  return None
+
+
+def _timed_steps(built: trainer.Built, steps: int, start: int) -> dict:
+  """K real steps from freshly initialised params (the first compiles):
+  the median time of the rest and the run's projected wall time."""
+  placed = built.placed
+  params = jax.jit(
+      lambda: built.model.init_params(jax.random.PRNGKey(0))[0],
+      out_shardings=placed.state_shardings.params)()
+  state = jax.jit(lambda p: train_step.init_state(p, placed.optimizer),
+                  out_shardings=placed.state_shardings)(params)
+  step_fn = trainer.step_function(
+      built.plan, placed, built.splits, mesh=built.mesh, rules=built.rules,
+      m=built.sizing.microbatch_size, k=built.sizing.accumulation_steps,
+      noise_secret=distributed.global_array(
+          built.run_secret.noise_key(),
+          partitioning.replicated(built.mesh)))
+  times = []
+  for t in range(start, min(start + steps, built.plan.steps)):
+    began = time.perf_counter()
+    state, _ = step_fn(state, t)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - began)
+  step_s = statistics.median(times[1:] or times)
+  return {"timed_steps": len(times), "first_step_s": times[0],
+          "step_time_s": step_s,
+          "projected_wall_s": step_s * (built.plan.steps - start)}

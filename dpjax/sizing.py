@@ -1,0 +1,209 @@
+"""Automatic sizing: the fastest microbatch and remat whose step fits.
+
+`MICROBATCH_SIZE = 'auto'` and a model config's `remat = 'auto'` leave the
+trade of memory for time to `choose`: it measures candidate steps by their
+compiled peak bytes per device (`dpjax.step_cost`, abstract shapes: nothing
+is allocated) and takes the fastest that fits `headroom` x the device
+memory. Faster means fewer accumulation calls (larger microbatches) first,
+then no remat before layer remat: the order is (calls, remat).
+
+A step's peak grows with its microbatch, so for each remat the largest
+fitting microbatch is found by bisection over the candidates (m halving
+from the whole padded batch down to one example per data-parallel device):
+about log2(batch) compiles, and remat is tried only if it could beat the
+best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
+set, else the backend's `bytes_limit`, else (a CPU) the host's RAM.
+
+The choice and its figures are printed and written to
+MODEL_DIR/auto_sizing.json with a fingerprint of everything it depends on
+(backend, devices, mesh, model, lengths, batch, clipping, memory, jax
+version); a rerun with the same fingerprint takes it without compiling.
+Nothing here touches privacy: the sampled batch, its noise and its
+accounting are the same whatever the microbatch (tested: same result).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+
+from dpjax import fileio, gin_cli
+
+FILENAME = "auto_sizing.json"
+AUTO = "auto"
+REMAT_ORDER = ("none", "layer")  # cheaper first
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+  """12e9, '80GiB', '16 GB', '512MiB' -> bytes."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if value > 0:
+      return int(value)
+  elif isinstance(value, str):
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if match and match.group(2).lower() in _UNITS:
+      try:
+        number = float(match.group(1))
+      except ValueError:
+        number = 0
+      if number > 0:
+        return int(number * _UNITS[match.group(2).lower()])
+  raise gin_cli.UsageError(
+      "train.device_memory must be a positive number of bytes or a size "
+      f"like '80GiB' or '16GB', got {value!r}")
+
+
+def device_memory(setting: int | float | str | None) -> tuple[int, str]:
+  """(bytes one device may use, where that figure came from)."""
+  if setting is not None:
+    return parse_bytes(setting), "train.device_memory"
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), "backend bytes_limit"
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return int(host // max(jax.local_device_count(), 1)), "host RAM"
+
+
+def microbatch_candidates(max_batch: int, multiple: int) -> list[int]:
+  """Microbatch sizes, largest first: the padded batch split into 1, 2, 4,
+  ... calls, each rounded up to a multiple of the data-parallel devices."""
+  sizes, calls = [], 1
+  while True:
+    m = -(-max_batch // calls)
+    m = -(-m // multiple) * multiple
+    if not sizes or m < sizes[-1]:
+      sizes.append(m)
+    if m <= multiple:
+      return sizes
+    calls *= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The sizing a run uses, and how it was found."""
+  microbatch_size: int
+  remat: str | None  # None: the model's remat was not 'auto'
+  accumulation_steps: int  # microbatches per logical step
+  peak_bytes: int | None  # per device, compiled (None: not measured)
+  limit_bytes: int | None
+  memory_source: str | None
+  fits: bool = True
+  tried: tuple[dict, ...] = ()  # {'microbatch_size', 'remat', 'peak_bytes'}
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def summary(self) -> str:
+    remat = "" if self.remat is None else f", remat {self.remat!r}"
+    if self.peak_bytes is None:
+      return f"microbatch {self.microbatch_size}{remat}"
+    return (f"microbatch {self.microbatch_size} x {self.accumulation_steps} "
+            f"calls{remat}: peak {self.peak_bytes / 2**30:.2f} GiB of "
+            f"{self.limit_bytes / 2**30:.2f} GiB usable ({self.memory_source})"
+            f"{'' if self.fits else ' -- DOES NOT FIT'}; "
+            f"{len(self.tried)} candidates compiled")
+
+
+def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
+           max_batch: int, remats: Sequence[str], limit_bytes: int,
+           memory_source: str) -> Choice:
+  """The fastest (fewest calls, then cheapest remat) candidate whose
+  `peak_bytes(m, remat)` is at most `limit_bytes`, over microbatch `sizes`
+  (largest first, e.g. `microbatch_candidates`) for a padded batch of
+  `max_batch`. If none fits, the smallest candidate, marked `fits=False`
+  (the trainer refuses it)."""
+  tried: list[dict] = []
+
+  def fits(i: int, remat: str) -> bool:
+    peak = int(peak_bytes(sizes[i], remat))
+    tried.append({"microbatch_size": sizes[i], "remat": remat,
+                  "peak_bytes": peak})
+    return peak <= limit_bytes
+
+  best = None  # (index into sizes, remat)
+  for remat in sorted(remats, key=REMAT_ORDER.index):
+    hi = len(sizes) if best is None else best[0]  # must beat the best
+    lo, found = 0, None
+    while lo < hi:  # the first (largest) size that fits, in sizes[:hi]
+      mid = (lo + hi) // 2
+      if fits(mid, remat):
+        found, hi = mid, mid
+      else:
+        lo = mid + 1
+    if found is not None:
+      best = (found, remat)
+    if best is not None and best[0] == 0:
+      break
+  fit = best is not None
+  if not fit:
+    best = (len(sizes) - 1, sorted(remats, key=REMAT_ORDER.index)[-1])
+  peak = next((t["peak_bytes"] for t in reversed(tried)
+               if (t["microbatch_size"], t["remat"]) == (sizes[best[0]],
+                                                         best[1])), None)
+  return Choice(microbatch_size=sizes[best[0]], remat=best[1],
+                accumulation_steps=-(-max_batch // sizes[best[0]]),
+                peak_bytes=peak, limit_bytes=limit_bytes,
+                memory_source=memory_source, fits=fit, tried=tuple(tried))
+
+
+def model_remat(model_config) -> str | None:
+  """The model config's `remat` ('auto' if any part of it says so)."""
+  values = []
+
+  def visit(config):
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+      if hasattr(config, "remat"):
+        values.append(config.remat)
+      for field in dataclasses.fields(config):
+        visit(getattr(config, field.name))
+
+  visit(model_config)
+  return AUTO if AUTO in values else (values[0] if values else None)
+
+
+def with_remat(model_config, remat: str):
+  """`model_config` with every `remat = 'auto'` in it (its own, or a
+  part's, e.g. GPT2DiscConfig.lm) set to `remat`."""
+  if not dataclasses.is_dataclass(model_config) or isinstance(model_config,
+                                                              type):
+    return model_config
+  changes = {f.name: with_remat(getattr(model_config, f.name), remat)
+             for f in dataclasses.fields(model_config)
+             if dataclasses.is_dataclass(getattr(model_config, f.name))}
+  if getattr(model_config, "remat", None) == AUTO:
+    changes["remat"] = remat
+  return dataclasses.replace(model_config, **changes) if changes else model_config
+
+
+def fingerprint(**facts: Any) -> str:
+  """A digest of what a choice depends on, with the backend and jax version."""
+  devices = jax.devices()
+  facts.update(jax=jax.__version__, platform=devices[0].platform,
+               device_kind=devices[0].device_kind, devices=len(devices))
+  text = json.dumps(facts, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load(model_dir: str, key: str) -> Choice | None:
+  """The choice recorded in `model_dir` for this fingerprint, if any."""
+  try:
+    with open(os.path.join(model_dir, FILENAME)) as f:
+      saved = json.load(f)
+    if saved.get("fingerprint") != key:
+      return None
+    fields = saved["choice"]
+    return Choice(**{**fields, "tried": tuple(fields.get("tried", ()))})
+  except (OSError, ValueError, KeyError, TypeError):
+    return None  # absent or unreadable: measured again
+
+
+def save(model_dir: str, key: str, choice: Choice) -> None:
+  fileio.write_atomic(os.path.join(model_dir, FILENAME), json.dumps(
+      {"fingerprint": key, "choice": choice.to_json()}, indent=2))

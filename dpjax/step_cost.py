@@ -1,0 +1,125 @@
+"""What a compiled training step costs, read from XLA before it runs.
+
+`step_cost` compiles a run's two DP halves (`dpjax.steps.PlacedSteps`:
+`accumulate` over one group of k microbatches of m, then `apply`) for
+abstract shapes (`jax.ShapeDtypeStruct`s carrying their shardings), so
+nothing is allocated: a T5-XL step on a laptop's CPU is measured as it
+would be compiled there. It gives
+
+* `peak_bytes`, per device: the larger of `accumulate`'s peak while the
+  optimizer state it does not take stays resident, and `apply`'s peak (XLA's
+  `memory_analysis`: arguments + outputs + temporaries - donated aliases);
+* `flops` and `bytes_accessed` of one logical step, k x accumulate of one
+  microbatch + apply (XLA's `cost_analysis`; XLA counts a loop body once,
+  whatever its trip count, so the scan's body is costed alone and scaled).
+
+Limits: the figures are XLA's estimates for the backend compiled for (a
+CPU's are not a GPU's), and they ignore the runtime's own reserve and
+fragmentation; `dpjax.sizing` leaves headroom for that.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+def memory_analysis(compiled) -> dict:
+  """XLA's memory analysis of a compiled program, with `peak_estimate_bytes`
+  (donated inputs alias outputs, so they are counted once)."""
+  m = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes",
+            "temp_size_in_bytes", "alias_size_in_bytes",
+            "generated_code_size_in_bytes")
+  out = {f: int(getattr(m, f)) for f in fields}
+  out["peak_estimate_bytes"] = (out["argument_size_in_bytes"]
+                                + out["output_size_in_bytes"]
+                                + out["temp_size_in_bytes"]
+                                - out["alias_size_in_bytes"])
+  return out
+
+
+def cost_analysis(compiled) -> dict:
+  """XLA's `flops` and `bytes_accessed` of a compiled program, and the while
+  loops left in it (`while_loops`: XLA counts a loop's body once, whatever
+  its trip count)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
+    (analysis,) = analysis
+  return {"flops": float(analysis["flops"]),
+          "bytes_accessed": float(analysis["bytes accessed"]),
+          "while_loops": len(re.findall(r"\swhile\(", compiled.as_text()))}
+
+
+def device_bytes(tree: PyTree) -> int:
+  """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s (the
+  largest shard of each leaf)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = (x.sharding.shard_shape(x.shape) if x.sharding is not None
+             else x.shape)
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """A logical step's compiled cost (see the module docstring)."""
+  peak_bytes: int  # per device
+  accumulate_peak_bytes: int  # with the optimizer state resident
+  apply_peak_bytes: int
+  state_bytes: int  # per device: params, optimizer state, counters
+  flops: float | None = None  # None unless asked for (`with_flops`)
+  bytes_accessed: float | None = None
+
+
+def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
+  """`ShapeDtypeStruct`s of `tree`'s leaves carrying `shardings`."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      tree, shardings)
+
+
+def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
+              m: int, k: int, batch_sharding, mask_sharding,
+              with_flops: bool = False) -> StepCost:
+  """The compiled cost of one DP step of `placed` (`steps.place_steps`) on
+  batches [k, m, ...] of rows shaped like `batch_rows` (one example's
+  features, e.g. {'inputs': (384,) int32}), split as the trainer splits
+  them. Compiles `accumulate` and `apply` once each (and, with `with_flops`
+  and k > 1, `accumulate` of one microbatch for the per-step FLOPs)."""
+  state = placed.abstract_state
+  group = lambda kk: (
+      {f: jax.ShapeDtypeStruct((kk, m, *x.shape), x.dtype,
+                               sharding=batch_sharding)
+       for f, x in batch_rows.items()},
+      jax.ShapeDtypeStruct((kk, m), np.float32, sharding=mask_sharding))
+  index = jax.ShapeDtypeStruct((), np.int32)
+  grads = {name: abstract_like(sums, placed.state_shardings.params)
+           for name, sums in jax.eval_shape(placed.zero_grads,
+                                            state.params).items()}
+  accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
+                                       index).compile()
+  apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
+      (4,), np.uint32)).compile()  # the noise key: uint32[4]
+  state_bytes = device_bytes(state)
+  resident = state_bytes - device_bytes(state.params)  # not accumulate's args
+  acc_peak = memory_analysis(accumulate)["peak_estimate_bytes"] + resident
+  apply_peak = memory_analysis(apply)["peak_estimate_bytes"]
+  flops = bytes_accessed = None
+  if with_flops:
+    one = (accumulate if k == 1 else placed.accumulate.lower(
+        state.params, grads, *group(1), index, index).compile())
+    parts = cost_analysis(one), cost_analysis(apply)
+    flops = k * parts[0]["flops"] + parts[1]["flops"]
+    bytes_accessed = k * parts[0]["bytes_accessed"] + parts[1]["bytes_accessed"]
+  return StepCost(peak_bytes=max(acc_peak, apply_peak),
+                  accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
+                  state_bytes=state_bytes, flops=flops,
+                  bytes_accessed=bytes_accessed)

@@ -1,0 +1,252 @@
+"""`python -m dpjax.train ... --dry_run` and automatic sizing on a tiny T5:
+the JSON line's fields against dp-accounting and the model's own sizes,
+that nothing is written, that a low device memory gives a smaller
+microbatch, and that the run it picks trains as the hand-chosen one does."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+import dp_accounting
+from dp_accounting import pld
+import gin
+import jax
+import numpy as np
+import pytest
+
+from dpjax import (checkpoints, gin_cli, partitioning, run_config, sizing,
+                   train)
+from dpjax.models import trainable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--gin_file=quickstart.gin", "--gin.TRAIN_STEPS=4",
+        "--gin.BATCH_SIZE=32",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+        "--gin.train.eval_period=0", "--gin.train.log_period=1",
+        "--gin.train.generate_after_training=False",
+        "--gin.train.pinned_secret_seed=7"]
+FIELDS = {"n", "q", "steps", "dp_steps", "start_step", "sigma", "epsilon",
+          "target_epsilon", "delta", "accountant", "sampling",
+          "clipping_method", "remat", "microbatch_size", "accumulation_calls",
+          "auto_sizing", "mesh", "rules", "compute_dtype", "params",
+          "peak_bytes_per_device", "state_bytes_per_device",
+          "device_memory_bytes", "device_memory_source", "fits",
+          "flops_per_step", "bytes_accessed_per_step", "backend",
+          "device_kind", "devices"}
+
+
+def _dry_run(capsys, model_dir, *flags) -> dict:
+  try:
+    train.main([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--dry_run",
+                *flags])
+  finally:
+    gin.clear_config()
+  lines = capsys.readouterr().out.strip().splitlines()
+  return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory):
+  """A dry run with 2 timed steps, into a MODEL_DIR that must stay absent."""
+  root = tmp_path_factory.mktemp("dry")
+  with pytest.MonkeyPatch.context() as mp:
+    capture = _Capture(mp)
+    train.main([*TINY, f"--gin.MODEL_DIR='{root / 'run'}'", "--dry_run",
+                "--dry_run_steps=2"])
+    gin.clear_config()
+  return root, json.loads(capture.lines[-1])
+
+
+class _Capture:
+  """print() lines, captured without capsys (module-scoped fixtures)."""
+
+  def __init__(self, mp):
+    self.lines = []
+    mp.setattr("builtins.print", lambda *a, **k: self.lines.append(
+        " ".join(str(x) for x in a)))
+
+
+def test_dry_run_writes_nothing(timed):
+  root, _ = timed
+  assert os.listdir(root) == []
+
+
+def test_dry_run_prints_every_field(timed):
+  _, record = timed
+  assert FIELDS <= set(record)
+  assert {"timed_steps", "step_time_s", "projected_wall_s"} <= set(record)
+
+
+def test_dry_run_plan_is_dp_accountings_pld(timed):
+  """n, q and steps of the sample; σ spends the target ε by dp-accounting's
+  own PLD accountant, called here directly."""
+  _, r = timed
+  assert (r["n"], r["steps"], r["dp_steps"]) == (2998, 4, 4)
+  assert r["q"] == pytest.approx(32 / 2998)
+  assert r["accountant"] == "pld" and r["sampling"] == "poisson"
+  direct = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
+      dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+          r["q"], dp_accounting.GaussianDpEvent(r["sigma"])), 4)
+  ).get_epsilon(r["delta"])
+  assert r["epsilon"] == pytest.approx(direct, rel=1e-9)
+  assert 0.99 * 3.0 <= direct <= 3.0
+  assert r["delta"] == pytest.approx(1 / (2 * 2998))
+
+
+def test_dry_run_sizes_match_the_model(timed):
+  """Adam's state is params + two moments in float32 (plus counters); the
+  compiled peak holds at least that; the step's FLOPs are at least a
+  forward and backward pass (6 x params per token) over one token of each
+  padded example."""
+  _, r = timed
+  gin_cli.configure(["quickstart.gin"], [])
+  try:
+    config = run_config.RunConfig().model_config
+  finally:
+    gin.clear_config()
+  params = sum(x.size for x in jax.tree.leaves(trainable.trainable(
+      config, {"inputs": 32, "targets": 8}).abstract_params()[0]))
+  assert r["params"] == params
+  assert 0 <= r["state_bytes_per_device"] - 12 * params <= 64
+  assert r["peak_bytes_per_device"] > r["state_bytes_per_device"]
+  examples = r["microbatch_size"] * r["accumulation_calls"]
+  assert examples >= 32
+  assert r["flops_per_step"] >= 6 * params * examples
+  assert r["fits"] and r["backend"] == "cpu" and r["mesh"] == {"data": 1}
+
+
+def test_dry_run_projects_the_wall_time_from_timed_steps(timed):
+  _, r = timed
+  assert r["timed_steps"] == 2 and r["step_time_s"] > 0
+  assert r["projected_wall_s"] == pytest.approx(4 * r["step_time_s"])
+
+
+@pytest.fixture(scope="module")
+def sized(tmp_path_factory):
+  """Auto sizing with the memory of the whole padded batch, then with ~60%
+  of it."""
+  root = tmp_path_factory.mktemp("sized")
+  records = {}
+  with pytest.MonkeyPatch.context() as mp:
+    capture = _Capture(mp)
+    for name, memory in (("ample", "64GiB"), ("low", None)):
+      if memory is None:  # 60% of the whole-batch peak, over the headroom
+        memory = int(0.6 * records["ample"]["peak_bytes_per_device"] / 0.9)
+      train.main([*TINY, f"--gin.MODEL_DIR='{root / name}'", "--dry_run",
+                  "--gin.MICROBATCH_SIZE='auto'",
+                  f"--gin.train.device_memory={memory}"])
+      gin.clear_config()
+      records[name] = json.loads(capture.lines[-1])
+  return records
+
+
+def test_ample_memory_takes_the_whole_batch_in_one_call(sized):
+  r = sized["ample"]
+  assert r["auto_sizing"] and r["accumulation_calls"] == 1
+  assert r["fits"]
+
+
+def test_low_memory_takes_a_smaller_microbatch_that_fits(sized):
+  ample, low = sized["ample"], sized["low"]
+  assert low["microbatch_size"] < ample["microbatch_size"]
+  assert low["accumulation_calls"] > 1 and low["fits"]
+  assert low["peak_bytes_per_device"] <= low["device_memory_bytes"]
+  assert low["peak_bytes_per_device"] < ample["peak_bytes_per_device"]
+
+
+def _run(model_dir, *flags) -> str:
+  lines = []
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr("builtins.print", lambda *a, **k: lines.append(
+        " ".join(str(x) for x in a)))
+    try:
+      train.main([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                  "--gin.TRAIN_STEPS=2", *flags])
+    finally:
+      gin.clear_config()
+  return "\n".join(lines)
+
+
+def _params(model_dir):
+  mngr = checkpoints.manager(str(model_dir))
+  try:
+    params = checkpoints.restore_params(mngr, mngr.latest_step())
+  finally:
+    mngr.close()
+  return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def test_the_automatic_choice_trains_as_the_hand_chosen_one(sized, tmp_path):
+  """Same secret, same steps: the run auto sizing picks (recorded in
+  MODEL_DIR and taken from there on the rerun) ends with the params of the
+  run given that microbatch by hand."""
+  memory = sized["low"]["device_memory_bytes"] / 0.9
+  auto = tmp_path / "auto"
+  out = _run(auto, "--gin.MICROBATCH_SIZE='auto'",
+             f"--gin.train.device_memory={int(memory)}")
+  with open(auto / sizing.FILENAME) as f:
+    choice = json.load(f)["choice"]
+  assert choice["microbatch_size"] == sized["low"]["microbatch_size"]
+  assert "auto sizing: microbatch" in out
+  hand = tmp_path / "hand"
+  _run(hand, f"--gin.MICROBATCH_SIZE={choice['microbatch_size']}")
+  for a, b in zip(_params(auto), _params(hand), strict=True):
+    np.testing.assert_array_equal(a, b)
+  rerun = _run(auto, "--gin.MICROBATCH_SIZE='auto'",
+               f"--gin.train.device_memory={int(memory)}")
+  assert f"auto sizing (recorded in {auto})" in rerun
+
+
+PAPER_GINS = sorted(os.path.basename(p) for p in glob.glob(
+    os.path.join(REPO, "gin", "msmarco_t5_*_eps*.gin"))) + [
+        "semparse_gpt2.gin", "textcls_distilgpt2.gin", "dialog_gpt2.gin",
+        "dual_encoder_msmarco.gin", "dual_encoder_msmarco_dp.gin"]
+
+
+@pytest.mark.parametrize("gin_file", PAPER_GINS)
+def test_paper_gin_files_run_the_fast_path_with_pld(gin_file):
+  """Every paper configuration: 'auto' clipping, microbatch and remat,
+  bfloat16 compute (float32 params), the PLD accountant; T5-Large and XL
+  with FSDP rules."""
+  gin_cli.configure([gin_file], [])
+  try:
+    config = run_config.RunConfig()
+    rules = partitioning.logical_axis_rules()
+  finally:
+    gin.clear_config()
+  model = config.model_config
+  compute = (model.encoder if hasattr(model, "encoder") else model)
+  assert config.accountant == "pld" and config.clipping_method == "auto"
+  assert config.microbatch_size == "auto"
+  assert sizing.model_remat(model) == "auto" and compute.dtype == "bfloat16"
+  big = "_large_" in gin_file or "_xl_" in gin_file
+  assert (("embed", "fsdp") in rules) == big
+  assert dataclasses.is_dataclass(model)
+
+
+def test_the_xl_paper_gin_dry_runs_on_cpu(tmp_path, capsys):
+  """gin/msmarco_t5_xl_eps3.gin as written, the model cut to one layer of
+  each stack (the whole 3B step takes minutes to compile on a CPU; the
+  closing note of issue 20 gives its line): plan, FSDP mesh, auto sizing
+  and the compiled cost, with nothing written."""
+  record = _dry_run_gin(capsys, tmp_path / "xl", "msmarco_t5_xl_eps3.gin")
+  assert record["accountant"] == "pld" and record["compute_dtype"] == "bfloat16"
+  assert record["clipping_method"] == "ghost" and record["auto_sizing"]
+  assert record["mesh"] == {"fsdp": 1} and record["remat"] in sizing.REMAT_ORDER
+  assert record["n"] == 2998 and record["q"] == pytest.approx(1024 / 2998)
+  assert not os.path.exists(tmp_path / "xl")
+
+
+def _dry_run_gin(capsys, model_dir, gin_file) -> dict:
+  try:
+    train.main([f"--gin_file={gin_file}", f"--gin.MODEL_DIR='{model_dir}'",
+                "--gin.T5Config.num_encoder_layers=1",
+                "--gin.T5Config.num_decoder_layers=1",
+                "--gin.T5Config.vocab_size=2000",
+                "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
+                "--gin.TRAIN_STEPS=2", "--dry_run"])
+  finally:
+    gin.clear_config()
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,0 +1,132 @@
+"""Automatic sizing (dpjax.sizing): the choice against a brute-force search
+over every candidate, the byte sizes, the nested-config remat, the record."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dpjax import gin_cli, sizing
+from dpjax.models import gpt2, gpt2_disc, t5
+
+
+def _brute_force(peak, sizes, max_batch, remats, limit):
+  """Every (m, remat) that fits, ordered by (calls, remat cost)."""
+  fitting = [(-(-max_batch // m), sizing.REMAT_ORDER.index(r), m, r)
+             for m, r in itertools.product(sizes, remats)
+             if peak(m, r) <= limit]
+  return min(fitting) if fitting else None
+
+
+def _affine_peak(state, per_example, remat_saving):
+  """A step whose activations grow with m; layer remat keeps a fraction."""
+  return lambda m, r: state + m * per_example * (
+      remat_saving if r == "layer" else 1.0)
+
+
+@pytest.mark.parametrize("limit", [150, 1_000, 3_000, 9_000, 40_000, 10**6])
+@pytest.mark.parametrize("remats", [("none",), ("layer",), ("none", "layer")])
+def test_choice_is_the_brute_force_optimum(limit, remats):
+  peak = _affine_peak(state=100, per_example=70, remat_saving=0.3)
+  sizes = sizing.microbatch_candidates(300, multiple=2)
+  got = sizing.choose(peak, sizes=sizes, max_batch=300, remats=remats,
+                      limit_bytes=limit, memory_source="test")
+  best = _brute_force(peak, sizes, 300, remats, limit)
+  if best is None:
+    assert not got.fits and got.microbatch_size == sizes[-1]
+    return
+  calls, _, m, remat = best
+  assert got.fits and (got.microbatch_size, got.remat) == (m, remat)
+  assert got.accumulation_steps == calls
+  assert got.peak_bytes == peak(m, remat) <= limit
+
+
+def test_remat_is_taken_only_when_it_saves_calls():
+  """At a limit where the whole batch fits only with remat, remat wins (1
+  call against 2); where remat would not halve the calls, no remat."""
+  peak = _affine_peak(state=0, per_example=10, remat_saving=0.6)
+  sizes = sizing.microbatch_candidates(64, multiple=1)
+  pick = lambda limit: sizing.choose(
+      peak, sizes=sizes, max_batch=64, remats=("none", "layer"),
+      limit_bytes=limit, memory_source="test")
+  assert (pick(640).microbatch_size, pick(640).remat) == (64, "none")
+  assert (pick(400).microbatch_size, pick(400).remat) == (64, "layer")
+  assert (pick(150).microbatch_size, pick(150).remat) == (16, "layer")
+  # 90 fits 8 examples either way (remat: 16 would need 96): no remat.
+  assert (pick(90).microbatch_size, pick(90).remat) == (8, "none")
+
+
+def test_bisection_compiles_logarithmically_many_candidates():
+  calls = []
+
+  def peak(m, r):
+    calls.append((m, r))
+    return m
+
+  sizes = sizing.microbatch_candidates(1024, multiple=1)
+  choice = sizing.choose(peak, sizes=sizes, max_batch=1024,
+                         remats=("none",), limit_bytes=100,
+                         memory_source="test")
+  assert choice.microbatch_size == 64 and len(sizes) == 11
+  assert len(calls) == len(choice.tried) <= 4
+
+
+@pytest.mark.parametrize("max_batch,multiple", [(1, 1), (292, 1), (300, 8),
+                                                (1024, 1), (7, 4)])
+def test_candidates_cover_the_batch_in_doubling_calls(max_batch, multiple):
+  sizes = sizing.microbatch_candidates(max_batch, multiple)
+  assert sizes == sorted(set(sizes), reverse=True)
+  assert all(m % multiple == 0 for m in sizes)
+  assert sizes[0] >= max_batch and sizes[-1] == multiple
+  for m in sizes:  # no size is needlessly big for its number of calls
+    calls = -(-max_batch // m)
+    assert m - multiple < -(-max_batch // calls) <= m
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("80GiB", 80 * 2**30), ("16 GB", 16 * 10**9), ("512MiB", 512 * 2**20),
+    ("1.5gib", int(1.5 * 2**30)), (12e9, 12 * 10**9), (1000, 1000),
+    ("2e9", 2 * 10**9)])
+def test_parse_bytes(text, expected):
+  assert sizing.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "-3GB", "80 furlongs", 0, -1,
+                                 True, None, "1.2.3GB"])
+def test_parse_bytes_refuses_nonsense(bad):
+  with pytest.raises(gin_cli.UsageError, match="train.device_memory"):
+    sizing.parse_bytes(bad)
+
+
+def test_device_memory_setting_wins_and_otherwise_is_positive():
+  assert sizing.device_memory("1GiB") == (2**30, "train.device_memory")
+  memory, source = sizing.device_memory(None)
+  assert memory > 0 and source in ("backend bytes_limit", "host RAM")
+
+
+def test_auto_remat_is_found_and_resolved_in_nested_configs():
+  lm = gpt2.GPT2Config(vocab_size=11, n_positions=8, d_model=8, num_layers=1,
+                       num_heads=2, remat="auto")
+  disc = gpt2_disc.GPT2DiscConfig(lm=lm, label_token_ids=(3, 4))
+  assert sizing.model_remat(disc) == "auto"
+  resolved = sizing.with_remat(disc, "layer")
+  assert resolved.lm.remat == "layer" and sizing.model_remat(resolved) == "layer"
+  fixed = t5.T5Config(remat="none")
+  assert sizing.with_remat(fixed, "layer") is fixed  # only 'auto' is resolved
+  with pytest.raises(ValueError, match="build the model"):
+    t5.remat_layer(t5.EncoderLayer, "auto", (2,))
+
+
+def test_the_record_is_reused_only_for_the_same_fingerprint(tmp_path):
+  choice = sizing.Choice(microbatch_size=8, remat="layer",
+                         accumulation_steps=4, peak_bytes=123,
+                         limit_bytes=456, memory_source="test",
+                         tried=({"microbatch_size": 8, "remat": "layer",
+                                 "peak_bytes": 123},))
+  key = sizing.fingerprint(model="a", max_batch=32)
+  sizing.save(str(tmp_path), key, choice)
+  assert sizing.load(str(tmp_path), key) == choice
+  assert sizing.load(str(tmp_path), sizing.fingerprint(model="b",
+                                                       max_batch=32)) is None
+  (tmp_path / sizing.FILENAME).write_text("{not json")
+  assert sizing.load(str(tmp_path), key) is None
