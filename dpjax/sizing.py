@@ -32,7 +32,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from dpjax import fileio, gin_cli
+from dpjax import checkpoints, fileio, gin_cli, partitioning, reporting
+from dpjax import step_cost
 
 FILENAME = "auto_sizing.json"
 AUTO = "auto"
@@ -180,6 +181,78 @@ def with_remat(model_config, remat: str):
   if getattr(model_config, "remat", None) == AUTO:
     changes["remat"] = remat
   return dataclasses.replace(model_config, **changes) if changes else model_config
+
+
+def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
+               place: Callable[[str], Any], model_dir: str, dry_run: bool
+               ) -> tuple[Choice, str | None]:
+  """(the microbatch and remat a run uses, the fingerprint of an automatic
+  choice): `config`'s (a `RunConfig`) as given, or `choose`'s over the
+  steps `place(remat)` (`steps.place_steps` of the model with that remat)
+  on batches of `rows` (one example's abstract features), taken from
+  MODEL_DIR when recorded there under the same fingerprint. A choice that
+  does not fit is refused unless `dry_run` (which reports it)."""
+  data_devices = partitioning.data_parallel_size(mesh, rules)
+  auto_m = config.microbatch_size == AUTO
+  remat = model_remat(config.model_config)
+  sizes = (microbatch_candidates(max_batch, data_devices) if auto_m
+           else [-(-(config.microbatch_size or max_batch) // data_devices)
+                 * data_devices])
+  if not auto_m and remat != AUTO:
+    return Choice(
+        microbatch_size=sizes[0], remat=None,
+        accumulation_steps=-(-max_batch // sizes[0]), peak_bytes=None,
+        limit_bytes=None, memory_source=None), None
+  memory, source = device_memory(config.device_memory)
+  limit = int(memory * config.memory_headroom)
+  key = fingerprint(
+      model=checkpoints.config_json(config.model_config),
+      lengths=config.task_feature_lengths, max_batch=max_batch,
+      microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
+      clipping=config.clipping_method, optimizer=config.optimizer,
+      limit=limit)
+  choice = load(model_dir, key)
+  if choice is not None:
+    reporting.say(f"auto sizing (recorded in {model_dir}): "
+                  f"{choice.summary()}")
+    return choice, key
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+  remats = (REMAT_ORDER if remat == AUTO else (remat,))
+  placed = place(remats[-1])
+  # The state and one clipped sum per loss stay resident whatever the
+  # microbatch: if they alone overflow, no candidate is worth compiling.
+  floor = step_cost.device_bytes(placed.abstract_state) + sum(
+      step_cost.device_bytes(step_cost.abstract_like(
+          g, placed.state_shardings.params))
+      for g in jax.eval_shape(placed.zero_grads,
+                              placed.abstract_state.params).values())
+
+  def peak(m: int, remat_choice: str) -> int:
+    return step_cost.step_cost(
+        place(remat_choice), rows, m=m, k=-(-max_batch // m),
+        batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes
+
+  if floor > limit:
+    choice = Choice(
+        microbatch_size=sizes[-1], remat=remats[-1],
+        accumulation_steps=-(-max_batch // sizes[-1]), peak_bytes=floor,
+        limit_bytes=limit, memory_source=source, fits=False)
+  else:
+    choice = choose(peak, sizes=sizes, max_batch=max_batch,
+                               remats=remats, limit_bytes=limit,
+                               memory_source=source)
+  reporting.say(f"auto sizing: {choice.summary()}")
+  if not choice.fits and not dry_run:
+    raise gin_cli.UsageError(
+        f"no microbatch fits: even {choice.microbatch_size} example(s) per "
+        f"call with remat {choice.remat!r} needs at least "
+        f"{choice.peak_bytes / 2**30:.2f} GiB per device, over the "
+        f"{limit / 2**30:.2f} GiB usable ({source} x train.memory_headroom "
+        f"{config.memory_headroom}). Shard the params "
+        "(gin/performance/fsdp.gin: logical_axis_rules.name = 'fsdp' on an 'fsdp' "
+        "mesh), use more devices, or set train.device_memory")
+  return choice, key
 
 
 def fingerprint(**facts: Any) -> str:

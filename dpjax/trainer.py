@@ -58,8 +58,8 @@ import numpy as np
 
 from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
                    partitioning, plan as plan_lib, pretrained, reporting,
-                   run_config, sizing as sizing_lib, step_cost,
-                   steps as steps_lib, train_step)
+                   run_config, sizing as sizing_lib, steps as steps_lib,
+                   train_step)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
@@ -174,8 +174,10 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}
-  choice, key = _size(config, plan, mesh=mesh, rules=rules, rows=rows,
-                      place=place, model_dir=model_dir, dry_run=dry_run)
+  choice, key = sizing_lib.size_steps(
+      config, plan.sampler.max_batch_size, mesh=mesh, rules=rules, rows=rows,
+      place=lambda remat: place(remat)[1], model_dir=model_dir,
+      dry_run=dry_run)
   model, placed = place(choice.remat or "none")
   return Built(
       config=config, model_dir=model_dir, target_epsilon=target_epsilon,
@@ -183,76 +185,6 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
       init_run=init_run, mngr=mngr, resume=resume, run_secret=run_secret,
       plan=plan, plan_for=plan_for, mesh=mesh, rules=rules, sizing=choice,
       sizing_key=key, placed=placed, schedule=schedule)
-
-
-def _size(config: RunConfig, plan: plan_lib.RunPlan, *, mesh, rules,
-          rows: dict, place: Callable, model_dir: str, dry_run: bool
-          ) -> tuple[sizing_lib.Choice, str | None]:
-  """(the microbatch and remat the run uses, the fingerprint of an
-  automatic choice): the settings as given, or `sizing.choose`'s (recorded
-  in MODEL_DIR, reused on a rerun with the same fingerprint)."""
-  data_devices = partitioning.data_parallel_size(mesh, rules)
-  max_batch = plan.sampler.max_batch_size
-  auto_m = config.microbatch_size == sizing_lib.AUTO
-  remat = sizing_lib.model_remat(config.model_config)
-  sizes = (sizing_lib.microbatch_candidates(max_batch, data_devices) if auto_m
-           else [-(-(config.microbatch_size or max_batch) // data_devices)
-                 * data_devices])
-  if not auto_m and remat != sizing_lib.AUTO:
-    return sizing_lib.Choice(
-        microbatch_size=sizes[0], remat=None,
-        accumulation_steps=-(-max_batch // sizes[0]), peak_bytes=None,
-        limit_bytes=None, memory_source=None), None
-  memory, source = sizing_lib.device_memory(config.device_memory)
-  limit = int(memory * config.memory_headroom)
-  key = sizing_lib.fingerprint(
-      model=checkpoints.config_json(config.model_config),
-      lengths=config.task_feature_lengths, max_batch=max_batch,
-      microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
-      clipping=config.clipping_method, optimizer=config.optimizer,
-      limit=limit)
-  choice = sizing_lib.load(model_dir, key)
-  if choice is not None:
-    reporting.say(f"auto sizing (recorded in {model_dir}): "
-                  f"{choice.summary()}")
-    return choice, key
-  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
-  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
-  remats = (sizing_lib.REMAT_ORDER if remat == sizing_lib.AUTO else (remat,))
-  placed = place(remats[-1])[1]
-  # The state and one clipped sum per loss stay resident whatever the
-  # microbatch: if they alone overflow, no candidate is worth compiling.
-  floor = step_cost.device_bytes(placed.abstract_state) + sum(
-      step_cost.device_bytes(step_cost.abstract_like(
-          g, placed.state_shardings.params))
-      for g in jax.eval_shape(placed.zero_grads,
-                              placed.abstract_state.params).values())
-
-  def peak(m: int, remat_choice: str) -> int:
-    return step_cost.step_cost(
-        place(remat_choice)[1], rows, m=m, k=-(-max_batch // m),
-        batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes
-
-  if floor > limit:
-    choice = sizing_lib.Choice(
-        microbatch_size=sizes[-1], remat=remats[-1],
-        accumulation_steps=-(-max_batch // sizes[-1]), peak_bytes=floor,
-        limit_bytes=limit, memory_source=source, fits=False)
-  else:
-    choice = sizing_lib.choose(peak, sizes=sizes, max_batch=max_batch,
-                               remats=remats, limit_bytes=limit,
-                               memory_source=source)
-  reporting.say(f"auto sizing: {choice.summary()}")
-  if not choice.fits and not dry_run:
-    raise gin_cli.UsageError(
-        f"no microbatch fits: even {choice.microbatch_size} example(s) per "
-        f"call with remat {choice.remat!r} needs at least "
-        f"{choice.peak_bytes / 2**30:.2f} GiB per device, over the "
-        f"{limit / 2**30:.2f} GiB usable ({source} x train.memory_headroom "
-        f"{config.memory_headroom}). Shard the params "
-        "(gin/performance/fsdp.gin: logical_axis_rules.name = 'fsdp' on an 'fsdp' "
-        "mesh), use more devices, or set train.device_memory")
-  return choice, key
 
 
 def train(config: RunConfig | None = None) -> dict:
@@ -264,16 +196,14 @@ def train(config: RunConfig | None = None) -> dict:
   """
   config = config or RunConfig()
   distributed.initialize()  # before any other JAX use; single process: no-op
-  # Lazy: the arrays import TensorFlow, which the DP core never needs.
-  from dpjax.data import arrays as data_arrays
+  from dpjax.data import arrays as data_arrays  # TF: the DP core needs none
   wall_start = time.perf_counter()
   built = build(config)
   (model_dir, target_epsilon, model, lengths, splits, tokenizer, init_run,
    mngr, resume, run_secret, plan, mesh, rules, placed, schedule) = (
-       built.model_dir, built.target_epsilon, built.model, built.lengths,
-       built.splits, built.tokenizer, built.init_run, built.mngr,
-       built.resume, built.run_secret, built.plan, built.mesh, built.rules,
-       built.placed, built.schedule)
+       getattr(built, name) for name in (
+           "model_dir target_epsilon model lengths splits tokenizer init_run "
+           "mngr resume run_secret plan mesh rules placed schedule").split())
   task = config.mixture_or_task_name
   m, k = built.sizing.microbatch_size, built.sizing.accumulation_steps
   start_step = 0
