@@ -7,11 +7,11 @@ is allocated) and takes the fastest that fits `headroom` x the device
 memory. Faster means fewer accumulation calls (larger microbatches) first,
 then no remat before layer remat: the order is (calls, remat).
 
-A step's peak grows with its microbatch, so for each remat the largest
-fitting microbatch is found by bisection over the candidates (m halving
-from the whole padded batch down to one example per data-parallel device):
-about log2(batch) compiles, and remat is tried only if it could beat the
-best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
+A step's peak grows with its microbatch, so for each remat the whole
+padded batch is tried first (one compile where memory is ample), then the
+largest fitting microbatch is found by bisection over the rest (m halving
+down to one example per data-parallel device): about log2(batch) compiles,
+and remat is tried only if it could beat the best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
 set, else the backend's `bytes_limit`, else (a CPU) the host's RAM.
 
 The choice and its figures are printed and written to
@@ -131,8 +131,13 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
   best = None  # (index into sizes, remat)
   for remat in sorted(remats, key=REMAT_ORDER.index):
     hi = len(sizes) if best is None else best[0]  # must beat the best
-    lo, found = 0, None
-    while lo < hi:  # the first (largest) size that fits, in sizes[:hi]
+    if hi == 0:
+      break
+    if fits(0, remat):  # the whole batch: the common case, one compile
+      best = (0, remat)
+      break
+    lo, found = 1, None
+    while lo < hi:  # the first (largest) size that fits, in sizes[1:hi]
       mid = (lo + hi) // 2
       if fits(mid, remat):
         found, hi = mid, mid
@@ -140,8 +145,6 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
         lo = mid + 1
     if found is not None:
       best = (found, remat)
-    if best is not None and best[0] == 0:
-      break
   fit = best is not None
   if not fit:
     best = (len(sizes) - 1, sorted(remats, key=REMAT_ORDER.index)[-1])

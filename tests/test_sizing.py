@@ -68,7 +68,16 @@ def test_bisection_compiles_logarithmically_many_candidates():
                          remats=("none",), limit_bytes=100,
                          memory_source="test")
   assert choice.microbatch_size == 64 and len(sizes) == 11
-  assert len(calls) == len(choice.tried) <= 4
+  assert len(calls) == len(choice.tried) <= 5  # the whole batch, then 4
+
+
+def test_ample_memory_costs_one_compile():
+  calls = []
+  sizing.choose(lambda m, r: calls.append((m, r)) or m,
+                sizes=sizing.microbatch_candidates(1024, multiple=1),
+                max_batch=1024, remats=("none", "layer"), limit_bytes=2048,
+                memory_source="test")
+  assert calls == [(1024, "none")]
 
 
 @pytest.mark.parametrize("max_batch,multiple", [(1, 1), (292, 1), (300, 8),
