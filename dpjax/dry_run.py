@@ -30,27 +30,21 @@ import jax
 
 from dpjax import (distributed, partitioning, run_config, sizing, step_cost,
                    trainer, train_step)
-from dpjax.privacy import ghost
+from dpjax.privacy import clipping_method as clipping_lib
 
 RunConfig = run_config.RunConfig
 
 
 def clipping_method(built: trainer.Built) -> str:
-  """The clipping the run's step uses: 'auto' resolved as
-  `clipping_method.make_clipped_grad` resolves it when traced."""
-  method = built.config.clipping_method
-  if method != "auto":
-    return method
-  model = built.model
-  if model.example_losses is not None:
+  """The clipping the run's step uses ('auto' resolved)."""
+  method, model = built.config.clipping_method, built.model
+  if method == "auto" and model.example_losses is not None:
     return "vmap"  # several losses: clipped by vmap only (steps.build_dp_step)
-  params = model.abstract_params()[0]
-  example = {f: jax.ShapeDtypeStruct(x.shape, x.dtype)
-             for f, x in built.batch_rows.items()}
+  example = dict(built.batch_rows)
   if model.example_rng:
     example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  return ("ghost" if ghost.find_sites(model.example_loss, params, example)
-          else "vmap")
+  return clipping_lib.resolved(model.example_loss,
+                               model.abstract_params()[0], example, method)
 
 
 def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:

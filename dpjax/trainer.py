@@ -90,12 +90,7 @@ class Built(NamedTuple):
   sizing_key: str | None  # an automatic choice's fingerprint, to record
   placed: steps_lib.PlacedSteps
   schedule: Any
-
-  @property
-  def batch_rows(self) -> dict:
-    """One training example's features, as abstract shapes."""
-    return {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-            for f, x in self.splits.train.items()}
+  batch_rows: dict  # one training example's features, as abstract shapes
 
 
 def build(config: RunConfig, *, dry_run: bool = False) -> Built:
@@ -184,7 +179,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
       model=model, lengths=lengths, splits=splits, tokenizer=tokenizer,
       init_run=init_run, mngr=mngr, resume=resume, run_secret=run_secret,
       plan=plan, plan_for=plan_for, mesh=mesh, rules=rules, sizing=choice,
-      sizing_key=key, placed=placed, schedule=schedule)
+      sizing_key=key, placed=placed, schedule=schedule, batch_rows=rows)
 
 
 def train(config: RunConfig | None = None) -> dict:
@@ -201,9 +196,10 @@ def train(config: RunConfig | None = None) -> dict:
   built = build(config)
   (model_dir, target_epsilon, model, lengths, splits, tokenizer, init_run,
    mngr, resume, run_secret, plan, mesh, rules, placed, schedule) = (
-       getattr(built, name) for name in (
-           "model_dir target_epsilon model lengths splits tokenizer init_run "
-           "mngr resume run_secret plan mesh rules placed schedule").split())
+       built.model_dir, built.target_epsilon, built.model, built.lengths,
+       built.splits, built.tokenizer, built.init_run, built.mngr,
+       built.resume, built.run_secret, built.plan, built.mesh, built.rules,
+       built.placed, built.schedule)
   task = config.mixture_or_task_name
   m, k = built.sizing.microbatch_size, built.sizing.accumulation_steps
   start_step = 0

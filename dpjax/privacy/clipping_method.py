@@ -63,7 +63,16 @@ def make_clipped_grad(
 
   def auto(params, batch, mask):
     example = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), batch)
-    use_ghost = bool(ghost.find_sites(loss_fn, params, example))
+    use_ghost = resolved(loss_fn, params, example) == "ghost"
     return (by_ghost if use_ghost else by_vmap)(params, batch, mask)
 
   return clipping.ClippedGrad(fn=auto, sensitivity=float(clip_norm))
+
+
+def resolved(loss_fn: clipping.LossFn, params, example,
+             method: str = "auto") -> str:
+  """'vmap' or 'ghost': the method `make_clipped_grad(method=method)`
+  clips `loss_fn` by, for `params` and one `example` (abstract shapes do)."""
+  if method != "auto":
+    return method
+  return "ghost" if ghost.find_sites(loss_fn, params, example) else "vmap"
