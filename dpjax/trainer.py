@@ -57,8 +57,8 @@ import jax
 import numpy as np
 
 from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
-                   partitioning, plan as plan_lib, pretrained, reporting,
-                   run_config, sizing as sizing_lib, steps as steps_lib,
+                   partitioning, plan as plan_lib, prefetch, pretrained,
+                   reporting, run_config, sizing as sizing_lib, steps as steps_lib,
                    train_step)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
@@ -348,35 +348,45 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
   """`step_fn(state, step) -> (state, loop.StepOutput)`: the plan's step t,
   a DP step (sample, clip per group of k microbatches of m, one noisy
   release, recorded in the ledger) or a public step of the redaction
-  schedule."""
+  schedule. Step t + 1's batches are sampled and placed while the devices
+  run step t (`prefetch.Ahead`)."""
   # Batches [K, m, ...] split over the example axis m: each process reads
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
 
-  def step_fn(state, step: int):
+  def inputs(step: int):
+    """The step's host work, done a step ahead (`prefetch.Ahead`): its
+    index, its batches placed on the mesh, and its real tokens."""
     # A DP step's index is its release number (sample, dropout and noise
     # keys, ledger), a public step's its place in the public stream.
     index = int(plan.kind_index[step])
     if plan.public[step]:
       idx, mask = splits.public_sampler.microbatches(index, m)
-      state, metrics = placed.public(
-          state, distributed.global_rows(splits.public, idx, batch_sh),
-          distributed.global_array(mask, mask_sh), index)
-      return state, loop.StepOutput(
-          False, [metrics], int(splits.public_tokens[idx[mask > 0]].sum()))
+      return index, [(distributed.global_rows(splits.public, idx, batch_sh),
+                      distributed.global_array(mask, mask_sh))], int(
+                          splits.public_tokens[idx[mask > 0]].sum())
     idx, mask = plan.sampler.microbatches(index, m)
+    return index, [(distributed.global_rows(splits.train, i, batch_sh),
+                    distributed.global_array(mk, mask_sh))
+                   for i, mk in steps_lib.microbatch_groups(idx, mask, k)], int(
+                       splits.tokens[idx[mask > 0]].sum())
+
+  ahead = prefetch.Ahead(inputs, stop=plan.steps)
+
+  def step_fn(state, step: int):
+    index, batches, tokens = ahead(step)
+    if plan.public[step]:
+      state, metrics = placed.public(state, *batches[0], index)
+      return state, loop.StepOutput(False, [metrics], tokens)
     grads, metrics = placed.zero_grads(state.params), []
-    for call, (i, mk) in enumerate(steps_lib.microbatch_groups(idx, mask, k)):
-      batch = distributed.global_rows(splits.train, i, batch_sh)
-      grads, call_metrics = placed.accumulate(
-          state.params, grads, batch, distributed.global_array(mk, mask_sh),
-          index, call)
+    for call, (batch, mask) in enumerate(batches):
+      grads, call_metrics = placed.accumulate(state.params, grads, batch, mask,
+                                              index, call)
       metrics.append(call_metrics)
     state = placed.apply(state, grads, noise_secret)
     plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)
-    return state, loop.StepOutput(True, metrics,
-                                  int(splits.tokens[idx[mask > 0]].sum()))
+    return state, loop.StepOutput(True, metrics, tokens)
 
   return step_fn
 

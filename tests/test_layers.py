@@ -184,8 +184,10 @@ assert not leaked, leaked
 
 def test_dp_core_readers_and_tasks_import_without_tensorflow():
   # `tasks` imports nothing heavy either: its registrations import seqio.
+  # The bench runs on an accelerator host with no TensorFlow.
   names = sorted(m for m in MODULES
-                 if _within(m, [*DP_CORE, "dpjax.datasets", "dpjax.text"])
+                 if _within(m, [*DP_CORE, "dpjax.datasets", "dpjax.text",
+                                "dpjax.bench", "dpjax.prefetch"])
                  and not m.endswith("__main__")) + ["tasks", "dpjax.data"]
   result = subprocess.run([sys.executable, "-c", _BLOCK_TENSORFLOW, *names],
                           cwd=ROOT, capture_output=True, text=True,

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import optax
 
-from dpjax import bench as dpjax_bench
+from dpjax.bench import step as dpjax_bench
 from dpjax.seqpate import teachers
 
 

@@ -500,6 +500,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(json.dumps({**result, **context}), flush=True)
   return status
 
-
-if __name__ == "__main__":
-  sys.exit(main())
