@@ -402,3 +402,28 @@ def test_invalid_arguments():
     ghost.ghost_clipped_grad(toy_loss, clip_norm=0.0)
   with pytest.raises(ValueError, match="summation"):
     ghost.ghost_clipped_grad(toy_loss, clip_norm=1.0, summation="twice")
+
+
+@pytest.mark.parametrize("length, blocks", [(12, 1), (64, 2), (130, 2),
+                                            (256, 4), (384, 4)])
+@pytest.mark.parametrize("kind", ["dense", "lookup"])
+def test_blocked_gram_norm_equals_the_float64_gradient_norm(length, blocks,
+                                                            kind):
+  # A site's own ||A^T B||^2 from the Gram blocks on and above the diagonal.
+  assert ghost._gram_blocks(length) == blocks
+  rng = np.random.RandomState(length)
+  rows, cols = 40, 24
+  b = rng.standard_normal((length, cols)).astype(np.float32)
+  if kind == "lookup":
+    a = rng.randint(0, rows, length).astype(np.int32)
+    grad = np.zeros((rows, cols))
+    np.add.at(grad, a, b.astype(np.float64))
+  else:
+    a = rng.standard_normal((length, rows)).astype(np.float32)
+    grad = a.astype(np.float64).T @ b.astype(np.float64)
+  site = ghost.Site(key=((), "x", 0), kind=kind, param="p", leaf=0,
+                    shape=(rows, cols), length=length,
+                    output=jax.ShapeDtypeStruct((length, cols), jnp.float32),
+                    norm="ghost", remat=False)
+  got = float(jax.jit(ghost._ghost_sq_norm, static_argnums=0)(site, (a, b)))
+  np.testing.assert_allclose(got, np.sum(grad ** 2), rtol=1e-5)
