@@ -21,7 +21,6 @@ projected_wall_s (that times the steps left to run).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time
@@ -81,7 +80,9 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
       "microbatch_size": m, "accumulation_calls": k,
       "auto_sizing": choice.peak_bytes is not None,
       "mesh": dict(mesh.shape), "rules": [list(r) for r in built.rules],
-      "compute_dtype": _compute_dtype(built.model.config),
+      "compute_dtype": next(
+          (str(d) for d in sizing.config_values(built.model.config, "dtype")),
+          None),
       "params": int(sum(x.size for x in jax.tree.leaves(abstract))),
       "peak_bytes_per_device": cost.peak_bytes,
       "state_bytes_per_device": cost.state_bytes,
@@ -101,17 +102,6 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
   if distributed.is_primary():
     print(json.dumps(record), flush=True)
   return record
-
-
-def _compute_dtype(model_config) -> str | None:
-  """The config's compute `dtype` (a part's, e.g. a dual encoder's T5)."""
-  if hasattr(model_config, "dtype"):
-    return str(model_config.dtype)
-  for field in dataclasses.fields(model_config):
-    part = getattr(model_config, field.name)
-    if dataclasses.is_dataclass(part):
-      return _compute_dtype(part)
-  return None
 
 
 def _timed_steps(built: trainer.Built, steps: int, start: int) -> dict:

@@ -157,18 +157,25 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
                 memory_source=memory_source, fits=fit, tried=tuple(tried))
 
 
-def model_remat(model_config) -> str | None:
-  """The model config's `remat` ('auto' if any part of it says so)."""
+def config_values(model_config, name: str) -> list:
+  """The values of field `name` in a model config and its nested configs
+  (e.g. GPT2DiscConfig.lm), outermost first."""
   values = []
 
   def visit(config):
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-      if hasattr(config, "remat"):
-        values.append(config.remat)
+      if hasattr(config, name):
+        values.append(getattr(config, name))
       for field in dataclasses.fields(config):
         visit(getattr(config, field.name))
 
   visit(model_config)
+  return values
+
+
+def model_remat(model_config) -> str | None:
+  """The model config's `remat` ('auto' if any part of it says so)."""
+  values = config_values(model_config, "remat")
   return AUTO if AUTO in values else (values[0] if values else None)
 
 

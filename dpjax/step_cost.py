@@ -86,6 +86,17 @@ def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
       tree, shardings)
 
 
+def logical_step(accumulate, apply, k: int) -> dict:
+  """XLA's flops and bytes accessed of a logical step from its compiled
+  parts: k x (`accumulate` of one microbatch) + `apply`, each compiled alone
+  (XLA counts a loop's body once, so a whole step's own analysis would count
+  one microbatch); the parts' analyses under `parts`."""
+  parts = {"accumulate": cost_analysis(accumulate),
+           "apply": cost_analysis(apply)}
+  return {**{f: k * parts["accumulate"][f] + parts["apply"][f]
+             for f in ("flops", "bytes_accessed")}, "parts": parts}
+
+
 def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
               m: int, k: int, batch_sharding, mask_sharding,
               with_flops: bool = False) -> StepCost:
@@ -116,9 +127,8 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   if with_flops:
     one = (accumulate if k == 1 else placed.accumulate.lower(
         state.params, grads, *group(1), index, index).compile())
-    parts = cost_analysis(one), cost_analysis(apply)
-    flops = k * parts[0]["flops"] + parts[1]["flops"]
-    bytes_accessed = k * parts[0]["bytes_accessed"] + parts[1]["bytes_accessed"]
+    total = logical_step(one, apply, k)
+    flops, bytes_accessed = total["flops"], total["bytes_accessed"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),
                   accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
                   state_bytes=state_bytes, flops=flops,

@@ -262,9 +262,8 @@ def abstract_state(tx, abstract_params, axes, mesh, rules):
 
 def logical_step_cost(step: BenchStep, state, batch, mask) -> dict:
   """XLA's cost of one logical step on abstract `state`, `batch[K,m,...]`,
-  `mask[K,m]`, as it is executed: K x (accumulate of one microbatch) + apply,
-  each compiled alone (the whole step's analysis counts the scan's body
-  once). `cost_parts` holds the parts."""
+  `mask[K,m]`, as it is executed (`step_cost.logical_step`); `cost_parts`
+  holds the parts."""
   k = mask.shape[0]
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (1, *x.shape[1:]), x.dtype, sharding=x.sharding), (batch, mask))
@@ -275,13 +274,10 @@ def logical_step_cost(step: BenchStep, state, batch, mask) -> dict:
       jax.eval_shape(step.accumulate, state.params, *one, state.step)[0],
       accumulate.output_shardings[0])
   apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums).compile()
-  parts = {"accumulate": step_cost.cost_analysis(accumulate),
-           "apply": step_cost.cost_analysis(apply)}
-  total = {f: k * parts["accumulate"][f] + parts["apply"][f]
-           for f in ("flops", "bytes_accessed")}
-  return {**total, "cost_parts": {
-      "sum": "microbatches x accumulate + apply", "microbatches": k,
-      **parts}}
+  total = step_cost.logical_step(accumulate, apply, k)
+  return {"flops": total["flops"], "bytes_accessed": total["bytes_accessed"],
+          "cost_parts": {"sum": "microbatches x accumulate + apply",
+                         "microbatches": k, **total["parts"]}}
 
 
 def residual_bytes(loss: Callable, params, microbatch) -> int:

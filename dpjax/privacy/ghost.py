@@ -74,8 +74,8 @@ Cost
 ----
 Per example and site, ghost: `T^2 (rows + cols)` flops (`T^2 (1 + cols)`
 for a lookup) and two `[T, T]` Grams per pair of a parameter's sites, of
-which a site's own pair computes only the blocks on and above the diagonal
-(both its Grams are symmetric): 5/8 of that for T >= 128;
+which a dense site's own pair computes only the blocks on and above the
+diagonal (both its Grams are symmetric): 3/4 of that for T >= 64;
 direct: `T rows cols` flops and a `[rows, cols]` array. `norm='auto'` takes
 the direct path where `rows cols <= 2 T^2`, which then costs no more memory
 (nor flops than the full Grams), and the ghost path elsewhere (long sequences against small matrices
@@ -396,8 +396,8 @@ def _cheaper(length: int, rows: int, cols: int) -> str:
 
   Then it also takes no more flops than the full Grams: `rows cols <= 2 T^2`
   implies `T rows cols <= T^2 (rows + cols)` (and `rows cols <= T^2 (1 +
-  cols)` for a lookup); near the boundary that is up to 8/5 of the blocked
-  Grams' (`_ghost_sq_norm`). Memory decides, as it bounds the microbatch.
+  cols)` for a lookup); near the boundary that is up to 4/3 of a dense
+  site's blocked Grams' (`_ghost_sq_norm`). Memory decides, as it bounds the microbatch.
   """
   return "direct" if rows * cols <= 2 * length * length else "ghost"
 
@@ -574,28 +574,20 @@ def _ghost_inner(s: Site, f: Factors, r: Site, h: Factors) -> jax.Array:
 
 
 def _ghost_sq_norm(site: Site, factors: Factors) -> jax.Array:
-  """||A^T B||^2 = sum((A A^T) * (B B^T)), from the Gram blocks on and above
-  the diagonal only (both Grams are symmetric): with `n` blocks a side,
-  (n + 1) / 2n of the full Grams' flops (5/8 at n = 4)."""
+  """||A^T B||^2 = sum((A A^T) * (B B^T)); for a dense site from the Gram
+  blocks on and above the diagonal only (both Grams are symmetric): halves
+  of T, 3/4 of the full Grams' flops. The off-diagonal block's operands are
+  copies, worth it only for activations as narrow as a dense site's (not
+  for the `[T, vocab]` logits gradient of an `attend`)."""
   a, b = factors
-  n = _gram_blocks(b.shape[0])
-  a = a.reshape(n, -1, *a.shape[1:])
-  b = b.reshape(n, -1, b.shape[-1])
-  total = jnp.zeros((), jnp.float32)
-  for d in range(n):  # the d-th block diagonal: blocks (i, i + d)
-    if site.kind == "lookup":
-      gram_a = (a[:n - d, :, None] == a[d:, None, :]).astype(jnp.float32)
-    else:
-      gram_a = _block_dot(a[:n - d], a[d:])
-    total += (1 if d == 0 else 2) * jnp.sum(gram_a * _block_dot(b[:n - d],
-                                                                b[d:]))
-  return total
-
-
-def _gram_blocks(length: int) -> int:
-  """Blocks a side for a [T, T] Gram: 4 or 2, with blocks of at least 32
-  positions, else 1 (smaller blocks save few flops, each costs a matmul)."""
-  return next((n for n in (4, 2) if length % n == 0 and length >= 32 * n), 1)
+  t = b.shape[0]
+  if site.kind != "dense" or t % 2 or t < 64:
+    gram_a = (a[:, None] == a[None, :]).astype(jnp.float32) if (
+        site.kind == "lookup") else _dot(a, a.T)
+    return jnp.sum(gram_a * _dot(b, b.T))
+  a, b = a.reshape(2, t // 2, -1), b.reshape(2, t // 2, -1)
+  diagonal = jnp.sum(_block_dot(a, a) * _block_dot(b, b))
+  return diagonal + 2 * jnp.sum(_dot(a[0], a[1].T) * _dot(b[0], b[1].T))
 
 
 def _block_dot(x: jax.Array, y: jax.Array) -> jax.Array:
