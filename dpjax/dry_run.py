@@ -37,8 +37,9 @@ RunConfig = run_config.RunConfig
 def clipping_method(built: trainer.Built) -> str:
   """The clipping the run's step uses ('auto' resolved)."""
   method, model = built.config.clipping_method, built.model
-  if method == "auto" and model.example_losses is not None:
-    return "vmap"  # several losses: clipped by vmap only (steps.build_dp_step)
+  if method == "auto" and (model.example_losses is not None
+                           or model.trainable_mask is not None):
+    return "vmap"  # several losses, frozen leaves: vmap (steps.build_dp_step)
   example = dict(built.batch_rows)
   if model.example_rng:
     example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))

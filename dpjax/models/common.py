@@ -8,6 +8,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from dpjax.models import lora
+
 PyTree = Any
 # (params, batch, dropout rngs or None) -> [b] per-example losses.
 BatchLoss = Callable[[PyTree, Mapping[str, jax.Array], dict | None], jax.Array]
@@ -41,6 +43,8 @@ class ModelConfig:
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
       raise ValueError(f"Unknown {cls.__name__} fields: {sorted(unknown)}")
+    if isinstance(d.get("lora"), Mapping):
+      d = {**d, "lora": lora.LoRAConfig.from_json(d["lora"])}
     return cls(**d)
 
 

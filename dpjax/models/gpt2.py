@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.models import common, losses, t5
+from dpjax.models import lora as lora_lib
 from dpjax.privacy import layers
 
 Array = jax.Array
@@ -62,6 +63,8 @@ class GPT2Config(common.ModelConfig):
   # "layer": recompute each block's activations in the backward pass
   # (`t5.remat_layer`); same params and results, less memory.
   remat: str = "none"
+  # LoRA adapters on the projections it targets (`dpjax.models.lora`); None: none.
+  lora: lora_lib.LoRAConfig | None = None
 
   def __post_init__(self):
     self.check_dtype()
@@ -129,7 +132,8 @@ class CausalSelfAttention(nn.Module):
     h, dh = cfg.num_heads, cfg.head_dim
 
     def project(name):
-      y = Dense(cfg.d_model, ("embed", "joined_kv"), _INIT_STDDEV, dtype, name=name)(x)
+      y = lora_lib.dense(cfg.lora, x, cfg.d_model, ("embed", "joined_kv"), _INIT_STDDEV,
+                         dtype, name=name, deterministic=deterministic, use_bias=True)
       return y.reshape(*y.shape[:-1], h, dh)
 
     q, k, v = project("query"), project("key"), project("value")
@@ -149,7 +153,8 @@ class CausalSelfAttention(nn.Module):
     out = common.scaled_attention(q, k, v, bias, dropout, dtype)
     # GPT-2 scales the init of residual-branch outputs by 1/sqrt(2 * layers).
     out_stddev = _INIT_STDDEV / np.sqrt(2 * cfg.num_layers)
-    return Dense(cfg.d_model, ("joined_kv", "embed"), out_stddev, dtype, name="out")(out)
+    return lora_lib.dense(cfg.lora, out, cfg.d_model, ("joined_kv", "embed"), out_stddev,
+                          dtype, name="out", deterministic=deterministic, use_bias=True)
 
 
 class MlpBlock(nn.Module):
@@ -157,13 +162,15 @@ class MlpBlock(nn.Module):
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, *, deterministic: bool) -> Array:
     cfg = self.config
     dtype = cfg.compute_dtype
-    hidden = jax.nn.gelu(Dense(cfg.mlp_dim, ("embed", "mlp"), _INIT_STDDEV, dtype,
-                               name="wi")(x), approximate=True)
+    dense = functools.partial(lora_lib.dense, cfg.lora, deterministic=deterministic,
+                              use_bias=True)
+    hidden = jax.nn.gelu(dense(x, cfg.mlp_dim, ("embed", "mlp"), _INIT_STDDEV, dtype,
+                               name="wi"), approximate=True)
     out_stddev = _INIT_STDDEV / np.sqrt(2 * cfg.num_layers)
-    return Dense(cfg.d_model, ("mlp", "embed"), out_stddev, dtype, name="wo")(hidden)
+    return dense(hidden, cfg.d_model, ("mlp", "embed"), out_stddev, dtype, name="wo")
 
 
 class DecoderLayer(nn.Module):
@@ -183,7 +190,7 @@ class DecoderLayer(nn.Module):
     x = x + dropout(CausalSelfAttention(cfg, name="attention")(
         y, bias, deterministic=deterministic, decode=decode, cache_index=cache_index))
     y = norm(name="pre_mlp_layer_norm")(x)
-    return x + dropout(MlpBlock(cfg, name="mlp")(y))
+    return x + dropout(MlpBlock(cfg, name="mlp")(y, deterministic=deterministic))
 
 
 class GPT2(nn.Module):

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.models import common, losses
+from dpjax.models import lora as lora_lib
 from dpjax.privacy import layers
 
 Array = jax.Array
@@ -71,6 +72,8 @@ class T5Config(common.ModelConfig):
   # "layer": recompute each layer's activations in the backward pass
   # (`remat_layer`); same params and results, less memory, ~1/3 more flops.
   remat: str = "none"
+  # LoRA adapters on the projections it targets (`dpjax.models.lora`); None: none.
+  lora: lora_lib.LoRAConfig | None = None
 
   def __post_init__(self):
     if self.feed_forward not in _FEED_FORWARDS:
@@ -189,7 +192,8 @@ class MultiHeadAttention(nn.Module):
     joined = h * dk
 
     def project(x, name, stddev):
-      y = layers.Dense(joined, ("embed", "joined_kv"), stddev, dtype, name=name)(x)
+      y = lora_lib.dense(cfg.lora, x, joined, ("embed", "joined_kv"), stddev, dtype,
+                     name=name, deterministic=deterministic)
       return y.reshape(*y.shape[:-1], h, dk)
 
     # The query init absorbs the 1/sqrt(d_kv) that T5 never applies to logits.
@@ -219,7 +223,8 @@ class MultiHeadAttention(nn.Module):
     dropout = None if deterministic else (
         lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=False))
     out = common.scaled_attention(q, k, v, bias, dropout, dtype, scale=1.0)
-    return layers.Dense(cfg.d_model, ("joined_kv", "embed"), joined ** -0.5, dtype, name="out")(out)
+    return lora_lib.dense(cfg.lora, out, cfg.d_model, ("joined_kv", "embed"), joined ** -0.5,
+                      dtype, name="out", deterministic=deterministic)
 
 
 class MlpBlock(nn.Module):
@@ -230,13 +235,15 @@ class MlpBlock(nn.Module):
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
     cfg = self.config
     dtype = cfg.compute_dtype
-    dense_in = functools.partial(layers.Dense, cfg.d_ff, ("embed", "mlp"), cfg.d_model ** -0.5, dtype)
+    dense_in = functools.partial(lora_lib.dense, cfg.lora, x, cfg.d_ff, ("embed", "mlp"),
+                                 cfg.d_model ** -0.5, dtype, deterministic=deterministic)
     if cfg.feed_forward == "relu":
-      hidden = jax.nn.relu(dense_in(name="wi")(x))
+      hidden = jax.nn.relu(dense_in(name="wi"))
     else:  # gated-gelu; HF's "gelu_new" is the tanh approximation
-      hidden = jax.nn.gelu(dense_in(name="wi_0")(x), approximate=True) * dense_in(name="wi_1")(x)
+      hidden = jax.nn.gelu(dense_in(name="wi_0"), approximate=True) * dense_in(name="wi_1")
     hidden = nn.Dropout(cfg.dropout_rate)(hidden, deterministic=deterministic)
-    return layers.Dense(cfg.d_model, ("mlp", "embed"), cfg.d_ff ** -0.5, dtype, name="wo")(hidden)
+    return lora_lib.dense(cfg.lora, hidden, cfg.d_model, ("mlp", "embed"), cfg.d_ff ** -0.5, dtype,
+                      name="wo", deterministic=deterministic)
 
 
 class EncoderLayer(nn.Module):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from dpjax.models import dual_encoder, gpt2, gpt2_disc, t5
+from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5
 
 PyTree = Any
 
@@ -78,7 +78,8 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
         lambda rng: t5.init_params(config, rng, **kw),
         functools.partial(t5.abstract_params, config, **kw),
         t5.make_example_loss(config), t5.make_batch_loss(config),
-        example_rng=config.dropout_rate > 0)
+        example_rng=config.dropout_rate > 0 or _lora_dropout(config),
+        trainable_mask=_lora_mask(config))
   if isinstance(config, gpt2.GPT2Config):
     kw = dict(max_length=lengths.get("inputs", 1) + lengths["targets"])
     return Trainable(
@@ -86,7 +87,8 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
         lambda rng: gpt2.init_params(config, rng, **kw),
         functools.partial(gpt2.abstract_params, config, **kw),
         gpt2.make_example_loss(config), gpt2.make_batch_loss(config),
-        example_rng=config.dropout_rate > 0)
+        example_rng=config.dropout_rate > 0 or _lora_dropout(config),
+        trainable_mask=_lora_mask(config))
   if isinstance(config, gpt2_disc.GPT2DiscConfig):
     return _gpt2_disc(config, lengths)
   if isinstance(config, dual_encoder.DualEncoderConfig):
@@ -104,6 +106,16 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
   raise TypeError(f"no trainer support for {type(config).__name__}; "
                   "expected a T5Config, GPT2Config, DualEncoderConfig or "
                   "GPT2DiscConfig")
+
+
+def _lora_mask(config):
+  """LoRA: only the adapters (and what `LoRAConfig.train` adds) train."""
+  return (None if config.lora is None
+          else functools.partial(lora.trainable_mask, config.lora))
+
+
+def _lora_dropout(config) -> bool:
+  return config.lora is not None and config.lora.dropout > 0
 
 
 def _gpt2_disc(config: gpt2_disc.GPT2DiscConfig, lengths) -> Trainable:

@@ -1,0 +1,171 @@
+"""LoRA adapters (dpjax.models.lora): the base model at zero-initialised B,
+the adapter's own arithmetic, adapter-only clipped sums against an explicit
+per-example loop in float64, and a DP update that leaves every frozen leaf
+exactly as it was (no gradient, no noise)."""
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax import gin_cli, steps, train_step
+from dpjax.models import gpt2, lora, t5, trainable
+from dpjax.privacy.secret import RunSecret
+
+LORA = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "mlp"))
+T5 = t5.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_heads=4,
+                 num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
+GPT2 = gpt2.GPT2Config(vocab_size=64, n_positions=16, d_model=32,
+                       num_layers=1, num_heads=4, dropout_rate=0.0)
+LENGTHS = {"t5": {"inputs": 8, "targets": 8}, "gpt2": {"targets": 12}}
+N = 5
+
+
+def model(name, lora_config=LORA):
+  config = (T5 if name == "t5" else GPT2).__class__(
+      **{**(T5 if name == "t5" else GPT2).to_json(), "lora": lora_config})
+  return trainable.trainable(config, LENGTHS[name])
+
+
+def batch(name, seed=0):
+  rng = np.random.RandomState(seed)
+  if name == "t5":
+    dec = rng.randint(1, 64, (N, 8)).astype(np.int32)
+    return dict(encoder_input_tokens=rng.randint(1, 64, (N, 8)).astype(np.int32),
+                decoder_input_tokens=dec,
+                decoder_target_tokens=np.roll(dec, -1, 1),
+                decoder_loss_weights=np.ones((N, 8), np.float32))
+  return dict(tokens=rng.randint(0, 64, (N, 12)).astype(np.int32),
+              loss_weights=np.ones((N, 12), np.float32))
+
+
+def without_adapters(tree):
+  if isinstance(tree, dict):
+    return {k: without_adapters(v) for k, v in tree.items()
+            if not k.endswith(lora.SUFFIX)}
+  return tree
+
+
+def with_random_b(params, seed=1):
+  """Adapters with nonzero B (as after training), so their grads matter."""
+  rng = np.random.RandomState(seed)
+  def draw(path, x):
+    names = [k.key for k in path]
+    if any(n.endswith(lora.SUFFIX) for n in names) and names[-2] == "b":
+      return jnp.asarray(0.3 * rng.standard_normal(x.shape), jnp.float32)
+    return x
+  return jax.tree_util.tree_map_with_path(draw, params)
+
+
+@pytest.mark.parametrize("name", ["t5", "gpt2"])
+def test_zero_initialised_b_is_the_base_model(name):
+  adapted = model(name)
+  base = model(name, None)
+  params, _ = adapted.init_params(jax.random.PRNGKey(0))
+  b = batch(name)
+  got = adapted.batch_loss(params, b)
+  want = base.batch_loss(without_adapters(params), b)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Every targeted projection has its adapter, and only those.
+  paths = {jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(params)[0]}
+  adapters = {p for p in paths if lora.SUFFIX in p}
+  assert adapters and all("key_lora" not in p for p in adapters)
+  assert any("wo_lora" in p for p in adapters)
+
+
+def test_the_adapter_adds_scale_x_a_b():
+  x = np.random.RandomState(0).standard_normal((3, 6)).astype(np.float32)
+  adapter = lora.Adapter(LORA, 5, ("embed", "mlp"), jnp.float32)
+  params = nn.unbox(adapter.init(jax.random.PRNGKey(0), x, True))
+  params = jax.tree.map(lambda p: p + 0.5, params)  # B nonzero
+  a = np.asarray(params["params"]["a"]["kernel"], np.float64)
+  b = np.asarray(params["params"]["b"]["kernel"], np.float64)
+  got = adapter.apply(params, x, True)
+  np.testing.assert_allclose(got, LORA.alpha / LORA.rank * (x @ a @ b),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("train, extra", [("lora_only", set()),
+                                          ("lora_norms_biases",
+                                           {"scale", "bias"})])
+def test_the_mask_trains_adapters_and_what_train_adds(train, extra):
+  m = model("gpt2", lora.LoRAConfig(train=train))
+  shapes = m.abstract_params()[0]
+  mask = m.trainable_mask(shapes)
+  for path, trains in jax.tree_util.tree_flatten_with_path(mask)[0]:
+    names = [k.key for k in path]
+    expected = (any(n.endswith(lora.SUFFIX) for n in names)
+                or names[-1] in extra)
+    assert trains == expected, names
+
+
+@pytest.fixture(scope="module", params=["t5", "gpt2"])
+def dp_step(request):
+  name = request.param
+  m = model(name)
+  params = with_random_b(m.init_params(jax.random.PRNGKey(0))[0])
+  clip = 0.05
+  tx, accumulate, apply = steps.build_dp_step(
+      m, clip_norm=clip, optimizer="sgd", learning_rate=1.0,
+      noise_multiplier=1.0, normalizer=float(N), seed=0,
+      clipping_method="auto")
+  return name, m, params, clip, tx, accumulate, apply
+
+
+def test_adapter_only_clipped_sum_equals_a_per_example_loop(dp_step):
+  name, m, params, clip, tx, accumulate, _ = dp_step
+  b = batch(name)
+  mask = np.ones((1, N), np.float32)
+  zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
+  sums, _ = jax.jit(accumulate)(params, zeros,
+                                jax.tree.map(lambda x: x[None], b), mask, 0, 0)
+  trains = jax.tree.leaves(m.trainable_mask(params))
+  want = [np.zeros(x.shape) for x in jax.tree.leaves(params)]
+  grad = jax.jit(jax.grad(m.example_loss))
+  for i in range(N):
+    g = [np.asarray(x, np.float64) * t for x, t in zip(
+        jax.tree.leaves(grad(params, jax.tree.map(lambda x: x[i], b))),
+        trains)]
+    norm = math.sqrt(sum(float(np.sum(x ** 2)) for x in g))
+    for w, x in zip(want, g):
+      w += x * min(1.0, clip / norm)
+  assert any(np.abs(w).max() > 0 for w, t in zip(want, trains) if t)
+  for got, w, t in zip(jax.tree.leaves(sums[train_step.LOSS]), want, trains):
+    if not t:
+      assert not np.any(np.asarray(got)), "a frozen leaf has a gradient"
+    np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-7)
+
+
+def test_frozen_leaves_get_no_update_and_no_noise(dp_step):
+  name, m, params, clip, tx, _, apply = dp_step
+  state = train_step.init_state(params, tx)
+  zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
+  # Zero sums: whatever moves is noise (sigma C / N per coordinate).
+  new = jax.jit(apply)(state, zeros, RunSecret.draw().noise_key())
+  trains = jax.tree.leaves(m.trainable_mask(params))
+  for old, now, t in zip(jax.tree.leaves(params), jax.tree.leaves(new.params),
+                         trains):
+    if t:
+      moved = np.asarray(now) - np.asarray(old)
+      assert np.std(moved) == pytest.approx(clip / N, rel=0.5)
+    else:
+      np.testing.assert_array_equal(now, old)
+
+
+def test_ghost_clipping_of_frozen_leaves_is_refused():
+  with pytest.raises(gin_cli.UsageError, match="LoRA"):
+    steps.build_dp_step(model("gpt2"), clip_norm=1.0, optimizer="sgd",
+                        learning_rate=1.0, noise_multiplier=1.0,
+                        normalizer=1.0, seed=0, clipping_method="ghost")
+
+
+def test_config_round_trips_and_rejects_bad_values():
+  config = model("t5").config
+  assert t5.T5Config.from_json(config.to_json()) == config
+  for bad in (dict(rank=0), dict(targets=("x",)), dict(train="all"),
+              dict(dropout=1.0)):
+    with pytest.raises(ValueError):
+      lora.LoRAConfig(**bad)
