@@ -115,3 +115,28 @@ def trainable_mask(lora: LoRAConfig, params) -> Any:
     return lora.train == "lora_norms_biases" and names[-1] in ("scale",
                                                                "bias")
   return jax.tree_util.tree_map_with_path(trains, params)
+
+
+def split(tree) -> tuple[Any, Any]:
+  """(the base model's subtree, the adapters' subtree) of a params-shaped
+  nested dict (params, shapes or shardings); `merge` inverts it."""
+  if not isinstance(tree, Mapping):
+    return tree, None
+  base, adapters = {}, {}
+  for key, value in tree.items():
+    if key.endswith(SUFFIX):
+      adapters[key] = value
+      continue
+    b, a = split(value)
+    base[key] = b
+    if a:
+      adapters[key] = a
+  return base, adapters
+
+
+def merge(base, adapters):
+  """The params of the adapted model from `split`'s two parts."""
+  if not adapters:
+    return base
+  return {**{k: merge(v, adapters.get(k)) for k, v in base.items()},
+          **{k: v for k, v in adapters.items() if k.endswith(SUFFIX)}}

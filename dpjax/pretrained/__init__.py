@@ -6,13 +6,16 @@ v1.1, GPT-2, BERT encoders) or a t5x checkpoint (`t5x.load_t5x`), streaming
 one tensor at a time into (sharded) device arrays; a GPT-2 whose gin
 vocab_size exceeds the checkpoint's gets the extra embedding rows (`hf`'s
 docstring). A GPT-2 with a discriminator head (`gpt2_disc`) takes its GPT-2
-from the checkpoint and a freshly initialised head. `export_hf` writes params
+from the checkpoint and a freshly initialised head; a model with LoRA
+adapters takes its base model from the checkpoint and fresh adapters (B =
+0). `export_hf` writes params
 as a Hugging Face directory. Every problem is a `CheckpointError` naming the
 tensor or config field and both shapes or values. No TensorFlow here; torch
 is imported only to read `.bin` files.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from typing import Any, Mapping
@@ -20,10 +23,13 @@ from typing import Any, Mapping
 import jax
 
 from dpjax import reporting
-from dpjax.models import dual_encoder, gpt2_disc
+from dpjax.models import dual_encoder, gpt2_disc, lora, trainable
 from dpjax.pretrained import t5x
 from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_checkpoint,
                                  tokenizer_files)
+
+# Adapters do not depend on the sequence lengths the model is built for.
+_LENGTHS = {"inputs": 1, "targets": 1}
 
 __all__ = ["CheckpointError", "export_hf", "load_hf", "load_pretrained", "open_hf_checkpoint",
            "tokenizer_files"]
@@ -44,6 +50,8 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
     return params if shardings is None else jax.device_put(params, shardings)
   if isinstance(config, gpt2_disc.GPT2DiscConfig):
     return _load_gpt2_disc(path, config, shardings, rng)
+  if getattr(config, "lora", None) is not None:
+    return _load_with_adapters(path, config, shardings, rng)
   if (pathlib.Path(path) / "config.json").is_file():
     return load_hf(path, config, shardings=shardings)
   if t5x.is_t5x_checkpoint(path):
@@ -70,3 +78,23 @@ def _load_gpt2_disc(path, config, shardings, rng) -> Any:
   reporting.say(f"{gpt2_disc.HEAD}: not in the checkpoint, freshly initialised from the "
                 "run's key")
   return {**params, gpt2_disc.HEAD: head}
+
+
+def _load_with_adapters(path, config, shardings, rng) -> Any:
+  """The base model from the checkpoint, LoRA adapters initialised from `rng`
+  (B = 0: the adapted model starts as the checkpoint's)."""
+  if rng is None:
+    raise ValueError("a model with LoRA adapters needs rng= to initialise them")
+  base_shardings, adapter_shardings = (lora.split(shardings)
+                                       if isinstance(shardings, Mapping)
+                                       else (shardings, shardings))
+  base = load_pretrained(path, dataclasses.replace(config, lora=None),
+                         shardings=base_shardings)
+  trainable_model = trainable.trainable(config, _LENGTHS)
+  adapters = jax.jit(lambda key: lora.split(
+      trainable_model.init_params(key)[0])[1])(rng)
+  if adapter_shardings is not None:
+    adapters = jax.device_put(adapters, adapter_shardings)
+  reporting.say("LoRA adapters: not in the checkpoint, initialised from the run's key "
+                "(B = 0)")
+  return lora.merge(base, adapters)

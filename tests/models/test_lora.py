@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, steps, train_step
+from dpjax import gin_cli, pretrained, steps, train_step
 from dpjax.models import gpt2, lora, t5, trainable
 from dpjax.privacy.secret import RunSecret
 
@@ -169,3 +169,20 @@ def test_config_round_trips_and_rejects_bad_values():
               dict(dropout=1.0)):
     with pytest.raises(ValueError):
       lora.LoRAConfig(**bad)
+
+
+def test_a_pretrained_start_loads_the_base_and_initialises_the_adapters(
+    tmp_path):
+  base = model("gpt2", None)
+  base_params, _ = base.init_params(jax.random.PRNGKey(3))
+  pretrained.export_hf(base_params, base.config, tmp_path)
+  adapted = model("gpt2")
+  key = jax.random.PRNGKey(5)
+  params = pretrained.load_pretrained(tmp_path, adapted.config, rng=key)
+  got_base, got_adapters = lora.split(params)
+  jax.tree.map(np.testing.assert_array_equal, got_base, base_params)
+  # The adapters a run without a checkpoint would start from (B = 0).
+  want = lora.split(adapted.init_params(key)[0])[1]
+  jax.tree.map(np.testing.assert_array_equal, got_adapters, want)
+  assert (jax.tree.structure(lora.merge(got_base, got_adapters))
+          == jax.tree.structure(params))
