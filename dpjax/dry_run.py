@@ -37,14 +37,15 @@ RunConfig = run_config.RunConfig
 def clipping_method(built: trainer.Built) -> str:
   """The clipping the run's step uses ('auto' resolved)."""
   method, model = built.config.clipping_method, built.model
-  if method == "auto" and (model.example_losses is not None
-                           or model.trainable_mask is not None):
-    return "vmap"  # several losses, frozen leaves: vmap (steps.build_dp_step)
+  if method == "auto" and model.example_losses is not None:
+    return "vmap"  # several losses: clipped by vmap only (steps.build_dp_step)
   example = dict(built.batch_rows)
   if model.example_rng:
     example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  return clipping_lib.resolved(model.example_loss,
-                               model.abstract_params()[0], example, method)
+  abstract = model.abstract_params()[0]
+  return clipping_lib.resolved(
+      model.example_loss, abstract, example, method,
+      trainable=model.trainable_mask and model.trainable_mask(abstract))
 
 
 def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:

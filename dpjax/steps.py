@@ -108,9 +108,9 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms:
   no per-example weight gradients) or 'auto' (ghost when the
   model has intercepted layers); all give the same clipped sum and bound.
-  A multi-loss model (`loss_clip_norms`), or one with frozen leaves (LoRA:
-  `Trainable.trainable_mask`), clips the trained leaves by vmap only ('auto'
-  is vmap):
+  Only the trained leaves are clipped (`Trainable.trainable_mask`, e.g.
+  LoRA's adapters). A multi-loss model (`loss_clip_norms`) clips by vmap
+  only ('auto' is vmap):
   one clipped sum per loss, noised separately with the one σ; a one-loss
   model is the case of one sum, `{train_step.LOSS: sum}`. With
   rematerialised layers (a config's `remat`) ghost clipping takes its sum
@@ -122,19 +122,17 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
     raise gin_cli.UsageError("train.clipping_method must be 'vmap', 'ghost' "
                              f"or 'auto', got {clipping_method!r}")
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
-  if bounds is None and model.trainable_mask is None:
+  if bounds is None:  # one loss; the trained leaves only, where some are not
     clipped = make_clipped_grad(model.example_loss, clip_norm=clip_norm,
-                                method=clipping_method)
+                                method=clipping_method,
+                                trainable=trainable_mask(model))
   elif clipping_method == "ghost":
     raise gin_cli.UsageError(
         "train.clipping_method = 'ghost' does not support a model with "
-        "several losses or frozen layers (LoRA); use 'vmap' or 'auto'")
-  else:  # frozen leaves or several losses: the trained leaves, by vmap
-    losses = model.example_losses or (
-        lambda params, example: {train_step.LOSS: model.example_loss(
-            params, example)})
+        "several losses; use 'vmap'")
+  else:
     clipped = clipping.multi_loss_clipped_grad(
-        losses, clip_norms=bounds or {train_step.LOSS: float(clip_norm)},
+        model.example_losses, clip_norms=bounds,
         trainable=trainable_mask(model))
   sensitivities = train_step.sensitivities(clipped)
   tx = dp_optimizers.dp_optimizer(

@@ -36,6 +36,7 @@ guarantee.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
@@ -259,35 +260,53 @@ def multi_loss_clipped_grad(
   for name, bound in clip_norms.items():
     check_bound(f"clip_norms[{name!r}]", bound)
   clip_norms = dict(clip_norms)
-  flags = None if trainable is None else [bool(t) for t in
-                                          jax.tree_util.tree_leaves(trainable)]
 
   def fn(params, batch, mask):
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    keep = flags if flags is not None else [True] * len(leaves)
-    if len(keep) != len(leaves):
-      raise ValueError(f"trainable has {len(keep)} leaves, params {len(leaves)}.")
-    trained = [leaf for leaf, k in zip(leaves, keep) if k]
-
-    def with_trained(trained_leaves):
-      it = iter(trained_leaves)
-      return jax.tree_util.tree_unflatten(
-          treedef, [next(it) if k else leaf for leaf, k in zip(leaves, keep)])
-
     sums, stats = {}, {}
     for name, bound in clip_norms.items():
-      loss = lambda t, example, name=name: losses_fn(with_trained(t), example)[name]
-      part, stats[name] = clipped_grad(
-          loss, clip_norm=bound, microbatch_size=microbatch_size)(
-              trained, batch, mask)
-      it = iter(part)
-      sums[name] = jax.tree_util.tree_unflatten(treedef, [
-          next(it) if k else jnp.zeros(jnp.shape(leaf), jnp.float32)
-          for leaf, k in zip(leaves, keep)])
+      loss = lambda p, example, name=name: losses_fn(p, example)[name]
+      make = functools.partial(clipped_grad, clip_norm=bound,
+                               microbatch_size=microbatch_size)
+      clipped = make(loss) if trainable is None else trained_only(
+          make, loss, trainable, bound)
+      sums[name], stats[name] = clipped(params, batch, mask)
     return sums, stats
 
   return MultiClippedGrad(fn=fn, sensitivities={k: float(c) for k, c in
                                                  clip_norms.items()})
+
+
+def trained_only(make: Callable[[LossFn], ClippedGradFn], loss_fn: LossFn,
+                 trainable: PyTree, sensitivity: float) -> ClippedGrad:
+  """`make(loss)`'s clipped sum of `loss_fn`'s gradients w.r.t. the leaves
+  where `trainable` is True only; frozen leaves are constants of the loss,
+  add nothing to any norm and are exactly zero in the sum.
+
+  `make` is any clipped-gradient constructor (`clipped_grad`, ghost's); it
+  sees the loss as a function of the list of trained leaves, so a frozen
+  weight is no ghost site and gets no per-example gradient. Guarantees are
+  `make`'s, for the trained leaves: `sensitivity` must be its bound.
+  """
+  flags = [bool(t) for t in jax.tree_util.tree_leaves(trainable)]
+
+  def fn(params, batch, mask):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    if len(flags) != len(leaves):
+      raise ValueError(f"trainable has {len(flags)} leaves, params {len(leaves)}.")
+
+    def with_trained(trained_leaves):
+      it = iter(trained_leaves)
+      return jax.tree_util.tree_unflatten(
+          treedef, [next(it) if k else leaf for leaf, k in zip(leaves, flags)])
+
+    part, stats = make(lambda t, example: loss_fn(with_trained(t), example))(
+        [leaf for leaf, k in zip(leaves, flags) if k], batch, mask)
+    it = iter(part)
+    return jax.tree_util.tree_unflatten(treedef, [
+        next(it) if k else jnp.zeros(jnp.shape(leaf), jnp.float32)
+        for leaf, k in zip(leaves, flags)]), stats
+
+  return ClippedGrad(fn=fn, sensitivity=float(sensitivity))
 
 
 def _make_clipped_sum(

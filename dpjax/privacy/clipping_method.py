@@ -26,6 +26,7 @@ def make_clipped_grad(
     clip_norm: float,
     method: str = "auto",
     microbatch_size: int | None = None,
+    trainable=None,
 ) -> clipping.ClippedGradFn:
   """`clipping.clipped_grad` by the chosen method: same result, same guarantees.
 
@@ -39,6 +40,10 @@ def make_clipped_grad(
       backward pass); 'auto': ghost if the loss has ghost sites (decided when
       the callable is traced), vmap otherwise.
     microbatch_size: As in `clipping.clipped_grad`.
+    trainable: Optional bools shaped like the params (e.g. LoRA's
+      `lora.trainable_mask`): only those leaves are differentiated, clipped
+      and summed (`clipping.trained_only`); the others are zero in the sum
+      and frozen weights are no ghost sites.
 
   Returns:
     A `ClippedGradFn` with `sensitivity == clip_norm`.
@@ -52,27 +57,39 @@ def make_clipped_grad(
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-  by_vmap = clipping.clipped_grad(loss_fn, clip_norm=clip_norm,
-                         microbatch_size=microbatch_size)
-  if method == "vmap":
-    return by_vmap
-  by_ghost = ghost.ghost_clipped_grad(loss_fn, clip_norm=clip_norm,
-                                      microbatch_size=microbatch_size)
-  if method == "ghost":
-    return by_ghost
 
-  def auto(params, batch, mask):
-    example = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), batch)
-    use_ghost = resolved(loss_fn, params, example) == "ghost"
-    return (by_ghost if use_ghost else by_vmap)(params, batch, mask)
+  def make(loss):
+    by_vmap = clipping.clipped_grad(loss, clip_norm=clip_norm,
+                                    microbatch_size=microbatch_size)
+    if method == "vmap":
+      return by_vmap
+    by_ghost = ghost.ghost_clipped_grad(loss, clip_norm=clip_norm,
+                                        microbatch_size=microbatch_size)
+    if method == "ghost":
+      return by_ghost
 
-  return clipping.ClippedGrad(fn=auto, sensitivity=float(clip_norm))
+    def auto(params, batch, mask):
+      example = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b),
+                               batch)
+      use_ghost = resolved(loss, params, example) == "ghost"
+      return (by_ghost if use_ghost else by_vmap)(params, batch, mask)
+
+    return clipping.ClippedGrad(fn=auto, sensitivity=float(clip_norm))
+
+  if trainable is None:
+    return make(loss_fn)
+  return clipping.trained_only(make, loss_fn, trainable, clip_norm)
 
 
 def resolved(loss_fn: clipping.LossFn, params, example,
-             method: str = "auto") -> str:
-  """'vmap' or 'ghost': the method `make_clipped_grad(method=method)`
-  clips `loss_fn` by, for `params` and one `example` (abstract shapes do)."""
+             method: str = "auto", trainable=None) -> str:
+  """'vmap' or 'ghost': the method `make_clipped_grad(method=method,
+  trainable=trainable)` clips `loss_fn` by, for `params` and one `example`
+  (abstract shapes do)."""
   if method != "auto":
     return method
-  return "ghost" if ghost.find_sites(loss_fn, params, example) else "vmap"
+  sites = ghost.find_sites(loss_fn, params, example)
+  if trainable is not None:  # a frozen weight is no site (`trained_only`)
+    flags = [bool(t) for t in jax.tree.leaves(trainable)]
+    sites = [s for s in sites if flags[s.leaf]]
+  return "ghost" if sites else "vmap"

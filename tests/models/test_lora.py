@@ -2,6 +2,7 @@
 the adapter's own arithmetic, adapter-only clipped sums against an explicit
 per-example loop in float64, and a DP update that leaves every frozen leaf
 exactly as it was (no gradient, no noise)."""
+import functools
 import math
 
 import flax.linen as nn
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli, pretrained, steps, train_step
-from dpjax.models import gpt2, lora, t5, trainable
+from dpjax.models import gpt2, gpt2_disc, lora, t5, trainable
+from dpjax.privacy import clipping, clipping_method, ghost
 from dpjax.privacy.secret import RunSecret
 
 LORA = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "mlp"))
@@ -104,6 +106,8 @@ def test_the_mask_trains_adapters_and_what_train_adds(train, extra):
 
 @pytest.fixture(scope="module", params=["t5", "gpt2"])
 def dp_step(request):
+  """A LoRA model's DP step (vmap clipping), params with nonzero B, and the
+  clipped sum by an explicit per-example loop in float64."""
   name = request.param
   m = model(name)
   params = with_random_b(m.init_params(jax.random.PRNGKey(0))[0])
@@ -111,17 +115,8 @@ def dp_step(request):
   tx, accumulate, apply = steps.build_dp_step(
       m, clip_norm=clip, optimizer="sgd", learning_rate=1.0,
       noise_multiplier=1.0, normalizer=float(N), seed=0,
-      clipping_method="auto")
-  return name, m, params, clip, tx, accumulate, apply
-
-
-def test_adapter_only_clipped_sum_equals_a_per_example_loop(dp_step):
-  name, m, params, clip, tx, accumulate, _ = dp_step
+      clipping_method="vmap")
   b = batch(name)
-  mask = np.ones((1, N), np.float32)
-  zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
-  sums, _ = jax.jit(accumulate)(params, zeros,
-                                jax.tree.map(lambda x: x[None], b), mask, 0, 0)
   trains = jax.tree.leaves(m.trainable_mask(params))
   want = [np.zeros(x.shape) for x in jax.tree.leaves(params)]
   grad = jax.jit(jax.grad(m.example_loss))
@@ -133,14 +128,47 @@ def test_adapter_only_clipped_sum_equals_a_per_example_loop(dp_step):
     for w, x in zip(want, g):
       w += x * min(1.0, clip / norm)
   assert any(np.abs(w).max() > 0 for w, t in zip(want, trains) if t)
-  for got, w, t in zip(jax.tree.leaves(sums[train_step.LOSS]), want, trains):
+  return m, params, clip, tx, accumulate, apply, b, want
+
+
+def assert_sum_is(got_tree, want, m, params):
+  trains = jax.tree.leaves(m.trainable_mask(params))
+  for got, w, t in zip(jax.tree.leaves(got_tree), want, trains):
     if not t:
       assert not np.any(np.asarray(got)), "a frozen leaf has a gradient"
     np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-7)
 
 
+def test_adapter_only_clipped_sum_equals_a_per_example_loop(dp_step):
+  m, params, _, _, accumulate, _, b, want = dp_step
+  zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
+  sums, _ = jax.jit(accumulate)(params, zeros,
+                                jax.tree.map(lambda x: x[None], b),
+                                np.ones((1, N), np.float32), 0, 0)
+  assert_sum_is(sums[train_step.LOSS], want, m, params)
+
+
+@pytest.mark.parametrize("norm", ["auto", "ghost"])
+def test_ghost_clipping_of_the_adapters_equals_the_loop(dp_step, norm):
+  # 'auto' takes the direct path at the thin adapter factors, 'ghost' the
+  # Gram identity; the frozen kernels are no sites.
+  m, params, clip, _, _, _, b, want = dp_step
+  mask = m.trainable_mask(params)
+  make = functools.partial(ghost.ghost_clipped_grad, clip_norm=clip,
+                           norm=norm)
+  f = clipping.trained_only(make, m.example_loss, mask, clip)
+  sums, _ = jax.jit(f)(params, b, np.ones(N, np.float32))
+  assert_sum_is(sums, want, m, params)
+  example = jax.tree.map(lambda x: x[0], b)
+  sites = ghost.find_sites(m.example_loss, params, example)
+  flags = jax.tree.leaves(mask)
+  assert {lora.SUFFIX in s.param for s in sites if flags[s.leaf]} == {True}
+  assert clipping_method.resolved(m.example_loss, params, example,
+                                  trainable=mask) == "ghost"
+
+
 def test_frozen_leaves_get_no_update_and_no_noise(dp_step):
-  name, m, params, clip, tx, _, apply = dp_step
+  m, params, clip, tx, _, apply, _, _ = dp_step
   state = train_step.init_state(params, tx)
   zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
   # Zero sums: whatever moves is noise (sigma C / N per coordinate).
@@ -155,9 +183,15 @@ def test_frozen_leaves_get_no_update_and_no_noise(dp_step):
       np.testing.assert_array_equal(now, old)
 
 
-def test_ghost_clipping_of_frozen_leaves_is_refused():
-  with pytest.raises(gin_cli.UsageError, match="LoRA"):
-    steps.build_dp_step(model("gpt2"), clip_norm=1.0, optimizer="sgd",
+def test_a_ghost_lora_step_builds_and_multi_loss_ghost_is_refused():
+  steps.build_dp_step(model("gpt2"), clip_norm=1.0, optimizer="sgd",
+                      learning_rate=1.0, noise_multiplier=1.0, normalizer=1.0,
+                      seed=0, clipping_method="ghost")
+  disc = trainable.trainable(
+      gpt2_disc.GPT2DiscConfig(lm=GPT2, label_token_ids=(5, 6)),
+      LENGTHS["gpt2"])
+  with pytest.raises(gin_cli.UsageError, match="several losses"):
+    steps.build_dp_step(disc, clip_norm=1.0, optimizer="sgd",
                         learning_rate=1.0, noise_multiplier=1.0,
                         normalizer=1.0, seed=0, clipping_method="ghost")
 
