@@ -140,3 +140,24 @@ def merge(base, adapters):
     return base
   return {**{k: merge(v, adapters.get(k)) for k, v in base.items()},
           **{k: v for k, v in adapters.items() if k.endswith(SUFFIX)}}
+
+
+def merged(params, lora: LoRAConfig):
+  """The base model's params with every adapter folded into its projection,
+  `W + scale * A B` (the bias untouched): the adapted model's function in
+  the base model's layout (what a Hugging Face export writes)."""
+  base, adapters = split(params)
+
+  def fold(base_tree, adapter_tree):
+    out = dict(base_tree)
+    for key, value in adapter_tree.items():
+      if key.endswith(SUFFIX):
+        name = key[:-len(SUFFIX)]
+        delta = lora.scale * (jnp.asarray(value["a"]["kernel"], jnp.float32)
+                              @ jnp.asarray(value["b"]["kernel"], jnp.float32))
+        out[name] = {**out[name], "kernel": out[name]["kernel"] + delta}
+      else:
+        out[key] = fold(base_tree[key], value)
+    return out
+
+  return fold(base, adapters)

@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from dpjax import fileio, reporting
-from dpjax.models import hf_common
+from dpjax.models import hf_common, lora
 from dpjax.pretrained import tensor_files
 from dpjax.pretrained.tensor_files import (  # noqa: F401  DictReader: importable from here
     CheckpointError, DictReader, SafetensorsReader, TorchReader)
@@ -376,7 +376,12 @@ def load_hf(path: str | os.PathLike, config, *, shardings=None,
 
 def export_hf(params: PyTree, config, out_dir: str | os.PathLike) -> None:
   """Writes `config.json` and `model.safetensors` that transformers loads
-  (`AutoModel...from_pretrained(out_dir)`) and `load_hf` reads back exactly."""
+  (`AutoModel...from_pretrained(out_dir)`) and `load_hf` reads back exactly.
+  A model with LoRA adapters is written merged (`lora.merged`): the base
+  model's layout, computing what the adapted model computes."""
+  if getattr(config, "lora", None) is not None:
+    params = lora.merged(params, config.lora)
+    config = dataclasses.replace(config, lora=None)
   mapping = mapping_for(config)
   abstract = _abstract_target(config, mapping)
   want = {_keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract)}

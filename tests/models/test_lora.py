@@ -220,3 +220,18 @@ def test_a_pretrained_start_loads_the_base_and_initialises_the_adapters(
   jax.tree.map(np.testing.assert_array_equal, got_adapters, want)
   assert (jax.tree.structure(lora.merge(got_base, got_adapters))
           == jax.tree.structure(params))
+
+
+@pytest.mark.parametrize("name", ["t5", "gpt2"])
+def test_the_merged_export_computes_what_the_adapted_model_does(name, tmp_path):
+  adapted = model(name)
+  params = with_random_b(adapted.init_params(jax.random.PRNGKey(0))[0])
+  pretrained.export_hf(params, adapted.config, tmp_path)
+  base = model(name, None)
+  loaded = pretrained.load_pretrained(tmp_path, base.config)
+  b = batch(name)
+  np.testing.assert_allclose(base.batch_loss(loaded, b),
+                             adapted.batch_loss(params, b), rtol=1e-5)
+  # And not merely the base model's: the adapters changed the loss.
+  assert not np.allclose(base.batch_loss(without_adapters(params), b),
+                         adapted.batch_loss(params, b), rtol=1e-5)
