@@ -11,15 +11,16 @@ functions of (secret, step)), so a prefetched run is bit-identical to an
 unprefetched one.
 
 Costs and limits: one extra step's batch lives on the devices (tokens and
-masks, not activations). The worker thread idles after the last step and
-ends with the `Ahead`. A step asked out of order (a resume, a loop that
-skips) is made in the foreground and prefetching goes on from there. An
+masks, not activations). Each step's work runs on its own daemon thread,
+so a process that stops early never waits for it. A step asked out of order
+(a resume, a loop that skips) is made in the foreground and prefetching goes
+on from there. An
 error in `make(i + 1)` is raised by the call for step i + 1, not earlier.
 Nothing here is a release: the prefetched sample is secret like every other.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -37,18 +38,38 @@ class Ahead(Generic[T]):
 
   def __init__(self, make: Callable[[int], T], *, stop: int):
     self._make, self._stop = make, stop
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="dpjax-prefetch")
-    self._next: tuple[int, concurrent.futures.Future] | None = None
+    self._next: tuple[int, _Job] | None = None
 
   def __call__(self, i: int) -> T:
     pending, self._next = self._next, None
-    if pending is not None and pending[0] == i:
-      value = pending[1].result()
-    else:
-      if pending is not None:  # out of order: drop what was made for nothing
-        pending[1].cancel()
-      value = self._make(i)
+    # Out of order (a resume, a skip): what was made ahead is dropped.
+    value = (pending[1].result() if pending is not None and pending[0] == i
+             else self._make(i))
     if i + 1 < self._stop:
-      self._next = (i + 1, self._pool.submit(self._make, i + 1))
+      self._next = (i + 1, _Job(self._make, i + 1))
     return value
+
+
+class _Job:
+  """`make(i)` on a daemon thread: a process that ends (an error, a
+  preemption) never waits for a step it will not run."""
+
+  def __init__(self, make: Callable[[int], T], i: int):
+    self._done = threading.Event()
+    self._value = self._error = None
+    threading.Thread(target=self._run, args=(make, i), daemon=True,
+                     name=f"dpjax-prefetch-{i}").start()
+
+  def _run(self, make, i):
+    try:
+      self._value = make(i)
+    except BaseException as e:  # raised where the step is asked for
+      self._error = e
+    finally:
+      self._done.set()
+
+  def result(self):
+    self._done.wait()
+    if self._error is not None:
+      raise self._error
+    return self._value
