@@ -102,7 +102,8 @@ def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
         functools.partial(dual_encoder.abstract_params, config),
         dual_encoder.make_example_loss(config),
         dual_encoder.make_batch_loss(config),
-        example_rng=config.dropout_rate > 0)
+        example_rng=config.dropout_rate > 0 or _lora_dropout(config.encoder),
+        trainable_mask=_lora_mask(config.encoder))
   raise TypeError(f"no trainer support for {type(config).__name__}; "
                   "expected a T5Config, GPT2Config, DualEncoderConfig or "
                   "GPT2DiscConfig")

@@ -46,7 +46,7 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
   gives, as in a run without a checkpoint).
   """
   if isinstance(config, dual_encoder.DualEncoderConfig):
-    params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder))
+    params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder, rng=rng))
     return params if shardings is None else jax.device_put(params, shardings)
   if isinstance(config, gpt2_disc.GPT2DiscConfig):
     return _load_gpt2_disc(path, config, shardings, rng)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli, pretrained, steps, train_step
-from dpjax.models import gpt2, gpt2_disc, lora, t5, trainable
+from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
 from dpjax.privacy import clipping, clipping_method, ghost
 from dpjax.privacy.secret import RunSecret
 
@@ -235,3 +235,24 @@ def test_the_merged_export_computes_what_the_adapted_model_does(name, tmp_path):
   # And not merely the base model's: the adapters changed the loss.
   assert not np.allclose(base.batch_loss(without_adapters(params), b),
                          adapted.batch_loss(params, b), rtol=1e-5)
+
+
+def test_the_dual_encoders_t5_encoder_takes_adapters(tmp_path):
+  config = dual_encoder.DualEncoderConfig(
+      encoder=t5.T5Config(**{**T5.to_json(), "lora": LORA}))
+  m = trainable.trainable(config, {"queries": 8, "documents": 8})
+  params, _ = m.init_params(jax.random.PRNGKey(0))
+  mask = m.trainable_mask(params)
+  trained = [jax.tree_util.keystr(p) for p, t in
+             jax.tree_util.tree_flatten_with_path(mask)[0] if t]
+  assert trained and all(lora.SUFFIX in p for p in trained)
+  assert all("encoder" in p for p in trained)
+  # A pretrained T5 start: its encoder, and fresh adapters (B = 0).
+  t5_params, _ = model("t5", None).init_params(jax.random.PRNGKey(1))
+  pretrained.export_hf(t5_params, T5, tmp_path)
+  loaded = pretrained.load_pretrained(tmp_path, config,
+                                      rng=jax.random.PRNGKey(2))
+  base, adapters = lora.split(loaded)
+  jax.tree.map(np.testing.assert_array_equal, base,
+               dual_encoder.params_from_t5(t5_params))
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
