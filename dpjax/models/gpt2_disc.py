@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.models import common, gpt2, losses
+from dpjax.models import common, gpt2, lora, losses
 
 Array = jax.Array
 PyTree = Any
@@ -176,7 +176,9 @@ def trainable_mask(config: GPT2DiscConfig, params: PyTree) -> PyTree:
 
   The head always trains; with `head_only` nothing else does; otherwise
   every GPT-2 param but those of the `frozen_layers` blocks (the paper's
-  "last N frozen layers" is `range(num_layers - N, num_layers)`).
+  "last N frozen layers" is `range(num_layers - N, num_layers)`), and of
+  those, with LoRA on the GPT-2 (`config.lm.lora`), only what
+  `lora.trainable_mask` trains.
   """
   def trains(name: str) -> bool:
     if name == HEAD:
@@ -184,7 +186,12 @@ def trainable_mask(config: GPT2DiscConfig, params: PyTree) -> PyTree:
     match = _LAYER.fullmatch(name)
     return not config.head_only and not (match and int(match[1]) in config.frozen_layers)
 
-  return {k: jax.tree.map(lambda _, t=trains(k): t, v) for k, v in params.items()}
+  mask = {k: jax.tree.map(lambda _, t=trains(k): t, v) for k, v in params.items()}
+  if config.lm.lora is None:
+    return mask
+  adapted = lora.trainable_mask(config.lm.lora, params)
+  return {k: v if k == HEAD else jax.tree.map(lambda a, b: a and b, v, adapted[k])
+          for k, v in mask.items()}
 
 
 # ----------------------------------------------------------------------------

@@ -61,23 +61,30 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
 
 
 def _load_gpt2_disc(path, config, shardings, rng) -> Any:
-  """GPT-2 from the checkpoint, `disc_head` initialised from `rng`."""
+  """GPT-2 from the checkpoint, `disc_head` (and the GPT-2's LoRA adapters,
+  if any) initialised from `rng`."""
   if rng is None:
     raise ValueError("a GPT2DiscConfig model needs rng= to initialise its discriminator "
                      f"head ({gpt2_disc.HEAD}), which a GPT-2 checkpoint does not hold")
   if isinstance(shardings, Mapping):
     lm_shardings, head_shardings = gpt2_disc.lm_params(shardings), shardings[gpt2_disc.HEAD]
+    lm_shardings, adapter_shardings = lora.split(lm_shardings)
   else:
-    lm_shardings = head_shardings = shardings
-  params = load_pretrained(path, config.lm, shardings=lm_shardings)
-  # Jitted, so XLA drops the GPT-2 init, whose output is unused.
-  head = jax.jit(lambda key: gpt2_disc.init_params(config, key, max_length=1)[0][
-      gpt2_disc.HEAD])(rng)
+    lm_shardings = head_shardings = adapter_shardings = shardings
+  params = load_pretrained(path, dataclasses.replace(config.lm, lora=None),
+                           shardings=lm_shardings)
+
+  def fresh(key):  # jitted, so XLA drops the rest of the init
+    init = gpt2_disc.init_params(config, key, max_length=1)[0]
+    return init[gpt2_disc.HEAD], lora.split(gpt2_disc.lm_params(init))[1]
+
+  head, adapters = jax.jit(fresh)(rng)
   if head_shardings is not None:
     head = jax.device_put(head, head_shardings)
-  reporting.say(f"{gpt2_disc.HEAD}: not in the checkpoint, freshly initialised from the "
-                "run's key")
-  return {**params, gpt2_disc.HEAD: head}
+    adapters = jax.device_put(adapters, adapter_shardings)
+  reporting.say(f"{gpt2_disc.HEAD}{' and LoRA adapters' if adapters else ''}: not in "
+                "the checkpoint, freshly initialised from the run's key")
+  return {**lora.merge(params, adapters), gpt2_disc.HEAD: head}
 
 
 def _load_with_adapters(path, config, shardings, rng) -> Any:

@@ -256,3 +256,34 @@ def test_the_dual_encoders_t5_encoder_takes_adapters(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, base,
                dual_encoder.params_from_t5(t5_params))
   assert jax.tree.structure(loaded) == jax.tree.structure(params)
+
+
+def test_a_discriminator_models_gpt2_takes_adapters():
+  config = gpt2_disc.GPT2DiscConfig(
+      lm=gpt2.GPT2Config(**{**GPT2.to_json(), "lora": LORA}),
+      label_token_ids=(5, 6), frozen_layers=(0,))
+  m = trainable.trainable(config, LENGTHS["gpt2"])
+  mask = m.trainable_mask(m.abstract_params()[0])
+  for path, trains in jax.tree_util.tree_flatten_with_path(mask)[0]:
+    key = jax.tree_util.keystr(path)
+    # The head trains; in the GPT-2 only adapters outside frozen layer 0.
+    assert trains == (gpt2_disc.HEAD in key or (
+        lora.SUFFIX in key and "layers_0" not in key)), key
+
+
+def test_a_discriminator_models_pretrained_start_with_adapters(tmp_path):
+  config = gpt2_disc.GPT2DiscConfig(
+      lm=gpt2.GPT2Config(**{**GPT2.to_json(), "lora": LORA}),
+      label_token_ids=(5, 6))
+  base_params, _ = model("gpt2", None).init_params(jax.random.PRNGKey(3))
+  pretrained.export_hf(base_params, GPT2, tmp_path)
+  key = jax.random.PRNGKey(4)
+  loaded = pretrained.load_pretrained(tmp_path, config, rng=key)
+  fresh = gpt2_disc.init_params(config, key, max_length=12)[0]
+  base, adapters = lora.split(gpt2_disc.lm_params(loaded))
+  jax.tree.map(np.testing.assert_array_equal, base, base_params)
+  # As a run without a checkpoint initialises them (up to the last bit of
+  # a jitted normal draw).
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+  jax.tree.map(close, adapters, lora.split(gpt2_disc.lm_params(fresh))[1])
+  jax.tree.map(close, loaded[gpt2_disc.HEAD], fresh[gpt2_disc.HEAD])
