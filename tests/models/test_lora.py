@@ -6,12 +6,13 @@ import functools
 import math
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, pretrained, steps, train_step
+from dpjax import gin_cli, pretrained, run_config, steps, train_step
 from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
 from dpjax.privacy import clipping, clipping_method, ghost
 from dpjax.privacy.secret import RunSecret
@@ -287,3 +288,15 @@ def test_a_discriminator_models_pretrained_start_with_adapters(tmp_path):
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
   jax.tree.map(close, adapters, lora.split(gpt2_disc.lm_params(fresh))[1])
   jax.tree.map(close, loaded[gpt2_disc.HEAD], fresh[gpt2_disc.HEAD])
+
+
+@pytest.mark.parametrize("size", ["base", "xl"])
+def test_the_lora_paper_gin_files_train_adapters_only(size):
+  gin_cli.configure([f"msmarco_t5_{size}_eps3_lora.gin"], [])
+  try:
+    config = run_config.RunConfig()
+  finally:
+    gin.clear_config()
+  assert config.model_config.lora == lora.LoRAConfig(
+      rank=8, alpha=16.0, targets=("q", "k", "v", "o"))
+  assert config.model_dir.endswith(f"msmarco_t5_{size}_eps3_lora")
