@@ -337,16 +337,18 @@ def preempted(eight_steps, tmp_path_factory):
   recorded), then resumed to the end with the reference's secret."""
   reference_dir, _ = eight_steps
   model_dir = tmp_path_factory.mktemp("preempted")
-  original = sampling.PoissonSampler.microbatches
+  original = ledger_lib.PrivacyLedger.record_dp_steps
 
-  def preempted_during_step_2(self, step, m):
-    if step == 2:
+  # On the main thread, as step 2 records its release (the sampler runs a
+  # step ahead, on another thread: `dpjax.prefetch`).
+  def preempted_during_step_2(self, *args, **kwargs):
+    if self.steps == 2:
       os.kill(os.getpid(), signal.SIGTERM)
-    return original(self, step, m)
+    return original(self, *args, **kwargs)
 
   same_secret(reference_dir, model_dir)
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(sampling.PoissonSampler, "microbatches",
+    mp.setattr(ledger_lib.PrivacyLedger, "record_dp_steps",
                preempted_during_step_2)
     stopped = run(model_dir, "TRAIN_STEPS = 8")
   checkpoint_step = checkpoints.manager(str(model_dir)).latest_step()
