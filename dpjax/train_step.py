@@ -122,7 +122,7 @@ def make_accumulate(clipped_grad, *, seed: int, dropout: bool) -> Callable:
                    {k: s.norms for k, s in stats.items()})
 
     grads, (sums, norms) = jax.lax.scan(one_microbatch, grads, (batch, mask))
-    if set(norms) == {LOSS}:  # one loss (a masked one too): plain names
+    if single:
       return grads, _metrics(sums[LOSS], norms[LOSS], mask)
     return grads, {f"{name}/{key}": value for name in norms
                    for key, value in _metrics(sums[name], norms[name],

@@ -44,7 +44,7 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"Unknown {cls.__name__} fields: {sorted(unknown)}")
     if isinstance(d.get("lora"), Mapping):
-      d = {**d, "lora": lora.LoRAConfig.from_json(d["lora"])}
+      d = {**d, "lora": lora.LoRAConfig(**d["lora"])}
     return cls(**d)
 
 

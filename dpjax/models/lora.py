@@ -70,10 +70,6 @@ class LoRAConfig:
   def scale(self) -> float:
     return self.alpha / self.rank
 
-  @classmethod
-  def from_json(cls, d: Mapping[str, Any] | None) -> LoRAConfig | None:
-    return None if d is None else cls(**d)
-
 
 class Adapter(nn.Module):
   """`scale * dropout(x) @ a @ b`, both factors `layers.Dense` sites."""

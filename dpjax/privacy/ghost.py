@@ -582,9 +582,7 @@ def _ghost_sq_norm(site: Site, factors: Factors) -> jax.Array:
   a, b = factors
   t = b.shape[0]
   if site.kind != "dense" or t % 2 or t < 64:
-    gram_a = (a[:, None] == a[None, :]).astype(jnp.float32) if (
-        site.kind == "lookup") else _dot(a, a.T)
-    return jnp.sum(gram_a * _dot(b, b.T))
+    return _ghost_inner(site, factors, site, factors)
   a, b = a.reshape(2, t // 2, -1), b.reshape(2, t // 2, -1)
   diagonal = jnp.sum(_block_dot(a, a) * _block_dot(b, b))
   return diagonal + 2 * jnp.sum(_dot(a[0], a[1].T) * _dot(b[0], b[1].T))
