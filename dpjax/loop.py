@@ -152,8 +152,9 @@ def window_metrics(dp: list[dict], public: list[dict], dp_steps: int,
             sum(h[p + "num_clipped"] for h in dp) / max(real, 1),
         p + "nonfinite_examples": float(sum(h[p + "num_nonfinite"] for h in dp)),
         p + "examples_per_step": real / max(dp_steps, 1),
-        **{q: float(np.mean([h[q] for h in dp]))
-           for q in dp[0] if q.startswith(p + "grad_norm_p")},
+        # Per call: norm quantiles, adaptive clipping's bound in use.
+        **{q: float(np.mean([h[q] for h in dp])) for q in dp[0]
+           if q.startswith(p + "grad_norm_p") or q == p + "clip_norm"},
     })
   if prefixes and "" not in prefixes:
     metrics["loss"] = sum(metrics[p + "loss"] for p in prefixes)

@@ -176,7 +176,8 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
   return train_step.TrainState(
       step=everywhere,
       params=param_shardings(mesh, logical_axes, rules, shapes=params),
-      opt_state=opt, noise_count=everywhere)
+      opt_state=opt, noise_count=everywhere,
+      clip_norms=jax.tree.map(lambda _: everywhere, state.clip_norms))
 
 
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,

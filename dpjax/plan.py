@@ -25,6 +25,7 @@ import numpy as np
 
 from dpjax import checkpoints, gin_cli, run_config
 from dpjax.privacy import accounting, ledger as ledger_lib
+from dpjax.privacy import adaptive_clipping as adaptive_lib
 from dpjax.privacy import redaction_schedule as redaction_lib, sampling
 
 # Seeds the public sampler apart from the secret Poisson sampler's stream.
@@ -35,19 +36,23 @@ def calibrate(target_epsilon: float, delta: float,
               scheme: sampling.PoissonScheme | sampling.ShuffleScheme,
               stage_steps: Sequence[int], *, releases_per_step: int = 1,
               accountant: str = "pld",
-              prior_events: Sequence[accounting.Event] = ()) -> float:
+              prior_events: Sequence[accounting.Event] = (),
+              fixed_multipliers: Sequence[float] = ()) -> float:
   """The smallest σ with which `prior_events` and then, for each stage, its
   steps of `releases_per_step` Gaussians (one σ for all) under the sampling
   `scheme` (a sampler's `scheme`) meet (target_epsilon, delta); 0 for ε = ∞
   or no step at all. Stages are separate runs on the same data (e.g. the LM and
-  then a head on it frozen): a shuffled stage starts its own epochs."""
+  then a head on it frozen): a shuffled stage starts its own epochs.
+  `fixed_multipliers`: more Gaussians of each step, on the same sample, whose
+  noise is set (adaptive clipping's counts): calibrated together with σ."""
   if math.isinf(target_epsilon) or not any(stage_steps):
     return 0.0
 
   def events(s):
     return list(prior_events) + [
         e for steps in stage_steps
-        for e in scheme.events((s,) * releases_per_step, steps)]
+        for e in scheme.events((s,) * releases_per_step
+                               + tuple(fixed_multipliers), steps)]
 
   return accounting.calibrate_noise_multiplier(target_epsilon, delta, events,
                                                accountant=accountant)
@@ -71,6 +76,10 @@ class Plan:
   # Per-loss clip bounds of a multi-loss model (one release each per step);
   # None: one loss, one release of sensitivity `clip_norm`.
   clip_norms: dict | None = None
+  # `train.clip_norm = 'adaptive'`: the resolved `AdaptiveClipping` (as a
+  # dict); each step also releases one noisy count per loss. `clip_norm` is
+  # then the initial bound.
+  adaptive_clipping: dict | None = None
 
   @property
   def releases_per_step(self) -> int:
@@ -83,7 +92,8 @@ class Plan:
 
   def guarantee(self) -> dict:
     plan = dataclasses.asdict(self)
-    for optional in ("redaction", "clip_norms"):  # as saved before they existed
+    for optional in ("redaction", "clip_norms", "adaptive_clipping"):
+      # as saved before they existed
       if plan[optional] is None:
         del plan[optional]
     return plan
@@ -115,7 +125,8 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
                  noise_multiplier: float | None, accountant: str, seed: int,
                  prior: ledger_lib.PrivacyLedger | None = None,
                  redaction: dict | None = None,
-                 clip_norms: Mapping[str, float] | None = None
+                 clip_norms: Mapping[str, float] | None = None,
+                 adaptive: adaptive_lib.AdaptiveClipping | None = None
                  ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
   """The run's ledger and plan: read back from a checkpoint (whose plan must
   match this one), else with σ calibrated by dp-accounting for the target
@@ -126,12 +137,17 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
   description; its `dp_steps` of the `steps` are the planned releases.
   `clip_norms`: a multi-loss model's per-loss bounds; each DP step is then
   `len(clip_norms)` Gaussians with the one σ on the same sample.
+  `adaptive`: adaptive clipping (resolved); each step also releases one
+  count per loss with its `count_noise_multiplier`, and σ is calibrated
+  with them.
   Raises BudgetExceededError if the recorded plus planned releases exceed
   the target.
   """
   prior_events = prior.all_events if prior else []
   releases = redaction["dp_steps"] if redaction else steps
   per_step = len(clip_norms) if clip_norms else 1
+  counts = ((adaptive.count_noise_multiplier,) * per_step if adaptive
+            else ())
   if saved_meta:
     ledger = ledger_lib.PrivacyLedger.from_json(saved_meta["ledger"])
     sigma = ledger.noise_multiplier
@@ -140,12 +156,22 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
   elif noise_multiplier is not None:
     sigma = float(noise_multiplier)
   else:
-    sigma = calibrate(target_epsilon, delta, sampler.scheme, [releases],
-                      releases_per_step=per_step, accountant=accountant,
-                      prior_events=prior_events)
+    try:
+      sigma = calibrate(target_epsilon, delta, sampler.scheme, [releases],
+                        releases_per_step=per_step, accountant=accountant,
+                        prior_events=prior_events, fixed_multipliers=counts)
+    except ValueError as e:
+      if not counts:
+        raise
+      raise gin_cli.UsageError(
+          f"no noise multiplier reaches ε = {target_epsilon} when adaptive "
+          f"clipping's counts alone (noise stddev "
+          f"{adaptive.count_stddev:g} examples) spend the budget: raise "
+          f"adaptive_clipping.count_stddev ({e})") from None
   plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
               clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
-              redaction, dict(clip_norms) if clip_norms else None)
+              redaction, dict(clip_norms) if clip_norms else None,
+              dataclasses.asdict(adaptive) if adaptive else None)
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
@@ -170,8 +196,14 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
 
 
 def plan_multipliers(plan: Plan) -> tuple[float, ...]:
-  """The noise multipliers of one DP step's releases (one σ for all)."""
-  return (plan.noise_multiplier,) * plan.releases_per_step
+  """The noise multipliers of one DP step's releases: one σ for every
+  gradient sum, then adaptive clipping's counts (one per loss)."""
+  sums = (plan.noise_multiplier,) * plan.releases_per_step
+  if plan.adaptive_clipping is None:
+    return sums
+  count = adaptive_lib.AdaptiveClipping(
+      **plan.adaptive_clipping).count_noise_multiplier
+  return sums + (count,) * plan.releases_per_step
 
 
 def resolve_delta(delta: float | str | None, n: int) -> float:
@@ -260,6 +292,21 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
       "public_steps": int(np.count_nonzero(public))}
 
 
+ADAPTIVE = "adaptive"  # train.clip_norm of adaptive clipping
+
+
+def adaptive_settings(config: run_config.RunConfig
+                      ) -> adaptive_lib.AdaptiveClipping | None:
+  """`adaptive_clipping.*` of a run with `train.clip_norm = 'adaptive'`
+  (None otherwise); a bad value is a UsageError."""
+  if config.clip_norm != ADAPTIVE:
+    return None
+  try:
+    return run_config.adaptive_clipping()
+  except ValueError as e:
+    raise gin_cli.UsageError(str(e)) from None
+
+
 def check_run_inputs(config: run_config.RunConfig) -> float:
   """Refuses bad values of the run's settings before anything is read or
   written: one UsageError naming the gin macro and binding. Returns the
@@ -304,7 +351,14 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
                              or not 0 < epochs < math.inf):
     raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
-  for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
+  if clip_norm == ADAPTIVE:
+    clip_norm = adaptive_settings(config).initial_clip_norm
+    if clip_norms:
+      raise gin_cli.UsageError(
+          "train.clip_norms sets fixed bounds; with train.clip_norm = "
+          "'adaptive' every loss starts at adaptive_clipping.initial_clip_norm")
+  for name, c in [("CLIP_NORM (train.clip_norm: a bound or 'adaptive')",
+                   clip_norm),
                   *((f"train.clip_norms[{k!r}]", v)
                     for k, v in dict(clip_norms or {}).items())]:
     if not gin_cli.is_number(c) or not 0 < c < math.inf:
@@ -388,6 +442,13 @@ class RunPlan:
     return plan_multipliers(self.privacy)
 
   @property
+  def adaptive_clipping(self) -> adaptive_lib.AdaptiveClipping | None:
+    """The run's adaptive clipping (resolved), None with fixed bounds."""
+    settings = self.privacy.adaptive_clipping
+    return None if settings is None else adaptive_lib.AdaptiveClipping(
+        **settings)
+
+  @property
   def normalizer(self) -> float:
     """The expected batch the noisy sum is divided by: q·n (Poisson), else
     the batch size."""
@@ -409,9 +470,18 @@ class RunPlan:
     return (f"{steps}, {self.sampler.describe()['method']} sampling "
             f"(q={plan.batch_size / plan.dataset_size:.4g}), "
             f"σ={self.noise_multiplier:.4f}, "
-            f"C={plan.clip_norms if plan.clip_norms else plan.clip_norm}, "
+            f"C={self._clip_summary()}, "
             f"δ={self.delta:.3g}, planned ε={self.planned_epsilon:.4f} "
             f"(target {self.target_epsilon})")
+
+
+  def _clip_summary(self) -> str:
+    plan, adaptive = self.privacy, self.adaptive_clipping
+    if adaptive is None:
+      return str(plan.clip_norms if plan.clip_norms else plan.clip_norm)
+    return (f"adaptive (from {adaptive.initial_clip_norm:g} toward the "
+            f"{adaptive.target_quantile:g} quantile, count noise "
+            f"{adaptive.count_stddev:.4g})")
 
 
 def make_plan(config: run_config.RunConfig, *, n: int,
@@ -434,6 +504,11 @@ def make_plan(config: run_config.RunConfig, *, n: int,
   sampler = make_sampler(config.sampling_method, n, config.batch_size,
                          sampling_seed, config.overflow_probability)
   delta = resolve_delta(config.delta, n)
+  adaptive = adaptive_settings(config)
+  if adaptive is not None:  # the count's default noise: expected batch / 20
+    adaptive = adaptive.resolved(
+        sampler.sampling_rate * n if isinstance(
+            sampler, sampling.PoissonSampler) else config.batch_size)
   public, redaction = np.zeros(steps, bool), None  # no schedule: all DP
   if config.redaction_schedule:
     public, redaction = plan_redaction(
@@ -444,12 +519,13 @@ def make_plan(config: run_config.RunConfig, *, n: int,
   ledger, privacy = plan_privacy(
       sampler, saved_meta=saved.to_json() if saved else None, steps=steps,
       batch_size=config.batch_size, sampling_method=config.sampling_method,
-      clip_norm=float(config.clip_norm), delta=delta,
+      clip_norm=float(adaptive.initial_clip_norm if adaptive
+                      else config.clip_norm), delta=delta,
       target_epsilon=target_epsilon,
       noise_multiplier=config.noise_multiplier,
       accountant=config.accountant, seed=config.seed,
       prior=read_prior_ledger(config.prior_ledger), redaction=redaction,
-      clip_norms=clip_norms)
+      clip_norms=clip_norms, adaptive=adaptive)
   ledger.secret = secret_source
   planned = accounting.epsilon(
       ledger.all_events + ledger.planned_events(

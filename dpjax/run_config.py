@@ -17,6 +17,13 @@ from typing import Any, Mapping
 import gin
 import optax
 
+from dpjax.privacy import adaptive_clipping as adaptive_lib
+
+# `train.clip_norm = 'adaptive'` reads its settings from these bindings
+# (`adaptive_clipping.target_quantile = 0.5`, ...).
+adaptive_clipping = gin.external_configurable(
+    adaptive_lib.AdaptiveClipping, "adaptive_clipping")
+
 
 @gin.configurable("train")
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +45,11 @@ class RunConfig:
   nothing is dropped).
 
   Privacy: `target_epsilon` (a number or 'inf'), `delta` (a number, '1/n'
-  or '1/(2n)'; None: 1/(2n)), `clip_norm`, `clip_norms` (per-loss bounds of
-  a model with several named losses; default `clip_norm` for each),
+  or '1/(2n)'; None: 1/(2n)), `clip_norm` (a bound, or 'adaptive': it
+  follows a private quantile of the gradient norms, set by
+  `adaptive_clipping.*`, `dpjax.privacy.adaptive_clipping`), `clip_norms`
+  (per-loss bounds of a model with several named losses; default
+  `clip_norm` for each),
   `noise_multiplier` (None: calibrated for the target), `accountant`
   ('pld', the tighter and default, | 'rdp'), `prior_ledger` (an earlier run on the same data whose
   releases this run composes with), `pinned_secret_seed` (tests only: the
@@ -71,7 +81,7 @@ class RunConfig:
   memory_headroom: float = 0.9
   target_epsilon: float | str = 3.0
   delta: float | str | None = None
-  clip_norm: float = 0.1
+  clip_norm: float | str = 0.1
   clip_norms: Mapping[str, float] | None = None
   noise_multiplier: float | None = None
   accountant: str = "pld"

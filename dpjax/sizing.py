@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -232,16 +233,22 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
   placed = place(remats[-1])
   # The state and one clipped sum per loss stay resident whatever the
   # microbatch: if they alone overflow, no candidate is worth compiling.
-  floor = step_cost.device_bytes(placed.abstract_state) + sum(
+  floor = step_cost.device_bytes(placed.abstract_state) + (
       step_cost.device_bytes(step_cost.abstract_like(
-          g, placed.state_shardings.params))
-      for g in jax.eval_shape(placed.zero_grads,
-                              placed.abstract_state.params).values())
+          jax.eval_shape(placed.zero_grads, placed.abstract_state.params),
+          placed.grads_shardings)))
 
   def peak(m: int, remat_choice: str) -> int:
-    return step_cost.step_cost(
+    # A large model's compile takes minutes on a CPU: say what is compiling.
+    start = time.perf_counter()
+    bytes_ = step_cost.step_cost(
         place(remat_choice), rows, m=m, k=-(-max_batch // m),
         batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes
+    reporting.say(
+        f"auto sizing: microbatch {m}, remat {remat_choice!r}: peak "
+        f"{bytes_ / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB "
+        f"(compiled in {time.perf_counter() - start:.0f} s)")
+    return bytes_
 
   if floor > limit:
     choice = Choice(

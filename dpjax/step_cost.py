@@ -112,11 +112,10 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
        for f, x in batch_rows.items()},
       jax.ShapeDtypeStruct((kk, m), np.float32, sharding=mask_sharding))
   index = jax.ShapeDtypeStruct((), np.int32)
-  grads = {name: abstract_like(sums, placed.state_shardings.params)
-           for name, sums in jax.eval_shape(placed.zero_grads,
-                                            state.params).items()}
+  grads = abstract_like(jax.eval_shape(placed.zero_grads, state.params),
+                        placed.grads_shardings)
   accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
-                                       index).compile()
+                                       index, state.clip_norms).compile()
   apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
       (4,), np.uint32)).compile()  # the noise key: uint32[4]
   state_bytes = device_bytes(state)
@@ -126,7 +125,8 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   flops = bytes_accessed = None
   if with_flops:
     one = (accumulate if k == 1 else placed.accumulate.lower(
-        state.params, grads, *group(1), index, index).compile())
+        state.params, grads, *group(1), index, index,
+        state.clip_norms).compile())
     total = logical_step(one, apply, k)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),

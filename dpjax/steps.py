@@ -23,6 +23,7 @@ import optax
 
 from dpjax import gin_cli, partitioning, train_step
 from dpjax.models import trainable as trainable_lib
+from dpjax.privacy import adaptive_clipping as adaptive
 from dpjax.privacy import clipping
 from dpjax.privacy.clipping_method import make_clipped_grad
 from dpjax.privacy import optimizers as dp_optimizers
@@ -102,7 +103,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                   optimizer: str, learning_rate: optax.ScalarOrSchedule,
                   noise_multiplier: float, normalizer: float, seed: int,
                   clipping_method: str = "vmap",
-                  clip_norms: Mapping[str, float] | None = None):
+                  clip_norms: Mapping[str, float] | None = None,
+                  adaptive_clipping: adaptive.AdaptiveClipping | None = None):
   """(DP optimizer, accumulate, apply) for a model: the un-jitted DP step.
 
   `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms:
@@ -117,13 +119,32 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   from a second backward pass instead of book-keeping (`ghost.py`).
   `seed` keys dropout only (public); `apply(state, grads, noise_secret)`
   takes the run's secret noise key (`RunSecret.noise_key()`).
+
+  `adaptive_clipping` (resolved: `count_stddev` set; `clip_norm` and
+  `clip_norms` are then unused): every loss starts at its
+  `initial_clip_norm` and follows its target quantile
+  (`dpjax.privacy.adaptive_clipping`); the losses are clipped in units of
+  their bound (sensitivity 1), and `accumulate` takes the state's
+  `clip_norms`.
   """
   if clipping_method not in CLIPPING_METHODS:
     raise gin_cli.UsageError("train.clipping_method must be 'vmap', 'ghost' "
                              f"or 'auto', got {clipping_method!r}")
+  example_loss, example_losses = model.example_loss, model.example_losses
+  if adaptive_clipping is not None:
+    if clip_norms:
+      raise gin_cli.UsageError(
+          "train.clip_norms sets fixed bounds; with train.clip_norm = "
+          "'adaptive' every loss starts at adaptive_clipping.initial_clip_norm")
+    clip_norm, clip_norms = 1.0, None  # in units of each loss's bound
+    if example_losses is None:
+      example_loss = adaptive.scaled_loss(example_loss, train_step.LOSS)
+    else:
+      example_losses = adaptive.scaled_losses(example_losses,
+                                              model.loss_names)
   bounds = loss_clip_norms(model, clip_norm, clip_norms)
   if bounds is None:  # one loss; the trained leaves only, where some are not
-    clipped = make_clipped_grad(model.example_loss, clip_norm=clip_norm,
+    clipped = make_clipped_grad(example_loss, clip_norm=clip_norm,
                                 method=clipping_method,
                                 trainable=trainable_mask(model))
   elif clipping_method == "ghost":
@@ -132,17 +153,19 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
         "several losses; use 'vmap'")
   else:
     clipped = clipping.multi_loss_clipped_grad(
-        model.example_losses, clip_norms=bounds,
-        trainable=trainable_mask(model))
+        example_losses, clip_norms=bounds, trainable=trainable_mask(model))
   sensitivities = train_step.sensitivities(clipped)
   tx = dp_optimizers.dp_optimizer(
       base_optimizer(model, optimizer, learning_rate),
       noise_multipliers={k: noise_multiplier for k in sensitivities},
       sensitivities=sensitivities, normalizer=normalizer,
-      trainable=trainable_mask(model))
+      trainable=trainable_mask(model),
+      initial_clip_norms=None if adaptive_clipping is None else {
+          k: adaptive_clipping.initial_clip_norm for k in sensitivities})
   accumulate = train_step.make_accumulate(clipped, seed=seed,
                                           dropout=model.example_rng)
-  return tx, accumulate, train_step.make_apply(tx)
+  return tx, accumulate, train_step.make_apply(tx, adaptive_clipping,
+                                               normalizer)
 
 
 def build_public_step(model: trainable_lib.Trainable, *, optimizer: str,
@@ -159,8 +182,9 @@ class PlacedSteps(NamedTuple):
   optimizer: dp_optimizers.DPOptimizer
   state_shardings: train_step.TrainState
   abstract_state: train_step.TrainState  # ShapeDtypeStructs with shardings
-  zero_grads: Callable  # params -> {name: zero clipped sum}
-  accumulate: Callable  # (params, grads, batch, mask, index, call)
+  zero_grads: Callable  # params -> {name: zero clipped sum} (+ counts)
+  grads_shardings: dict  # of zero_grads' result
+  accumulate: Callable  # (params, grads, batch, mask, index, call, C)
   apply: Callable  # (state, grads, noise_secret) -> state
   public: Callable  # (state, batch, mask, index) -> (state, metrics)
   eval: Callable  # (params, batch, mask) -> (loss sum, count)
@@ -170,7 +194,9 @@ def place_steps(model: trainable_lib.Trainable, *, mesh, rules,
                 optimizer: str, learning_rate: optax.ScalarOrSchedule,
                 clip_norm: float, clip_norms: Mapping[str, float] | None,
                 noise_multiplier: float, normalizer: float, seed: int,
-                clipping_method: str) -> PlacedSteps:
+                clipping_method: str,
+                adaptive_clipping: adaptive.AdaptiveClipping | None = None
+                ) -> PlacedSteps:
   """The DP, public and eval steps jitted on `mesh`: params by their logical
   axes (replicated, FSDP or tensor-parallel per `rules`), optimizer moments
   like their params, counters replicated; the state and clipped sums are
@@ -179,22 +205,26 @@ def place_steps(model: trainable_lib.Trainable, *, mesh, rules,
       model, clip_norm=clip_norm, optimizer=optimizer,
       learning_rate=learning_rate, noise_multiplier=noise_multiplier,
       normalizer=normalizer, seed=seed, clipping_method=clipping_method,
-      clip_norms=clip_norms)
+      clip_norms=clip_norms, adaptive_clipping=adaptive_clipping)
   abstract, axes = model.abstract_params()
   state_sh = partitioning.state_shardings(mesh, tx, abstract, axes, rules)
   target = jax.tree.map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract),
       state_sh)
-  names = list(loss_clip_norms(model, clip_norm, clip_norms)
-               or [train_step.LOSS])
-  grads_sh = {k: state_sh.params for k in names}  # one sum per loss
+  names = list(model.loss_names if model.example_losses is not None
+               else [train_step.LOSS])
   replicated = partitioning.replicated(mesh)
+  adapts = adaptive_clipping is not None
+  grads_sh = {k: state_sh.params for k in names}  # one sum per loss
+  if adapts:  # and each loss's count of unclipped examples
+    grads_sh[adaptive.UNCLIPPED] = {k: replicated for k in names}
   return PlacedSteps(
       optimizer=tx, state_shardings=state_sh, abstract_state=target,
       zero_grads=jax.jit(
-          lambda p: {k: train_step.zeros_like_f32(p) for k in names},
+          lambda p: train_step.zeros_like_sums(p, names, adapts),
           out_shardings=grads_sh),
+      grads_shardings=grads_sh,
       accumulate=jax.jit(accumulate, donate_argnums=(1,),
                          out_shardings=(grads_sh, replicated)),
       apply=jax.jit(apply, donate_argnums=(0,), out_shardings=state_sh),

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpjax.privacy import adaptive_clipping as adaptive
 from dpjax.privacy import clipping, optimizers
 
 PyTree = Any
@@ -54,17 +55,23 @@ class TrainState(NamedTuple):
   """`step`: optimizer updates taken, DP and public (int32 scalar);
   `opt_state`: the base optimizer's; `noise_count`: the DP releases made,
   the index that keys the next one's noise. In a run without public steps
-  `step == noise_count`."""
+  `step == noise_count`. `clip_norms`: with adaptive clipping, each loss's
+  current bound `{name: float32}` (a function of earlier releases); None
+  (no leaves) with fixed bounds."""
   step: jax.Array
   params: PyTree
   opt_state: optax.OptState
   noise_count: jax.Array
+  clip_norms: Any = None
 
 
 def init_state(params: PyTree, optimizer: optimizers.DPOptimizer |
                optax.GradientTransformation) -> TrainState:
   zero = jnp.zeros((), jnp.int32)
-  return TrainState(zero, params, optimizer.init(params), zero)
+  initial = getattr(optimizer, "initial_clip_norms", None)
+  clip_norms = None if initial is None else {
+      k: jnp.asarray(c, jnp.float32) for k, c in initial.items()}
+  return TrainState(zero, params, optimizer.init(params), zero, clip_norms)
 
 
 def sensitivities(clipped_grad) -> dict[str, float]:
@@ -94,7 +101,8 @@ def _sum_stats(stats: clipping.ClipStats) -> dict[str, jax.Array]:
 
 
 def make_accumulate(clipped_grad, *, seed: int, dropout: bool) -> Callable:
-  """(params, sums, batch[K,m,...], mask[K,m], step, call) -> (sums, metrics).
+  """(params, sums, batch[K,m,...], mask[K,m], step, call, clip_norms=None)
+  -> (sums, metrics).
 
   `clipped_grad`: a `clipping.ClippedGradFn` (one loss) or a
   `multi_loss_clipped_grad`; `sums` is `{name: running clipped sum}` with the
@@ -103,6 +111,13 @@ def make_accumulate(clipped_grad, *, seed: int, dropout: bool) -> Callable:
   clipping (`name/metric` with several losses). `dropout`: give every
   example a `dropout_rng` key (`dropout_keys`), for dropout or a loss's own
   randomness.
+
+  Adaptive clipping (`clip_norms`, the state's `{name: C}`): `clipped_grad`
+  clips the losses of `adaptive_clipping.scaled_loss` to 1, so the sums are
+  in units of C, and `sums[adaptive_clipping.UNCLIPPED]` (`{name: 0.}` from
+  `zeros_like_sums`) adds up each loss's centred count of unclipped
+  examples; the metrics (losses, norms) are in the loss's own units, with
+  the `clip_norm` used.
   """
   single = not isinstance(clipped_grad, clipping.MultiClippedGrad)
 
@@ -110,23 +125,37 @@ def make_accumulate(clipped_grad, *, seed: int, dropout: bool) -> Callable:
     grad_sum, stats = clipped_grad(params, mb, mb_mask)
     return ({LOSS: grad_sum}, {LOSS: stats}) if single else (grad_sum, stats)
 
-  def accumulate(params, grads, batch, mask, step, call):
+  def accumulate(params, grads, batch, mask, step, call, clip_norms=None):
     if dropout:
       batch = dict(batch, dropout_rng=dropout_keys(seed, step, call,
                                                    mask.shape))
+    if clip_norms is not None:
+      batch = adaptive.with_inverse_clip_norms(batch, clip_norms, mask)
 
     def one_microbatch(acc, microbatch):
       grad_sums, stats = named(params, *microbatch)
+      if clip_norms is not None:
+        grad_sums[adaptive.UNCLIPPED] = {
+            k: adaptive.centred_count(s.num_examples, s.num_clipped)
+            for k, s in stats.items()}
       acc = jax.tree.map(jnp.add, acc, grad_sums)
       return acc, ({k: _sum_stats(s) for k, s in stats.items()},
                    {k: s.norms for k, s in stats.items()})
 
     grads, (sums, norms) = jax.lax.scan(one_microbatch, grads, (batch, mask))
+    if clip_norms is not None:  # back from units of C
+      for k, c in clip_norms.items():
+        sums[k]["loss_sum"] = sums[k]["loss_sum"] * c
+        norms[k] = norms[k] * c
+    metrics = {name: _metrics(sums[name], norms[name], mask)
+               for name in norms}
+    if clip_norms is not None:
+      for k, c in clip_norms.items():
+        metrics[k]["clip_norm"] = c
     if single:
-      return grads, _metrics(sums[LOSS], norms[LOSS], mask)
-    return grads, {f"{name}/{key}": value for name in norms
-                   for key, value in _metrics(sums[name], norms[name],
-                                              mask).items()}
+      return grads, metrics[LOSS]
+    return grads, {f"{name}/{key}": value for name in metrics
+                   for key, value in metrics[name].items()}
 
   return accumulate
 
@@ -139,19 +168,41 @@ def _metrics(sums, norms, mask):
   return metrics
 
 
-def make_apply(optimizer: optimizers.DPOptimizer) -> Callable:
+def make_apply(optimizer: optimizers.DPOptimizer,
+               adaptive_clipping: adaptive.AdaptiveClipping | None = None,
+               normalizer: float | None = None) -> Callable:
   """(state, clipped sums, noise_secret) -> state: one noisy release (index
   `state.noise_count`) and update. `noise_secret` (uint32[4], the run's
   `RunSecret.noise_key()`) is an argument, so it is never a constant of the
-  compiled program."""
+  compiled program.
+
+  With `adaptive_clipping` (resolved: its `count_stddev` set) the sums are
+  in units of the state's clip norms (`make_accumulate`): the same release
+  also noises each loss's unclipped count (its own key stream,
+  `adaptive_clipping.count_keys`), the update is scaled back by C, and C
+  moves toward the target quantile for the next step."""
 
   def apply(state: TrainState, sums, noise_secret) -> TrainState:
+    clip_norms = state.clip_norms
+    if adaptive_clipping is not None:
+      sums = dict(sums)
+      counts = sums.pop(adaptive.UNCLIPPED)
     updates, opt_state = optimizer.update(
         sums, state.opt_state, state.params, count=state.noise_count,
-        noise_secret=noise_secret)
+        noise_secret=noise_secret, scales=clip_norms)
     params = optax.apply_updates(state.params, updates)
+    if adaptive_clipping is not None:
+      clip_norms = {}
+      for k, name in enumerate(state.clip_norms):
+        fraction = adaptive.noisy_unclipped_fraction(
+            counts[name], adaptive.count_keys(noise_secret, state.noise_count,
+                                              k),
+            adaptive_clipping.count_stddev, normalizer)
+        clip_norms[name] = adaptive.next_clip_norm(
+            state.clip_norms[name], fraction,
+            adaptive_clipping.target_quantile, adaptive_clipping.learning_rate)
     return TrainState(state.step + 1, params, opt_state,
-                      state.noise_count + 1)
+                      state.noise_count + 1, clip_norms)
 
   return apply
 
@@ -188,7 +239,8 @@ def make_public_step(example_loss: Callable,
     grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
     updates, opt_state = base.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return (TrainState(state.step + 1, params, opt_state, state.noise_count),
+    return (TrainState(state.step + 1, params, opt_state, state.noise_count,
+                       state.clip_norms),
             {"loss_sum": losses.sum(), "num_examples": count})
 
   return public_step
@@ -206,3 +258,12 @@ def make_eval_step(batch_loss: Callable) -> Callable:
 
 def zeros_like_f32(params: PyTree) -> PyTree:
   return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def zeros_like_sums(params: PyTree, names, adaptive_clipping: bool) -> dict:
+  """The accumulator of one logical batch: `{name: zeros like params}`, and
+  with adaptive clipping `{adaptive_clipping.UNCLIPPED: {name: 0.}}`."""
+  sums = {k: zeros_like_f32(params) for k in names}
+  if adaptive_clipping:
+    sums[adaptive.UNCLIPPED] = {k: jnp.zeros((), jnp.float32) for k in names}
+  return sums

@@ -129,8 +129,10 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
   else:
     run_secret = _run_secret(model_dir, resuming=resume is not None,
                              pinned_seed=config.pinned_secret_seed)
-  bounds = steps_lib.loss_clip_norms(model, float(config.clip_norm),
-                                     config.clip_norms)
+  adaptive = plan_lib.adaptive_settings(config)
+  bounds = steps_lib.loss_clip_norms(  # adaptive: the losses' first bounds
+      model, adaptive.initial_clip_norm if adaptive else config.clip_norm,
+      config.clip_norms)
 
   def plan_for(saved: checkpoints.RunMeta | None) -> plan_lib.RunPlan:
     return plan_lib.make_plan(
@@ -162,10 +164,12 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
         sizing_lib.with_remat(model_config, remat), lengths)
     return sized, steps_lib.place_steps(
         sized, mesh=mesh, rules=rules, optimizer=config.optimizer,
-        learning_rate=schedule, clip_norm=float(config.clip_norm),
-        clip_norms=bounds, noise_multiplier=float(plan.noise_multiplier),
+        learning_rate=schedule, clip_norm=plan.privacy.clip_norm,
+        clip_norms=None if plan.adaptive_clipping else bounds,
+        noise_multiplier=float(plan.noise_multiplier),
         normalizer=plan.normalizer, seed=config.seed,
-        clipping_method=config.clipping_method)
+        clipping_method=config.clipping_method,
+        adaptive_clipping=plan.adaptive_clipping)
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}
@@ -382,7 +386,7 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
     grads, metrics = placed.zero_grads(state.params), []
     for call, (batch, mask) in enumerate(batches):
       grads, call_metrics = placed.accumulate(state.params, grads, batch, mask,
-                                              index, call)
+                                              index, call, state.clip_norms)
       metrics.append(call_metrics)
     state = placed.apply(state, grads, noise_secret)
     plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)

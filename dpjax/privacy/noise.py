@@ -126,15 +126,18 @@ def privatizer(
 ) -> Callable[[Mapping[str, PyTree], jax.Array, jax.Array], PyTree]:
   """The noisy release of one logical batch's clipped sums.
 
-  Returns `privatize(sums, count, noise_secret) -> update`: `sums` is
-  `{name: clipped gradient sum}` (one entry per named loss; a model with one
-  loss is the case of one name), `count` the release index (the DP step:
-  `TrainState.noise_count`) and `noise_secret` the run's secret noise key
-  (uint32[4], `RunSecret.noise_key()`; there is no default). Each sum gets its
-  own `N(0, (noise_multipliers[name] * sensitivities[name])^2 I)`; the noisy
-  sums are added and divided by `normalizer`, giving one update shaped like
-  the params. Leaves where `trainable` is False (frozen) are never noised:
-  their sums are zero, and so are their updates.
+  Returns `privatize(sums, count, noise_secret, scales=None) -> update`:
+  `sums` is `{name: clipped gradient sum}` (one entry per named loss; a
+  model with one loss is the case of one name), `count` the release index
+  (the DP step: `TrainState.noise_count`) and `noise_secret` the run's
+  secret noise key (uint32[4], `RunSecret.noise_key()`; there is no
+  default). Each sum gets its own
+  `N(0, (noise_multipliers[name] * sensitivities[name])^2 I)`; the noisy
+  sums, each times `scales[name]` if given (a value fixed before this
+  release, e.g. the adaptive clip norm: `adaptive_clipping`), are added and
+  divided by `normalizer`, giving one update shaped like the params. Leaves
+  where `trainable` is False (frozen) are never noised: their sums are
+  zero, and so are their updates.
 
   Formal guarantees:
     If each `sums[name]` has L2 sensitivity `<= sensitivities[name]`, each
@@ -173,7 +176,7 @@ def privatizer(
     raise ValueError(f"normalizer must be > 0, got {normalizer}.")
   stddevs = {k: noise_multipliers[k] * sensitivities[k] for k in names}
 
-  def privatize(sums, count, noise_secret):
+  def privatize(sums, count, noise_secret, scales=None):
     if set(sums) != set(names):
       raise ValueError(f"expected the sums {names}, got {sorted(sums)}.")
     step_keys = noise_key(noise_secret, count)
@@ -185,6 +188,8 @@ def privatizer(
         noisy = jax.tree_util.tree_map(
             lambda n, u, t: n if t else u.astype(jnp.float32), noisy,
             sums[name], trainable)
+      if scales is not None:  # post-processing: e.g. back from units of C
+        noisy = jax.tree_util.tree_map(lambda x: x * scales[name], noisy)
       total = noisy if total is None else jax.tree_util.tree_map(
           jnp.add, total, noisy)
     return jax.tree_util.tree_map(lambda x: x / normalizer, total)

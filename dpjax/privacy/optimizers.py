@@ -32,17 +32,21 @@ from dpjax.privacy import noise
 
 class DPOptimizer(NamedTuple):
   """`privatize` (named clipped sums -> one noisy mean update) and the `base`
-  optax optimizer it feeds."""
+  optax optimizer it feeds; with adaptive clipping, the bounds the train
+  state starts from (`{name: C}`, `train_step.init_state`)."""
   privatize: Callable
   base: optax.GradientTransformation
+  initial_clip_norms: Mapping[str, float] | None = None
 
   def init(self, params) -> optax.OptState:
     return self.base.init(params)
 
   def update(self, sums: Mapping[str, Any], opt_state: optax.OptState, params,
-             *, count: jax.Array, noise_secret: jax.Array):
-    """(updates, opt_state): release `count` of `sums`, then `base`."""
-    return self.base.update(self.privatize(sums, count, noise_secret),
+             *, count: jax.Array, noise_secret: jax.Array,
+             scales: Mapping[str, jax.Array] | None = None):
+    """(updates, opt_state): release `count` of `sums` (each noisy sum times
+    its `scales` entry, if given), then `base`."""
+    return self.base.update(self.privatize(sums, count, noise_secret, scales),
                             opt_state, params)
 
 
@@ -53,13 +57,16 @@ def dp_optimizer(
     sensitivities: Mapping[str, float],
     normalizer: float,
     trainable: Any = None,
+    initial_clip_norms: Mapping[str, float] | None = None,
 ) -> DPOptimizer:
-  """`base` fed by `noise.privatizer(...)`; see it for the args."""
+  """`base` fed by `noise.privatizer(...)`; see it for the args.
+  `initial_clip_norms`: adaptive clipping's first bounds (the sums are then
+  in units of the state's bounds, and `sensitivities` are 1)."""
   return DPOptimizer(
       noise.privatizer(noise_multipliers=noise_multipliers,
                        sensitivities=sensitivities, normalizer=normalizer,
                        trainable=trainable),
-      base)
+      base, None if initial_clip_norms is None else dict(initial_clip_norms))
 
 
 def freeze(base: optax.GradientTransformation, trainable: Any
