@@ -1,12 +1,18 @@
 """`python -m dpjax.export`: the release of a trained run, and nothing else.
 
   python -m dpjax.export --model_dir=D --output_dir=R [--overwrite]
+      [--adapters_only]
 
 What is released (a whitelist: every file is written here from values read one
 by one; the run directory is never copied):
   config.json + model.safetensors  the final params in Hugging Face layout
                       (T5, GPT-2, BERT: `dpjax.pretrained.export_hf`), which
                       `dpjax.pretrained.load_pretrained` and transformers read;
+                      a LoRA model merged into its base model's layout;
+  adapter_config.json + adapter_model.safetensors  instead, with
+                      --adapters_only: a LoRA model's adapters alone in PEFT's
+                      layout (`dpjax.pretrained.peft`), read by PEFT and by
+                      `load_pretrained` with the base model they name;
   params.safetensors  instead, for a model without a Hugging Face mapping
                       (dual encoder, GPT-2 + head): the params flattened to
                       '/'-joined dpjax names;
@@ -150,6 +156,7 @@ def privacy_statement(meta: checkpoints.RunMeta, config) -> dict:
       "noise_multiplier": ledger.noise_multiplier,
       "clip_norm": ledger.clip_norm,
       "clip_norms": plan.get("clip_norms"),
+      "adaptive_clipping": plan.get("adaptive_clipping"),
       "dataset_size": ledger.dataset_size,
       "dp_steps": ledger.steps,
       "target_epsilon": _float(ledger.target_epsilon),
@@ -179,6 +186,16 @@ _NOISE_KEY_TEXT = {
 }
 
 
+def _clip_text(s: dict) -> str:
+  adaptive = s.get("adaptive_clipping")
+  if not adaptive:
+    return str(s["clip_norms"] or s["clip_norm"])
+  return (f"adaptive: from {adaptive['initial_clip_norm']:g} toward the "
+          f"{adaptive['target_quantile']:g} quantile of the gradient norms; "
+          "each step also released its count of unclipped examples with "
+          f"noise stddev {adaptive['count_stddev']:.4g} (in the events)")
+
+
 def privacy_markdown(s: dict) -> str:
   """PRIVACY.md: the statement for people."""
   rows = [("ε spent (recomputed from the ledger's events)", s["epsilon"]),
@@ -188,7 +205,7 @@ def privacy_markdown(s: dict) -> str:
           ("sampling", s["sampling"].get("method")),
           ("q (sampling rate)", s["sampling_rate"]),
           ("σ (noise multiplier)", s["noise_multiplier"]),
-          ("C (clip norm)", s["clip_norms"] or s["clip_norm"]),
+          ("C (clip norm)", _clip_text(s)),
           ("n (dataset size)", s["dataset_size"]),
           ("DP steps", s["dp_steps"]), ("target ε", s["target_epsilon"]),
           ("model step", s["model_step"]), ("noise key", s["noise_key"])]
@@ -214,8 +231,13 @@ def privacy_markdown(s: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write_params(params, config, out: str) -> list[str]:
-  """The params as Hugging Face files, else as flattened safetensors."""
+def write_params(params, config, out: str, *, adapters_only: bool = False,
+                 base_model: str | None = None) -> list[str]:
+  """The params as Hugging Face files, else as flattened safetensors; with
+  `adapters_only`, a LoRA model's adapters as a PEFT directory."""
+  if adapters_only:
+    return pretrained.peft.export_adapters(params, config, out,
+                                           base_model=base_model)
   try:
     pretrained.hf.mapping_for(config)
   except pretrained.CheckpointError:
@@ -254,10 +276,11 @@ def _install(tmp: str, output_dir: str) -> None:
     os.replace(tmp, output_dir)  # over an empty directory too (POSIX)
 
 
-def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False
-               ) -> dict:
+def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False,
+               adapters_only: bool = False) -> dict:
   """Writes the release of the run in `model_dir` to `output_dir`; returns
-  its path, files and statement."""
+  its path, files and statement. `adapters_only`: a LoRA run's adapters in
+  PEFT's layout instead of the merged model."""
   model_dir, output_dir = (os.path.abspath(os.path.expanduser(p))
                            for p in (model_dir, output_dir))
   check_paths(model_dir, output_dir, overwrite)
@@ -268,7 +291,8 @@ def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False
   tmp = tempfile.mkdtemp(dir=parent,
                          prefix=f".{os.path.basename(output_dir)}.tmp-")
   try:
-    files = write_params(params, config, tmp)
+    files = write_params(params, config, tmp, adapters_only=adapters_only,
+                         base_model=meta.initial_checkpoint_path)
     files += copy_tokenizer(meta.tokenizer_files, tmp)
     released = {"model_class": type(config).__name__,
                 "model_config": public_config(config.to_json())}
@@ -296,9 +320,14 @@ def main(argv=None) -> dict:
   parser.add_argument("--output_dir", required=True)
   parser.add_argument("--overwrite", action="store_true",
                       help="replace a non-empty --output_dir")
+  parser.add_argument("--adapters_only", action="store_true",
+                      help="a LoRA run: its adapters alone, in PEFT's layout "
+                           "(adapter_config.json + adapter_model.safetensors), "
+                           "instead of the merged model")
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   result = export_run(args.model_dir, args.output_dir,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite,
+                      adapters_only=args.adapters_only)
   s = result["statement"]
   print(f"dpjax: released {args.model_dir} (step {s['model_step']}) to "
         f"{result['output_dir']}: ε = {s['epsilon']} at "

@@ -14,7 +14,7 @@ BPE. No torch here.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from dpjax.models import hf_common
 from dpjax.models.gpt2 import GPT2Config
 
 PyTree = Any
+# PEFT adapter_config.json: the task, and whether weights are [in, out].
+PEFT_TASK_TYPE = "CAUSAL_LM"
+PEFT_FAN_IN_FAN_OUT = True
 HF_MODEL_TYPES = ("gpt2",)
 HF_FIELD_NAMES = {"d_model": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
                   "d_ff": "n_inner", "dropout_rate": "resid_pdrop"}
@@ -139,3 +142,17 @@ def to_hf_state_dict(config: GPT2Config, params: PyTree) -> dict[str, np.ndarray
       out[f"transformer.h.{i}.attn.c_attn.{suffix}"] = np.concatenate(
           [get((*attention, n, part)) for n in _QKV], axis=-1)
   return out
+
+
+def lora_modules(config: GPT2Config) -> Iterator[tuple[str, list[tuple[tuple, int]]]]:
+  """(HF module name, [(our projection's path, its first output column)]) of
+  every dense projection a LoRA adapter can sit on (PEFT's layout): HF's
+  `c_attn` is query, key and value side by side, columns 0, d and 2d."""
+  d = config.d_model
+  for i in range(config.num_layers):
+    p, layer = f"transformer.h.{i}", f"layers_{i}"
+    yield f"{p}.attn.c_attn", [((layer, "attention", n), j * d) for j, n in enumerate(_QKV)]
+    for path, theirs in ((("attention", "out"), "attn.c_proj"), (("mlp", "wi"), "mlp.c_fc"),
+                         (("mlp", "wo"), "mlp.c_proj")):
+      yield f"{p}.{theirs}", [((layer, *path), 0)]
+

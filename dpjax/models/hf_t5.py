@@ -3,7 +3,8 @@
 The mapping contract shared by all `hf_*` modules (see `dpjax.pretrained.hf`,
 which does the file reading, checking and device placement):
 `HF_MODEL_TYPES`, `config_from_hf`, `config_to_hf`, `param_sources` (lazy:
-nothing is read here) and `to_hf_state_dict` (its exact inverse).
+nothing is read here), `to_hf_state_dict` (its exact inverse) and
+`lora_modules` (where PEFT's adapters sit).
 
 PyTorch `nn.Linear` weights are `[out, in]`, our kernels `[in, out]`, so
 kernels are transposes; the relative position tables are `[buckets, heads]`
@@ -26,6 +27,9 @@ from dpjax.models import hf_common
 from dpjax.models.t5 import T5Config
 
 PyTree = Any
+# PEFT adapter_config.json: the task, and whether weights are [in, out].
+PEFT_TASK_TYPE = "SEQ_2_SEQ_LM"
+PEFT_FAN_IN_FAN_OUT = False
 HF_MODEL_TYPES = ("t5",)
 # dpjax field -> config.json key, for error messages.
 HF_FIELD_NAMES = {"num_encoder_layers": "num_layers", "feed_forward": "feed_forward_proj",
@@ -132,3 +136,14 @@ def to_hf_state_dict(config: T5Config, params: PyTree) -> dict[str, np.ndarray]:
     x = np.asarray(x)
     out[name] = x.T if transposed else x
   return out
+
+
+def lora_modules(config: T5Config) -> Iterator[tuple[str, list[tuple[tuple, int]]]]:
+  """(HF module name, [(our projection's path, its first output column)]) of
+  every dense projection a LoRA adapter can sit on (PEFT's layout,
+  `dpjax.pretrained.peft`): in T5 each projection is its own `nn.Linear`."""
+  for path, name, transposed in _table(config):
+    if transposed and path[-1] == "kernel" and "relpos_bias" not in path and (
+        path[-2] != "logits_dense"):
+      yield name[:-len(".weight")], [(path[:-1], 0)]
+

@@ -8,7 +8,8 @@ vocab_size exceeds the checkpoint's gets the extra embedding rows (`hf`'s
 docstring). A GPT-2 with a discriminator head (`gpt2_disc`) takes its GPT-2
 from the checkpoint and a freshly initialised head; a model with LoRA
 adapters takes its base model from the checkpoint and fresh adapters (B =
-0). `export_hf` writes params
+0), or, from a PEFT LoRA directory (`peft`), the base model it names and its
+adapters. `export_hf` writes params
 as a Hugging Face directory. Every problem is a `CheckpointError` naming the
 tensor or config field and both shapes or values. No TensorFlow here; torch
 is imported only to read `.bin` files.
@@ -24,7 +25,7 @@ import jax
 
 from dpjax import reporting
 from dpjax.models import dual_encoder, gpt2_disc, lora, trainable
-from dpjax.pretrained import t5x
+from dpjax.pretrained import peft, t5x
 from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_checkpoint,
                                  tokenizer_files)
 
@@ -51,6 +52,8 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
   if isinstance(config, gpt2_disc.GPT2DiscConfig):
     return _load_gpt2_disc(path, config, shardings, rng)
   if getattr(config, "lora", None) is not None:
+    if peft.is_adapter_dir(path):
+      return _load_peft(path, config, shardings)
     return _load_with_adapters(path, config, shardings, rng)
   if (pathlib.Path(path) / "config.json").is_file():
     return load_hf(path, config, shardings=shardings)
@@ -105,3 +108,23 @@ def _load_with_adapters(path, config, shardings, rng) -> Any:
   reporting.say("LoRA adapters: not in the checkpoint, initialised from the run's key "
                 "(B = 0)")
   return lora.merge(base, adapters)
+
+
+def _load_peft(path, config, shardings) -> Any:
+  """The base model named by a PEFT directory's `base_model_name_or_path`
+  (a local checkpoint) with the directory's adapters (`peft.load_adapters`)."""
+  base_path = peft.read_adapter_config(path).get("base_model_name_or_path")
+  if not base_path or not pathlib.Path(base_path).exists():
+    raise CheckpointError(
+        f"{path}: base_model_name_or_path {base_path!r} is not a local "
+        "checkpoint; the adapters need their base model")
+  base_shardings, adapter_shardings = (lora.split(shardings)
+                                       if isinstance(shardings, Mapping)
+                                       else (shardings, shardings))
+  base = load_pretrained(base_path, dataclasses.replace(config, lora=None),
+                         shardings=base_shardings)
+  adapters = peft.load_adapters(path, config)
+  adapters = jax.device_put(adapters, adapter_shardings)
+  reporting.say(f"LoRA adapters: from {path}, on the base model {base_path}")
+  return lora.merge(base, adapters)
+

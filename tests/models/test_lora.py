@@ -2,8 +2,11 @@
 the adapter's own arithmetic, adapter-only clipped sums against an explicit
 per-example loop in float64, and a DP update that leaves every frozen leaf
 exactly as it was (no gradient, no noise)."""
+import dataclasses
 import functools
+import json
 import math
+import pathlib
 
 import flax.linen as nn
 import gin
@@ -15,6 +18,7 @@ import pytest
 from dpjax import gin_cli, pretrained, run_config, steps, train_step
 from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
 from dpjax.privacy import clipping, clipping_method, ghost
+from dpjax.pretrained import peft
 from dpjax.privacy.secret import RunSecret
 
 LORA = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "mlp"))
@@ -300,3 +304,81 @@ def test_the_lora_paper_gin_files_train_adapters_only(size):
   assert config.model_config.lora == lora.LoRAConfig(
       rank=8, alpha=16.0, targets=("q", "k", "v", "o"))
   assert config.model_dir.endswith(f"msmarco_t5_{size}_eps3_lora")
+
+
+def peft_reference(base_dir, peft_dir, fan_in_fan_out):
+  """The HF weights PEFT computes from an adapter directory, by its
+  documented rule: W + (alpha_m / r_m) B A for each target module m
+  ([out, in]; transposed for Conv1D, `fan_in_fan_out`)."""
+  from safetensors import numpy as st_numpy
+  config = json.loads((pathlib.Path(peft_dir) / "adapter_config.json").read_text())
+  weights = dict(st_numpy.load_file(str(pathlib.Path(base_dir) / "model.safetensors")))
+  adapters = st_numpy.load_file(str(pathlib.Path(peft_dir) / "adapter_model.safetensors"))
+  for module in config["target_modules"]:
+    a = adapters[f"base_model.model.{module}.lora_A.weight"].astype(np.float64)
+    b = adapters[f"base_model.model.{module}.lora_B.weight"].astype(np.float64)
+    r = config["rank_pattern"].get(module, config["r"])
+    alpha = config["alpha_pattern"].get(module, config["lora_alpha"])
+    assert a.shape[0] == b.shape[1] == r
+    delta = alpha / r * (b @ a)
+    weights[f"{module}.weight"] = weights[f"{module}.weight"] + (
+        delta.T if fan_in_fan_out else delta)
+  return weights
+
+
+@pytest.mark.parametrize("name", ["t5", "gpt2"])
+def test_the_peft_export_is_what_peft_computes_on_the_base(name, tmp_path):
+  from safetensors import numpy as st_numpy
+  adapted = model(name)
+  params = with_random_b(adapted.init_params(jax.random.PRNGKey(0))[0])
+  base_dir, peft_dir, merged_dir = (tmp_path / d for d in ("base", "peft",
+                                                            "merged"))
+  pretrained.export_hf(lora.split(params)[0], model(name, None).config,
+                       base_dir)
+  files = peft.export_adapters(params, adapted.config, peft_dir,
+                               base_model=str(base_dir))
+  assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
+  pretrained.export_hf(params, adapted.config, merged_dir)
+  merged = st_numpy.load_file(str(merged_dir / "model.safetensors"))
+  want = peft_reference(base_dir, peft_dir, fan_in_fan_out=name == "gpt2")
+  assert set(merged) == set(want)
+  for k in merged:
+    np.testing.assert_allclose(want[k], merged[k], rtol=1e-5, atol=1e-6)
+  config = json.loads((peft_dir / "adapter_config.json").read_text())
+  if name == "gpt2":  # query and value share c_attn: one adapter of rank 2r
+    assert config["rank_pattern"] == {"transformer.h.0.attn.c_attn": 8}
+    assert config["alpha_pattern"] == {"transformer.h.0.attn.c_attn": 16.0}
+  assert config["base_model_name_or_path"] == str(base_dir)
+
+
+@pytest.mark.parametrize("name", ["t5", "gpt2"])
+def test_a_peft_directory_loads_back_as_the_adapted_model(name, tmp_path):
+  adapted = model(name)
+  params = with_random_b(adapted.init_params(jax.random.PRNGKey(0))[0])
+  pretrained.export_hf(lora.split(params)[0], model(name, None).config,
+                       tmp_path / "base")
+  peft.export_adapters(params, adapted.config, tmp_path / "peft",
+                       base_model=str(tmp_path / "base"))
+  loaded = pretrained.load_pretrained(tmp_path / "peft", adapted.config)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_peft_export_refuses_what_the_layout_cannot_hold(tmp_path):
+  trains_norms = model("gpt2", dataclasses.replace(LORA,
+                                                   train="lora_norms_biases"))
+  params = trains_norms.init_params(jax.random.PRNGKey(0))[0]
+  with pytest.raises(pretrained.CheckpointError, match="merged"):
+    peft.export_adapters(params, trains_norms.config, tmp_path / "a")
+  with pytest.raises(pretrained.CheckpointError, match="no LoRA"):
+    peft.export_adapters(params, model("gpt2", None).config, tmp_path / "b")
+  # A fused module whose B mixes projections is not dpjax's adapters.
+  adapted = model("gpt2")
+  params = with_random_b(adapted.init_params(jax.random.PRNGKey(0))[0])
+  peft.export_adapters(params, adapted.config, tmp_path / "c")
+  from safetensors import numpy as st_numpy
+  file = tmp_path / "c" / "adapter_model.safetensors"
+  tensors = st_numpy.load_file(str(file))
+  tensors["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"][:] = 1.0
+  st_numpy.save_file(tensors, str(file))
+  with pytest.raises(pretrained.CheckpointError, match="mixes"):
+    peft.load_adapters(tmp_path / "c", adapted.config)
