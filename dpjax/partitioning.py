@@ -165,6 +165,8 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
   everywhere = replicated(mesh)
 
   def mirror(leaf, param, axes):
+    if isinstance(leaf, optax.MaskedNode):  # a frozen leaf keeps no state
+      return leaf
     logical = _moment_axes(axes, np.shape(param), leaf.shape)
     return NamedSharding(mesh, mesh_axes(logical, mesh, rules, leaf.shape))
 
@@ -172,7 +174,8 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
           else optimizer)
   opt = optax.tree_map_params(
       base, mirror, state.opt_state, params, logical_axes,
-      transform_non_params=lambda t: jax.tree.map(lambda _: everywhere, t))
+      transform_non_params=lambda t: jax.tree.map(lambda _: everywhere, t),
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   return train_step.TrainState(
       step=everywhere,
       params=param_shardings(mesh, logical_axes, rules, shapes=params),

@@ -16,8 +16,8 @@ The release index is not optimizer state: it is the train state's
 redaction schedule's public step) runs `base` on the same state and leaves
 the count, and with it every later release's noise, as it is.
 
-`optax.transforms.freeze` zeroes `base`'s updates of frozen leaves (a
-data-independent mask: post-processing).
+`freeze` runs `base` on the trained leaves only and zeroes the frozen
+ones' updates (a data-independent mask: post-processing).
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ def dp_optimizer(
 
 def freeze(base: optax.GradientTransformation, trainable: Any
            ) -> optax.GradientTransformation:
-  """`base` whose updates of the leaves where `trainable` is False are zero
-  (frozen layers stay as they are, even under weight decay)."""
+  """`base` on the leaves where `trainable` is True only: the frozen leaves
+  keep no optimizer state (LoRA's frozen base has no Adam moments) and
+  their updates are exactly zero (they stay as they are, even under weight
+  decay)."""
   frozen = jax.tree.map(lambda t: not t, trainable)
-  return optax.chain(base, optax.transforms.freeze(frozen))
+  return optax.chain(optax.masked(base, trainable),
+                     optax.transforms.freeze(frozen))
