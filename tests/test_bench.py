@@ -95,6 +95,25 @@ def test_memory_only_with_remat(capsys):
   assert result["residual_bytes"] > 0 and "memory_analysis" in result
 
 
+@pytest.mark.parametrize("mode", ["nodp", "ghost"])
+def test_a_lora_step_trains_and_keeps_state_for_the_adapters_only(mode,
+                                                                   capsys):
+  assert bench.main(TINY + [f"--mode={mode}", "--lora_rank=2"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  d, rank, layers = 64, 2, 2  # adapters on q, k, v, o: a [d, r] and b [r, d]
+  assert result["trained_params"] == layers * 4 * 2 * d * rank
+  assert result["params"] == gpt2_tiny_params(128) + result["trained_params"]
+  assert result["lora_rank"] == 2 and result["step_time_s"] > 0
+  # Adam's moments for the adapters alone: the arguments are the float32
+  # params and two moments of each trained leaf (and counters).
+  assert bench.main(TINY + [f"--mode={mode}", "--lora_rank=2",
+                            "--memory_only"]) == 0
+  arguments = json.loads(capsys.readouterr().out)["memory_analysis"][
+      "argument_size_in_bytes"]
+  state = 4 * (result["params"] + 2 * result["trained_params"])
+  assert state <= arguments < state + 4 * result["params"]
+
+
 # --- XLA cost analysis: compile only, nothing timed. ------------------------
 
 COST = ["--model=gpt2_tiny", "--vocab=128", "--seq=16", "--batch=4",

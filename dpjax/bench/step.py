@@ -77,9 +77,10 @@ import numpy as np
 import optax
 
 from dpjax import gin_cli, partitioning, step_cost, train_step
-from dpjax.models import gpt2, t5
+from dpjax import steps as steps_lib
+from dpjax.models import gpt2, lora, t5
 from dpjax.models import trainable as trainable_lib
-from dpjax.privacy import clipping_method, ghost, optimizers, secret
+from dpjax.privacy import clipping, clipping_method, ghost, optimizers, secret
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 MODEL_DIR = os.path.join(gin_cli.REPO_GIN_DIR, "models")
@@ -115,9 +116,10 @@ def mfu(num_params: int, tokens_per_second: float,
 
 
 def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
-                 remat: str = "none"):
-  """The config of gin/models/{name}.gin with compute `dtype`, dropout off
-  and rematerialisation `remat`."""
+                 remat: str = "none", lora_rank: int = 0):
+  """The config of gin/models/{name}.gin with compute `dtype`, dropout off,
+  rematerialisation `remat` and, with `lora_rank`, LoRA adapters of that
+  rank on the attention projections (only they train)."""
   path = os.path.join(MODEL_DIR, f"{name}.gin")
   family = name.split("_")[0]
   if family not in CONFIGS or not os.path.isfile(path):
@@ -131,6 +133,9 @@ def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
   finally:
     gin.clear_config()
   overrides = {"vocab_size": vocab_size} if vocab_size else {}
+  if lora_rank:
+    overrides["lora"] = lora.LoRAConfig(rank=lora_rank,
+                                        alpha=2.0 * lora_rank)
   return dataclasses.replace(config, dtype=dtype, dropout_rate=0.0,
                              remat=remat, **overrides)
 
@@ -173,17 +178,27 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
                ) -> BenchStep:
   """The step of `mode`; `step(state, batch[K,m,...], mask[K,m]) -> (state,
   metrics)`, one logical batch, to be jitted. `ghost_norm` and
-  `ghost_summation`: `ghost.ghost_clipped_grad`'s `norm` and `summation`."""
+  `ghost_summation`: `ghost.ghost_clipped_grad`'s `norm` and `summation`.
+  A model with a trainable mask (LoRA) differentiates, clips, noises and
+  keeps optimizer state for its trained leaves only, as the trainer does."""
+  trainable = steps_lib.trainable_mask(model)
+  adam = (optax.adam(learning_rate) if trainable is None else
+          optimizers.freeze(optax.adam(learning_rate), trainable))
   if mode == "nodp":
-    tx = optax.adam(learning_rate)
+    tx = adam
 
     def nodp_accumulate(params, batch, mask, step):
       del mask, step  # every synthetic example is real
 
       def add_grad(grads, microbatch):
-        loss_sum = lambda p: model.batch_loss(p, microbatch).sum()
-        loss, g = jax.value_and_grad(loss_sum)(params)
-        return jax.tree.map(jnp.add, grads, g), loss
+        loss = lambda p, b: model.batch_loss(p, b).sum()
+        if trainable is None:
+          value, g = jax.value_and_grad(loss)(params, microbatch)
+        else:  # w.r.t. the trained leaves only (the frozen ones: zeros)
+          g, value = clipping.trained_only(
+              lambda f: lambda p, b, _: jax.value_and_grad(f)(p, b)[::-1],
+              loss, trainable, 1.0)(params, microbatch, None)
+        return jax.tree.map(jnp.add, grads, g), value
 
       grads, losses = jax.lax.scan(
           add_grad, train_step.zeros_like_f32(params), batch)
@@ -199,9 +214,9 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
     return BenchStep(tx, nodp_accumulate, nodp_apply)
 
   dp_adam = lambda sensitivity: optimizers.dp_optimizer(
-      optax.adam(learning_rate),
-      noise_multipliers={train_step.LOSS: noise_multiplier},
-      sensitivities={train_step.LOSS: sensitivity}, normalizer=batch_size)
+      adam, noise_multipliers={train_step.LOSS: noise_multiplier},
+      sensitivities={train_step.LOSS: sensitivity}, normalizer=batch_size,
+      trainable=trainable)
   # A benchmark releases nothing: its noise key may be a compiled constant.
   noise_secret = jnp.asarray(secret.RunSecret.draw().noise_key())
   if mode == "jax_privacy":
@@ -209,6 +224,8 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       from jax_privacy import clipping as jp_clipping
     except ImportError as e:
       raise Unavailable(f"jax_privacy mode needs jax-privacy installed ({e})")
+    if trainable is not None:
+      raise Unavailable("jax_privacy mode has no trainable mask (LoRA)")
     clipped = jp_clipping.clipped_grad(
         model.example_loss, l2_clip_norm=clip_norm, batch_argnums=1,
         keep_batch_dim=False, microbatch_size=microbatch_size,
@@ -223,12 +240,16 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
     accumulate = jax_privacy_accumulate
   else:
     if mode == "ghost":
-      clipped = ghost.ghost_clipped_grad(
-          model.example_loss, clip_norm=clip_norm, norm=ghost_norm,
+      make = lambda loss: ghost.ghost_clipped_grad(
+          loss, clip_norm=clip_norm, norm=ghost_norm,
           summation=ghost_summation)
+      clipped = (make(model.example_loss) if trainable is None else
+                 clipping.trained_only(make, model.example_loss, trainable,
+                                       clip_norm))
     else:
       clipped = clipping_method.make_clipped_grad(
-          model.example_loss, clip_norm=clip_norm, method=mode)
+          model.example_loss, clip_norm=clip_norm, method=mode,
+          trainable=trainable)
     tx = dp_adam(clipped.sensitivity)
     dp_accumulate = train_step.make_accumulate(clipped, seed=seed,
                                                dropout=False)
@@ -290,7 +311,7 @@ def residual_bytes(loss: Callable, params, microbatch) -> int:
 def run(args: argparse.Namespace) -> dict:
   """Builds, compiles and (unless --memory_only) times the step."""
   config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab,
-                        remat=args.remat)
+                        remat=args.remat, lora_rank=args.lora_rank)
   if isinstance(config, t5.T5Config):
     lengths = {"inputs": args.input_length or args.seq,
                "targets": args.target_length or args.seq}
@@ -360,13 +381,19 @@ def run(args: argparse.Namespace) -> dict:
   cost["cost_compile_s"] = round(time.perf_counter() - start, 3)
 
   num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
+  trained = steps_lib.trainable_mask(model)
+  trained_params = num_params if trained is None else sum(
+      x.size for x, t in zip(jax.tree.leaves(abstract_params),
+                             jax.tree.leaves(trained)) if t)
   tokens_per_step = args.batch * sum(lengths.values())
   device = jax.devices()[0]
   result = dict(
       model=args.model, mode=args.mode, dtype=args.dtype, remat=args.remat,
+      lora_rank=args.lora_rank,
       batch=args.batch, microbatch=m, lengths=lengths,
       tokens_per_step=tokens_per_step,
-      params=num_params, mesh=dict(mesh.shape), rules=args.rules,
+      params=num_params, trained_params=trained_params,
+      mesh=dict(mesh.shape), rules=args.rules,
       compile_s=None if args.cost_only else round(compile_s, 3),
       **cost)
   if args.mode == "ghost":
@@ -448,6 +475,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--vocab", type=int,
                  help="override the vocabulary size (tiny gin files leave "
                  "it to the task)")
+  p.add_argument("--lora_rank", type=int, default=0,
+                 help="LoRA adapters of this rank on q, k, v, o (alpha = 2 "
+                      "rank); only they train (0: every weight)")
   p.add_argument("--clip_norm", type=float, default=1.0)
   p.add_argument("--noise_multiplier", type=float, default=1.0)
   p.add_argument("--learning_rate", type=float, default=1e-4)
