@@ -18,10 +18,18 @@ and with `steps=K` (`--dry_run_steps=K`) it also initialises the params,
 runs K real steps (their releases go nowhere: nothing is saved) and adds
 step_time_s (the median after the first, which compiles) and
 projected_wall_s (that times the steps left to run).
+
+On a CPU, XLA's default scheduler favours concurrency: it keeps every
+layer's temporaries (and the noise of every parameter) alive at once, so
+its compiled peak says little about an accelerator's memory-aware schedule.
+`use_memory_scheduler` (called by `python -m dpjax.train --dry_run` before
+the backend starts) selects XLA's memory-minimising CPU scheduler instead;
+the line records the XLA_FLAGS it was compiled with.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -32,6 +40,15 @@ from dpjax import (distributed, partitioning, run_config, sizing, step_cost,
 from dpjax.privacy import clipping_method as clipping_lib
 
 RunConfig = run_config.RunConfig
+MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def use_memory_scheduler() -> None:
+  """Adds `MEMORY_SCHEDULER_FLAG` to XLA_FLAGS (it affects CPU compiles
+  only); effective if the backend has not started yet."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}".strip()
 
 
 def clipping_method(built: trainer.Built) -> str:
@@ -94,6 +111,7 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
       "bytes_accessed_per_step": cost.bytes_accessed,
       "backend": device.platform, "device_kind": device.device_kind,
       "devices": jax.device_count(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
   if steps:
     record.update(_timed_steps(built, steps, start))

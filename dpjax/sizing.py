@@ -9,9 +9,11 @@ then no remat before layer remat: the order is (calls, remat).
 
 A step's peak grows with its microbatch, so for each remat the whole
 padded batch is tried first (one compile where memory is ample), then the
-largest fitting microbatch is found by bisection over the rest (m halving
-down to one example per data-parallel device): about log2(batch) compiles,
-and remat is tried only if it could beat the best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
+largest fitting microbatch is searched over the rest (m halving down to one
+example per data-parallel device) by interpolation on the near-affine
+peak, safeguarded by bisection (`choose`): two or three more compiles
+where the peak is affine in m; remat is tried only if it could beat the
+best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
 set, else the backend's `bytes_limit`, else (a CPU) the host's RAM.
 
 The choice and its figures are printed and written to
@@ -115,19 +117,39 @@ class Choice:
 
 def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
            max_batch: int, remats: Sequence[str], limit_bytes: int,
-           memory_source: str) -> Choice:
+           memory_source: str, floor_bytes: int = 0) -> Choice:
   """The fastest (fewest calls, then cheapest remat) candidate whose
   `peak_bytes(m, remat)` is at most `limit_bytes`, over microbatch `sizes`
   (largest first, e.g. `microbatch_candidates`) for a padded batch of
   `max_batch`. If none fits, the smallest candidate, marked `fits=False`
-  (the trainer refuses it)."""
+  (the trainer refuses it).
+
+  The search is a safeguarded interpolation: a step's peak is close to
+  affine in m, so the next size measured is the largest that the line
+  through the bracket's ends (the smallest size that did not fit, and the
+  largest that did, else `floor_bytes` at m = 0) predicts to fit, or the
+  one just above a size that fit, to confirm it. Once a prediction is
+  wrong the rest is bisection: two or three compiles where the peak is
+  affine, never more than about twice log2(len(sizes))."""
   tried: list[dict] = []
+  measured: dict[tuple[int, str], int] = {}
 
   def fits(i: int, remat: str) -> bool:
     peak = int(peak_bytes(sizes[i], remat))
     tried.append({"microbatch_size": sizes[i], "remat": remat,
                   "peak_bytes": peak})
+    measured[i, remat] = peak
     return peak <= limit_bytes
+
+  def predicted(lo: int, hi: int, remat: str) -> int | None:
+    """The index in sizes[lo:hi] the line picks (None: no usable line)."""
+    m_up, p_up = sizes[lo - 1], measured[lo - 1, remat]
+    m_low, p_low = ((sizes[hi], measured[hi, remat])
+                    if (hi, remat) in measured else (0, floor_bytes))
+    if p_up <= p_low or m_up <= m_low:
+      return None
+    m_fit = m_low + (limit_bytes - p_low) * (m_up - m_low) / (p_up - p_low)
+    return next((i for i in range(lo, hi) if sizes[i] <= m_fit), hi - 1)
 
   best = None  # (index into sizes, remat)
   for remat in sorted(remats, key=REMAT_ORDER.index):
@@ -137,13 +159,17 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
     if fits(0, remat):  # the whole batch: the common case, one compile
       best = (0, remat)
       break
-    lo, found = 1, None
+    lo, found, interpolate = 1, None, True
     while lo < hi:  # the first (largest) size that fits, in sizes[1:hi]
-      mid = (lo + hi) // 2
-      if fits(mid, remat):
-        found, hi = mid, mid
+      guess = predicted(lo, hi, remat) if interpolate else None
+      i = (lo + hi) // 2 if guess is None else guess
+      expected = guess is not None and (i < hi - 1 or found is None)
+      if fits(i, remat):
+        found, hi = i, i
+        interpolate = interpolate and expected
       else:
-        lo = mid + 1
+        lo = i + 1
+        interpolate = interpolate and not expected
     if found is not None:
       best = (found, remat)
   fit = best is not None
@@ -256,9 +282,9 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
         accumulation_steps=-(-max_batch // sizes[-1]), peak_bytes=floor,
         limit_bytes=limit, memory_source=source, fits=False)
   else:
-    choice = choose(peak, sizes=sizes, max_batch=max_batch,
-                               remats=remats, limit_bytes=limit,
-                               memory_source=source)
+    choice = choose(peak, sizes=sizes, max_batch=max_batch, remats=remats,
+                    limit_bytes=limit, memory_source=source,
+                    floor_bytes=floor)
   reporting.say(f"auto sizing: {choice.summary()}")
   if not choice.fits and not dry_run:
     raise gin_cli.UsageError(

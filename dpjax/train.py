@@ -27,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args, files, bindings = gin_cli.parse_args(
       argv, "DP fine-tuning with gin configuration (t5x-style flags).",
       add_arguments=_add_arguments)
+  if args.dry_run or args.dry_run_steps:
+    dry_run.use_memory_scheduler()  # before the backend starts
   gin_cli.configure(files, bindings, args.gin_search_paths)
   if args.dry_run or args.dry_run_steps:
     return dry_run.dry_run(steps=args.dry_run_steps)

@@ -71,6 +71,46 @@ def test_bisection_compiles_logarithmically_many_candidates():
   assert len(calls) == len(choice.tried) <= 5  # the whole batch, then 4
 
 
+@pytest.mark.parametrize("limit", [60, 72, 100, 500])
+def test_an_affine_peak_takes_at_most_three_compiles(limit):
+  """The paper's XL shape: the whole batch (1085) far over the limit, the
+  state (`floor_bytes`) under it: the line finds the size at once."""
+  calls = []
+
+  def peak(m, r):
+    calls.append((m, r))
+    return 42 + 7.5 * m
+
+  sizes = sizing.microbatch_candidates(1085, multiple=1)
+  choice = sizing.choose(peak, sizes=sizes, max_batch=1085, remats=("none",),
+                         limit_bytes=limit, memory_source="test",
+                         floor_bytes=42)
+  assert len(calls) <= 3
+  best = _brute_force(peak, sizes, 1085, ("none",), limit)
+  assert (choice.microbatch_size, "none") == best[2:]
+
+
+@pytest.mark.parametrize("limit", [150, 1_000, 5_000, 20_000, 80_000])
+@pytest.mark.parametrize("floor", [0, 100, 10_000])
+def test_a_peak_far_from_affine_still_gets_the_optimum(limit, floor):
+  """A convex peak (and a misleading floor) makes the line guess wrong; the
+  bisection that takes over still finds the brute-force optimum, in a
+  logarithmic number of compiles."""
+  calls = []
+
+  def peak(m, r):
+    calls.append((m, r))
+    return 100 + m * m
+
+  sizes = sizing.microbatch_candidates(1024, multiple=1)
+  choice = sizing.choose(peak, sizes=sizes, max_batch=1024, remats=("none",),
+                         limit_bytes=limit, memory_source="test",
+                         floor_bytes=floor)
+  assert len(calls) <= 2 * 4 + 1  # log2(11 sizes) ~ 3.5
+  best = _brute_force(peak, sizes, 1024, ("none",), limit)
+  assert (choice.microbatch_size, "none") == best[2:]
+
+
 def test_ample_memory_costs_one_compile():
   calls = []
   sizing.choose(lambda m, r: calls.append((m, r)) or m,
