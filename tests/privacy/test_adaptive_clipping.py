@@ -308,3 +308,41 @@ def test_a_resumed_run_continues_from_the_checkpointed_bound(adaptive_runs):
 def _ledger(model_dir):
   return ledger_lib.PrivacyLedger.load(
       os.path.join(model_dir, ledger_lib.LEDGER_FILENAME))
+
+
+def test_a_two_loss_step_moves_each_bound_by_its_own_count():
+  """`steps.build_dp_step` on a model with two named losses: each loss's
+  release is its fixed-bound clipped sum at its C, and each C moves by its
+  own fraction of unclipped examples."""
+  import types
+  from dpjax import steps
+  losses = lambda p, ex: {"a": jnp.sum(p["w"] * ex["x"]),
+                          "b": 10 * p["v"] * ex["x"][0]}
+  model = types.SimpleNamespace(
+      example_loss=None, example_losses=losses, loss_names=("a", "b"),
+      trainable_mask=None, example_rng=False)
+  settings = adaptive.AdaptiveClipping(initial_clip_norm=1.0,
+                                       count_stddev=1e-6)
+  tx, accumulate, apply = steps.build_dp_step(
+      model, clip_norm=1.0, optimizer="sgd", learning_rate=1.0,
+      noise_multiplier=0.0, normalizer=3.0, seed=0, clipping_method="vmap",
+      adaptive_clipping=settings)
+  params = {"w": jnp.zeros(2), "v": jnp.zeros(())}
+  batch = {"x": jnp.array([[[3.0, 4.0], [0.2, 0.1], [0.03, 0.0]]])}
+  mask = jnp.ones((1, 3))
+  state = train_step.init_state(params, tx)
+  assert set(state.clip_norms) == {"a", "b"}
+  sums = train_step.zeros_like_sums(params, ["a", "b"], True)
+  sums, _ = accumulate(params, sums, batch, mask, 0, 0, state.clip_norms)
+  new = apply(state, sums, SECRET)
+  fixed, stats = clipping.multi_loss_clipped_grad(
+      losses, clip_norms={"a": 1.0, "b": 1.0})(params, {"x": batch["x"][0]},
+                                               mask[0])
+  want = jax.tree.map(lambda a, b: -(a + b) / 3.0, fixed["a"], fixed["b"])
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6),
+               new.params, want)
+  for name in ("a", "b"):  # a: norms 5, 0.22, 0.03; b: 30, 2, 0.3
+    unclipped = 3 - int(stats[name].num_clipped)
+    assert float(new.clip_norms[name]) == pytest.approx(
+        math.exp(-0.2 * (unclipped / 3 - 0.5)), rel=1e-5)
+  assert float(new.clip_norms["a"]) != float(new.clip_norms["b"])
