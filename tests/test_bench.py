@@ -87,6 +87,14 @@ def test_memory_only_compiles_t5_without_running(capsys):
   assert result["flops"] > 0 and result["bytes_accessed"] > 0
 
 
+def test_memory_only_without_the_cost_analysis(capsys):
+  assert bench.main(["--model=t5_tiny", "--vocab=64", "--seq=16", "--batch=2",
+                     "--mode=ghost", "--memory_only", "--no_cost"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["flops"] is None and result["cost_parts"] is None
+  assert result["memory_analysis"]["peak_estimate_bytes"] > 0
+
+
 def test_memory_only_with_remat(capsys):
   assert bench.main(["--model=t5_tiny", "--vocab=64", "--seq=16", "--batch=2",
                      "--mode=ghost", "--remat=layer", "--memory_only"]) == 0

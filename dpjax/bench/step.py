@@ -51,7 +51,8 @@ undercounted: on CPU, jax's threefry keeps a rolled loop in the noise of
 and adds `nodp_flops`, `nodp_bytes_accessed` (`nodp_cost_parts`),
 `flops_vs_nodp` and `bytes_vs_nodp`. `--cost_only` compiles the parts alone (no memory
 analysis, nothing allocated): the DP overhead of any model on a CPU.
-`--ghost_norm` and `--ghost_summation` pick ghost clipping's per-site norm
+`--no_cost` skips it (two compiles fewer: a T5-XL compile takes minutes on
+a CPU). `--ghost_norm` and `--ghost_summation` pick ghost clipping's per-site norm
 path and summation (`ghost.ghost_clipped_grad`'s `norm`, `summation`).
 
 Failures that are the setup's, not a bug (an unknown model, a mode that is
@@ -361,11 +362,14 @@ def run(args: argparse.Namespace) -> dict:
                             mask_abstract).compile()
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
-  cost = logical_step_cost(step, state_abstract, batch_abstract,
-                           mask_abstract)
-  if not args.cost_only:
+  if args.no_cost:  # a model whose every compile takes minutes (T5-XL, CPU)
+    cost = {"flops": None, "bytes_accessed": None, "cost_parts": None}
+  else:
+    cost = logical_step_cost(step, state_abstract, batch_abstract,
+                             mask_abstract)
+  if not args.cost_only and not args.no_cost:
     cost["cost_parts"]["whole_step"] = step_cost.cost_analysis(compiled)
-  if args.compare_nodp:
+  if args.compare_nodp and not args.no_cost:
     if args.mode == "nodp":
       nodp = cost
     else:
@@ -496,9 +500,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--memory_only", action="store_true",
                  help="compile for abstract inputs and report XLA's memory "
                  "analysis; allocates and runs nothing")
+  p.add_argument("--no_cost", action="store_true",
+                 help="skip the cost analysis (its two extra compiles): "
+                 "flops and bytes_accessed are null")
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")
+  if args.no_cost and (args.cost_only or args.compare_nodp):
+    p.error("--no_cost leaves nothing for --cost_only or --compare_nodp")
   return args
 
 
