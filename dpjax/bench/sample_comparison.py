@@ -3,6 +3,7 @@ fine-tuning, and adaptive clipping against a grid of fixed bounds, on the
 embedded MSMARCO-format sample, from one pretrained start.
 
   python -m dpjax.bench.sample_comparison --work_dir=/tmp/cmp [--steps=150]
+      [--finetune_steps=60]
 
 The start: the quickstart's tiny T5 trained without privacy (ε = ∞, no
 clipping) on a public world, the sample generator's world for another seed
@@ -11,9 +12,9 @@ entities, tokenized with the sample's SentencePiece model), then exported
 to Hugging Face layout (`dpjax.export`) so that every run starts from the
 same weights through INITIAL_CHECKPOINT_PATH. Every run then DP fine-tunes
 on the sample's train split (the private data) with the quickstart's
-settings (q = 256/2998, `--steps` steps, Adam at 1e-2, PLD) and reports the
-eval loss on its validation split (dev queries about entities of neither
-training set), as `python -m dpjax.train` computes it:
+settings (q = 256/2998, `--finetune_steps` steps, Adam at 1e-2, PLD) and
+reports the eval loss on its validation split (dev queries about entities
+of neither training set), as `python -m dpjax.train` computes it:
 
   full vs LoRA   ε = 3 and ε = 8; full fine-tuning clips at C = 0.1, LoRA
                  trains rank-8 adapters on q, k, v, o (α = 16) at C = 0.1;
@@ -71,7 +72,10 @@ def _row(name: str, summary: dict, clip: str) -> list[str]:
           clip or f"{summary['clip_norm']:.4g} (last)"]
 
 
-def run(work_dir: str, steps: int) -> str:
+def run(work_dir: str, steps: int, finetune_steps: int | None = None) -> str:
+  """The comparison's table: `steps` of public pretraining, then
+  `finetune_steps` (default `steps`) of each private fine-tuning."""
+  tune = finetune_steps or steps
   work_dir = os.path.abspath(work_dir)
   public = os.path.join(work_dir, "public_world")
   if not os.path.isdir(public):
@@ -95,16 +99,17 @@ def run(work_dir: str, steps: int) -> str:
            "-", "-", "-"]]
   for eps in (3, 8):
     for name, extra in (("full", []), ("LoRA r=8", LORA)):
-      summary = _train(os.path.join(work_dir, f"{name[:4].strip()}_eps{eps}"),
-                       steps, private + [f"TARGET_EPSILON = {eps}.0", *extra])
+      summary = _train(
+          os.path.join(work_dir, f"{name[:4].strip()}_eps{eps}_{tune}"),
+          tune, private + [f"TARGET_EPSILON = {eps}.0", *extra])
       rows.append(_row(f"{name}, ε = {eps}", summary, "0.1"))
   for c in (0.01, 0.1, 1.0):
     if c == 0.1:
       continue  # the full ε = 3 run above
-    summary = _train(os.path.join(work_dir, f"full_eps3_c{c}"), steps,
+    summary = _train(os.path.join(work_dir, f"full_eps3_c{c}_{tune}"), tune,
                      private + ["TARGET_EPSILON = 3.0", f"CLIP_NORM = {c}"])
     rows.append(_row("full, ε = 3", summary, str(c)))
-  summary = _train(os.path.join(work_dir, "full_eps3_adaptive"), steps,
+  summary = _train(os.path.join(work_dir, f"full_eps3_adaptive_{tune}"), tune,
                    private + ["TARGET_EPSILON = 3.0",
                               "train.clip_norm = 'adaptive'"])
   rows.append(_row("full, ε = 3, adaptive (from 0.1, median)", summary, ""))
@@ -122,9 +127,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m dpjax.bench.sample_comparison",
                               description=__doc__.splitlines()[0])
   p.add_argument("--work_dir", required=True)
-  p.add_argument("--steps", type=int, default=150)
+  p.add_argument("--steps", type=int, default=150,
+                 help="steps of public pretraining (and of fine-tuning)")
+  p.add_argument("--finetune_steps", type=int,
+                 help="steps of each DP fine-tuning (default --steps)")
   args = p.parse_args(argv)
-  print(run(args.work_dir, args.steps), end="")
+  print(run(args.work_dir, args.steps, args.finetune_steps), end="")
   return 0
 
 
