@@ -180,7 +180,10 @@ def _abstract_target(config, mapping) -> PyTree:
 
 
 def _architecture(config, mapping, ignore=()) -> dict:
-  skip = set(getattr(mapping, "NON_ARCH_FIELDS", _NON_ARCH_FIELDS)) | set(ignore)
+  # LoRA adapters sit on top of a checkpoint's model, never in it (and gin
+  # may put a bound LoRAConfig into the config built from config.json).
+  skip = (set(getattr(mapping, "NON_ARCH_FIELDS", _NON_ARCH_FIELDS))
+          | set(ignore) | {"lora"})
   fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
             if f.name not in skip}
   if "d_ff" in fields and hasattr(config, "mlp_dim"):

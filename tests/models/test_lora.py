@@ -382,3 +382,22 @@ def test_peft_export_refuses_what_the_layout_cannot_hold(tmp_path):
   st_numpy.save_file(tensors, str(file))
   with pytest.raises(pretrained.CheckpointError, match="mixes"):
     peft.load_adapters(tmp_path / "c", adapted.config)
+
+
+def test_a_pretrained_start_under_a_gin_lora_binding(tmp_path):
+  """With `T5Config.lora = @LoRAConfig()` bound (as a gin file does), the
+  config read from config.json picks the binding up too: the adapters are
+  not part of a checkpoint's architecture, so the start still loads."""
+  base = model("t5", None)
+  base_params, _ = base.init_params(jax.random.PRNGKey(3))
+  pretrained.export_hf(base_params, base.config, tmp_path)
+  gin.clear_config()
+  try:
+    gin.parse_config(["T5Config.lora = @LoRAConfig()", "LoRAConfig.rank = 4"])
+    adapted = model("t5")
+    params = pretrained.load_pretrained(tmp_path, adapted.config,
+                                        rng=jax.random.PRNGKey(0))
+  finally:
+    gin.clear_config()
+  jax.tree.map(np.testing.assert_array_equal, lora.split(params)[0],
+               base_params)
