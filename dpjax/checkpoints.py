@@ -143,7 +143,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: RunMeta,
   """
   try:
     saved = mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state._asdict()),
+        state=ocp.args.StandardSave(_saved_layout(state, legacy=False)),
         meta=ocp.args.JsonSave(meta.to_json())))
     mngr.wait_until_finished()
   except Exception as e:
@@ -273,8 +273,12 @@ def _legacy_layout(mngr: ocp.CheckpointManager, step: int) -> bool:
 
 
 def _saved_layout(state, legacy: bool) -> dict:
-  """`state` (a TrainState) as a dict in the layout it was saved in."""
+  """`state` (a TrainState) as a dict in the layout it was saved in. A
+  state without adaptive clip norms has no `clip_norms` entry, as before
+  they existed, so older checkpoints keep restoring."""
   saved = state._asdict()
+  if saved.get("clip_norms", ()) is None:
+    del saved["clip_norms"]
   if legacy:
     count = saved.pop("noise_count")
     saved["opt_state"] = (_LegacyNoiseState(count), saved["opt_state"])
