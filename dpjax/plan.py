@@ -357,8 +357,7 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
       raise gin_cli.UsageError(
           "train.clip_norms sets fixed bounds; with train.clip_norm = "
           "'adaptive' every loss starts at adaptive_clipping.initial_clip_norm")
-  for name, c in [("CLIP_NORM (train.clip_norm: a bound or 'adaptive')",
-                   clip_norm),
+  for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
                   *((f"train.clip_norms[{k!r}]", v)
                     for k, v in dict(clip_norms or {}).items())]:
     if not gin_cli.is_number(c) or not 0 < c < math.inf:
