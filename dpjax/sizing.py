@@ -141,15 +141,17 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
     measured[i, remat] = peak
     return peak <= limit_bytes
 
-  def predicted(lo: int, hi: int, remat: str) -> int | None:
-    """The index in sizes[lo:hi] the line picks (None: no usable line)."""
+  def predicted(lo: int, hi: int, remat: str) -> tuple[int, bool] | None:
+    """(the index in sizes[lo:hi] the line picks, whether the line says it
+    fits); None where there is no usable line."""
     m_up, p_up = sizes[lo - 1], measured[lo - 1, remat]
     m_low, p_low = ((sizes[hi], measured[hi, remat])
                     if (hi, remat) in measured else (0, floor_bytes))
     if p_up <= p_low or m_up <= m_low:
       return None
     m_fit = m_low + (limit_bytes - p_low) * (m_up - m_low) / (p_up - p_low)
-    return next((i for i in range(lo, hi) if sizes[i] <= m_fit), hi - 1)
+    i = next((i for i in range(lo, hi) if sizes[i] <= m_fit), hi - 1)
+    return i, sizes[i] <= m_fit
 
   best = None  # (index into sizes, remat)
   for remat in sorted(remats, key=REMAT_ORDER.index):
@@ -162,14 +164,13 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
     lo, found, interpolate = 1, None, True
     while lo < hi:  # the first (largest) size that fits, in sizes[1:hi]
       guess = predicted(lo, hi, remat) if interpolate else None
-      i = (lo + hi) // 2 if guess is None else guess
-      expected = guess is not None and (i < hi - 1 or found is None)
-      if fits(i, remat):
+      i, expected = ((lo + hi) // 2, None) if guess is None else guess
+      ok = fits(i, remat)
+      if ok:
         found, hi = i, i
-        interpolate = interpolate and expected
       else:
         lo = i + 1
-        interpolate = interpolate and not expected
+      interpolate = interpolate and ok == expected  # bisect once it misses
     if found is not None:
       best = (found, remat)
   fit = best is not None

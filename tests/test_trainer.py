@@ -112,24 +112,30 @@ def test_run_writes_config_summary_and_tensorboard_events(eight_steps):
   assert os.listdir(os.path.join(model_dir, "train"))  # TensorBoard events
 
 
+def run_killed_at(step, reference_dir, model_dir, *extra) -> None:
+  """`run(model_dir, *extra)` with the secret of the run in
+  `reference_dir`, killed as it samples DP step `step`."""
+  original = sampling.PoissonSampler.microbatches
+
+  def dies(self, index, m):
+    if index == step:
+      raise KeyboardInterrupt("killed")
+    return original(self, index, m)
+
+  same_secret(reference_dir, model_dir)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(sampling.PoissonSampler, "microbatches", dies)
+    with pytest.raises(KeyboardInterrupt):
+      run(model_dir, *extra)
+
+
 @pytest.fixture(scope="module")
 def killed(eight_steps, tmp_path_factory):
   """The 8-step run killed at step 6 (what it left behind recorded), then
   resumed to the end with the reference's secret."""
   reference_dir, _ = eight_steps
   model_dir = tmp_path_factory.mktemp("killed")
-  original = sampling.PoissonSampler.microbatches
-
-  def dies_at_step_6(self, step, m):
-    if step == 6:
-      raise KeyboardInterrupt("killed")
-    return original(self, step, m)
-
-  same_secret(reference_dir, model_dir)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(sampling.PoissonSampler, "microbatches", dies_at_step_6)
-    with pytest.raises(KeyboardInterrupt):
-      run(model_dir, "TRAIN_STEPS = 8")
+  run_killed_at(6, reference_dir, model_dir, "TRAIN_STEPS = 8")
   left = {"checkpoint_step": checkpoints.manager(str(model_dir)).latest_step(),
           "ledger_steps": ledger_lib.PrivacyLedger.load(
               os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)).steps}

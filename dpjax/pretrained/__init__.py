@@ -95,19 +95,13 @@ def _load_with_adapters(path, config, shardings, rng) -> Any:
   (B = 0: the adapted model starts as the checkpoint's)."""
   if rng is None:
     raise ValueError("a model with LoRA adapters needs rng= to initialise them")
-  base_shardings, adapter_shardings = (lora.split(shardings)
-                                       if isinstance(shardings, Mapping)
-                                       else (shardings, shardings))
-  base = load_pretrained(path, dataclasses.replace(config, lora=None),
-                         shardings=base_shardings)
   trainable_model = trainable.trainable(config, _LENGTHS)
   adapters = jax.jit(lambda key: lora.split(
       trainable_model.init_params(key)[0])[1])(rng)
-  if adapter_shardings is not None:
-    adapters = jax.device_put(adapters, adapter_shardings)
+  params = _base_with_adapters(path, config, shardings, adapters)
   reporting.say("LoRA adapters: not in the checkpoint, initialised from the run's key "
                 "(B = 0)")
-  return lora.merge(base, adapters)
+  return params
 
 
 def _load_peft(path, config, shardings) -> Any:
@@ -118,13 +112,18 @@ def _load_peft(path, config, shardings) -> Any:
     raise CheckpointError(
         f"{path}: base_model_name_or_path {base_path!r} is not a local "
         "checkpoint; the adapters need their base model")
+  params = _base_with_adapters(base_path, config, shardings,
+                               peft.load_adapters(path, config))
+  reporting.say(f"LoRA adapters: from {path}, on the base model {base_path}")
+  return params
+
+
+def _base_with_adapters(base_path, config, shardings, adapters) -> Any:
+  """`config`'s base model (no LoRA) read from `base_path`, merged with
+  `adapters`; both placed by `shardings` (one sharding, or params-shaped)."""
   base_shardings, adapter_shardings = (lora.split(shardings)
                                        if isinstance(shardings, Mapping)
                                        else (shardings, shardings))
   base = load_pretrained(base_path, dataclasses.replace(config, lora=None),
                          shardings=base_shardings)
-  adapters = peft.load_adapters(path, config)
-  adapters = jax.device_put(adapters, adapter_shardings)
-  reporting.say(f"LoRA adapters: from {path}, on the base model {base_path}")
-  return lora.merge(base, adapters)
-
+  return lora.merge(base, jax.device_put(adapters, adapter_shardings))

@@ -134,8 +134,7 @@ def load_adapters(path, config) -> dict:
         f"gin LoRAConfig has rank {cfg.rank}, alpha {cfg.alpha}")
   reader = tensor_files.SafetensorsReader([pathlib.Path(path) / ADAPTER_WEIGHTS])
   have = set(reader.keys())
-  _, modules = _modules(config)
-  base = hf.mapping_for(config)
+  mapping, modules = _modules(config)
   abstract = _abstract_adapters(config)
   adapters: dict = {}
   used = set()
@@ -170,7 +169,7 @@ def load_adapters(path, config) -> dict:
   unused = sorted(have - used)
   if unused:
     raise CheckpointError(f"{path}: unused tensor {unused[0]!r} (LoRAConfig.targets "
-                          f"{cfg.targets}, {base.__name__})")
+                          f"{cfg.targets}, {mapping.__name__})")
   return adapters
 
 

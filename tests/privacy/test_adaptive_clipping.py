@@ -264,18 +264,7 @@ def adaptive_runs(tmp_path_factory):
   reference = tmp_path_factory.mktemp("adaptive")
   result = test_trainer.run(reference, *ADAPTIVE_RUN)
   killed = tmp_path_factory.mktemp("adaptive_killed")
-  original = sampling.PoissonSampler.microbatches
-
-  def dies_at_step_3(self, step, m):
-    if step == 3:
-      raise KeyboardInterrupt("killed")
-    return original(self, step, m)
-
-  test_trainer.same_secret(reference, killed)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(sampling.PoissonSampler, "microbatches", dies_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-      test_trainer.run(killed, *ADAPTIVE_RUN)
+  test_trainer.run_killed_at(3, reference, killed, *ADAPTIVE_RUN)
   resumed = test_trainer.run(killed, *ADAPTIVE_RUN)
   return reference, result, killed, resumed
 
