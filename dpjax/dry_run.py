@@ -94,6 +94,7 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
       "target_epsilon": plan.target_epsilon, "delta": plan.delta,
       "accountant": plan.ledger.accountant,
       "sampling": plan.sampler.describe()["method"],
+      "privacy_unit": built.config.privacy_unit,
       "clipping_method": clipping_method(built),
       "remat": sizing.model_remat(built.model.config),
       "microbatch_size": m, "accumulation_calls": k,

@@ -67,7 +67,8 @@ TOKENIZER_NAMES = {"sentencepiece": "spiece.model", "vocab": "vocab.json",
                    "merges": "merges.txt", "wordpiece": "vocab.txt"}
 # The sampler's `describe()` keys a statement repeats (never a seed).
 _SAMPLING_KEYS = ("method", "sampling_rate", "expected_batch_size",
-                  "max_batch_size", "batch_size", "steps_per_epoch")
+                  "max_batch_size", "batch_size", "steps_per_epoch",
+                  "max_examples_per_user")
 NOISE_KEY_ORIGINS = ("os_entropy", "pinned")
 
 
@@ -126,6 +127,10 @@ def unit_and_adjacency(ledger_json: dict, config, redaction: dict | None
     unit = ("one (query, passage) pair" if method == "shuffle" else
             f"one training row: a group of {config.group_size} (query, "
             "passage) pairs (no pair-level guarantee under Poisson sampling)")
+  elif method == "user_poisson":
+    unit = ("one user: all of a user's examples (each sampled user's "
+            f"{sampling.get('max_examples_per_user')} or fewer examples "
+            "averaged after clipping)")
   else:
     unit = "one training example"
   if redaction:

@@ -80,6 +80,9 @@ class Plan:
   # dict); each step also releases one noisy count per loss. `clip_norm` is
   # then the initial bound.
   adaptive_clipping: dict | None = None
+  # `train.privacy_unit = 'user'`: {"user_column", "max_examples_per_user"};
+  # `dataset_size` and `batch_size` then count users. None: examples.
+  user_level: dict | None = None
 
   @property
   def releases_per_step(self) -> int:
@@ -92,7 +95,8 @@ class Plan:
 
   def guarantee(self) -> dict:
     plan = dataclasses.asdict(self)
-    for optional in ("redaction", "clip_norms", "adaptive_clipping"):
+    for optional in ("redaction", "clip_norms", "adaptive_clipping",
+                     "user_level"):
       # as saved before they existed
       if plan[optional] is None:
         del plan[optional]
@@ -108,8 +112,17 @@ def steps_for(train_steps, epochs, n, batch_size) -> int:
 
 
 def make_sampler(kind: str, n: int, batch_size: int, seed: int,
-                 overflow_probability: float):
-  """The DP sampler; `seed` must be secret (`RunSecret.sampling_seed()`)."""
+                 overflow_probability: float, *,
+                 user_ids: np.ndarray | None = None,
+                 max_examples_per_user: int | None = None):
+  """The DP sampler; `seed` must be secret (`RunSecret.sampling_seed()`).
+  With `user_ids` (user-level DP): Poisson sampling of `batch_size`
+  expected users, at most `max_examples_per_user` examples each."""
+  if user_ids is not None:
+    return sampling.UserPoissonSampler(
+        user_ids, batch_size, seed=seed,
+        max_examples_per_user=max_examples_per_user,
+        overflow_probability=overflow_probability)
   if kind == "poisson":
     return sampling.PoissonSampler(n, batch_size, seed=seed,
                                    overflow_probability=overflow_probability)
@@ -126,7 +139,8 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
                  prior: ledger_lib.PrivacyLedger | None = None,
                  redaction: dict | None = None,
                  clip_norms: Mapping[str, float] | None = None,
-                 adaptive: adaptive_lib.AdaptiveClipping | None = None
+                 adaptive: adaptive_lib.AdaptiveClipping | None = None,
+                 user_level: dict | None = None
                  ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
   """The run's ledger and plan: read back from a checkpoint (whose plan must
   match this one), else with σ calibrated by dp-accounting for the target
@@ -171,7 +185,8 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
   plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
               clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
               redaction, dict(clip_norms) if clip_norms else None,
-              dataclasses.asdict(adaptive) if adaptive else None)
+              dataclasses.asdict(adaptive) if adaptive else None,
+              user_level)
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
@@ -293,6 +308,7 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
 
 
 ADAPTIVE = "adaptive"  # train.clip_norm of adaptive clipping
+PRIVACY_UNITS = ("example", "user")  # train.privacy_unit
 
 
 def adaptive_settings(config: run_config.RunConfig
@@ -351,6 +367,23 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
                              or not 0 < epochs < math.inf):
     raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
+  if config.privacy_unit not in PRIVACY_UNITS:
+    raise gin_cli.UsageError(f"train.privacy_unit must be one of "
+                             f"{PRIVACY_UNITS}, got {config.privacy_unit!r}")
+  if config.privacy_unit == "user":
+    k = config.max_examples_per_user
+    if not gin_cli.is_int(k) or k < 1:
+      raise gin_cli.UsageError("train.max_examples_per_user must be a "
+                               f"positive integer, got {k!r}")
+    if config.sampling_method != "poisson":
+      raise gin_cli.UsageError(
+          "train.privacy_unit = 'user' samples users by Poisson sampling: "
+          f"train.sampling_method must be 'poisson', got "
+          f"{config.sampling_method!r}")
+    if clip_norm == ADAPTIVE:
+      raise gin_cli.UsageError(
+          "train.clip_norm = 'adaptive' counts unclipped examples, not "
+          "users: use a fixed CLIP_NORM with train.privacy_unit = 'user'")
   if clip_norm == ADAPTIVE:
     clip_norm = adaptive_settings(config).initial_clip_norm
     if clip_norms:
@@ -383,19 +416,20 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
   return eps
 
 
-def check_batch_size(batch_size: int, n: int, delta=None) -> None:
-  """BATCH_SIZE against the n examples of the training split (and δ = '1/n'
-  of a one-example set); a UsageError naming both."""
+def check_batch_size(batch_size: int, n: int, delta=None,
+                     unit: str = "example") -> None:
+  """BATCH_SIZE against the n examples (or users) of the training split
+  (and δ = '1/n' of a one-unit set); a UsageError naming both."""
   if n < 1:
-    raise gin_cli.UsageError("the training split has no examples (n = 0): "
+    raise gin_cli.UsageError(f"the training split has no {unit}s (n = 0): "
                              "check the task's training data")
   if batch_size > n:
     raise gin_cli.UsageError(
         f"BATCH_SIZE (train.batch_size) = {batch_size} must be <= the number "
-        f"of training examples n = {n}")
+        f"of training {unit}s n = {n}")
   if delta == "1/n" and n < 2:
-    raise gin_cli.UsageError("DELTA (train.delta) = '1/n' is 1 for a "
-                             "one-example training set: set a number < 1")
+    raise gin_cli.UsageError(f"DELTA (train.delta) = '1/n' is 1 for a "
+                             f"one-{unit} training set: set a number < 1")
 
 
 def public_sampler(n: int, batch_size: int, seed: int
@@ -422,7 +456,8 @@ class RunPlan:
   loop records each release; `privacy` the plan the checkpoint keeps.
   """
   steps: int
-  sampler: sampling.PoissonSampler | sampling.ShuffleSampler
+  sampler: (sampling.PoissonSampler | sampling.UserPoissonSampler
+            | sampling.ShuffleSampler)
   delta: float
   target_epsilon: float
   public: np.ndarray
@@ -451,7 +486,8 @@ class RunPlan:
   def normalizer(self) -> float:
     """The expected batch the noisy sum is divided by: q·n (Poisson), else
     the batch size."""
-    if isinstance(self.sampler, sampling.PoissonSampler):
+    if isinstance(self.sampler, (sampling.PoissonSampler,
+                                 sampling.UserPoissonSampler)):
       return self.sampler.sampling_rate * self.sampler.dataset_size
     return self.privacy.batch_size
 
@@ -466,8 +502,14 @@ class RunPlan:
              f"schedule): {plan.dp_steps} DP steps and "
              f"{self.steps - plan.dp_steps} public steps on "
              f"{redaction['public_task']}")
-    return (f"{steps}, {self.sampler.describe()['method']} sampling "
-            f"(q={plan.batch_size / plan.dataset_size:.4g}), "
+    users = plan.user_level
+    sampled = ("Poisson sampling of users (q="
+               f"{plan.batch_size / plan.dataset_size:.4g} of "
+               f"{plan.dataset_size} users, <= "
+               f"{users['max_examples_per_user']} examples each)" if users
+               else f"{self.sampler.describe()['method']} sampling "
+               f"(q={plan.batch_size / plan.dataset_size:.4g})")
+    return (f"{steps}, {sampled}, "
             f"σ={self.noise_multiplier:.4f}, "
             f"C={self._clip_summary()}, "
             f"δ={self.delta:.3g}, planned ε={self.planned_epsilon:.4f} "
@@ -487,9 +529,11 @@ def make_plan(config: run_config.RunConfig, *, n: int,
               sampling_seed: int, secret_source: dict,
               clip_norms: Mapping[str, float] | None = None,
               public_n: int | None = None,
-              saved: checkpoints.RunMeta | None = None) -> RunPlan:
+              saved: checkpoints.RunMeta | None = None,
+              user_ids: np.ndarray | None = None) -> RunPlan:
   """The run's plan from its settings and the data: `n` training examples
-  (and `public_n` public ones with a redaction schedule), the secret
+  (and `public_n` public ones with a redaction schedule; `user_ids`, each
+  example's user, with `train.privacy_unit = 'user'`), the secret
   `sampling_seed`, a multi-loss model's per-loss bounds (`clip_norms`,
   from `steps.loss_clip_norms`), and on resume the checkpoint's meta, whose
   plan must be this one and whose ledger is taken over. `secret_source`
@@ -498,10 +542,23 @@ def make_plan(config: run_config.RunConfig, *, n: int,
   the budget would be exceeded.
   """
   target_epsilon = check_run_inputs(config)
-  check_batch_size(config.batch_size, n, config.delta)
+  user_level = None
+  if config.privacy_unit == "user":
+    if user_ids is None or len(user_ids) != n:
+      raise ValueError("train.privacy_unit = 'user' needs each of the n "
+                       "examples' user ids")
+    user_level = {"user_column": config.user_column,
+                  "max_examples_per_user": int(config.max_examples_per_user)}
+    n = int(np.unique(user_ids).size)  # the units of privacy from here on
+  else:
+    user_ids = None
+  unit = config.privacy_unit
+  check_batch_size(config.batch_size, n, config.delta, unit)
   steps = steps_for(config.train_steps, config.epochs, n, config.batch_size)
   sampler = make_sampler(config.sampling_method, n, config.batch_size,
-                         sampling_seed, config.overflow_probability)
+                         sampling_seed, config.overflow_probability,
+                         user_ids=user_ids,
+                         max_examples_per_user=config.max_examples_per_user)
   delta = resolve_delta(config.delta, n)
   adaptive = adaptive_settings(config)
   if adaptive is not None:  # the count's default noise: expected batch / 20
@@ -524,7 +581,7 @@ def make_plan(config: run_config.RunConfig, *, n: int,
       noise_multiplier=config.noise_multiplier,
       accountant=config.accountant, seed=config.seed,
       prior=read_prior_ledger(config.prior_ledger), redaction=redaction,
-      clip_norms=clip_norms, adaptive=adaptive)
+      clip_norms=clip_norms, adaptive=adaptive, user_level=user_level)
   ledger.secret = secret_source
   planned = accounting.epsilon(
       ledger.all_events + ledger.planned_events(

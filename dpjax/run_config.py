@@ -44,7 +44,11 @@ class RunConfig:
   the padded Poisson batch: a larger sample costs one more accumulate call,
   nothing is dropped).
 
-  Privacy: `target_epsilon` (a number or 'inf'), `delta` (a number, '1/n'
+  Privacy: `privacy_unit` ('example', or 'user': Poisson sampling of users,
+  each sampled user's examples clipped one by one and averaged, at most
+  `max_examples_per_user` of them; the task names each example's user in
+  its feature `user_column`; BATCH_SIZE, n, δ and epochs then count users),
+  `target_epsilon` (a number or 'inf'), `delta` (a number, '1/n'
   or '1/(2n)'; None: 1/(2n)), `clip_norm` (a bound, or 'adaptive': it
   follows a private quantile of the gradient norms, set by
   `adaptive_clipping.*`, `dpjax.privacy.adaptive_clipping`), `clip_norms`
@@ -79,6 +83,9 @@ class RunConfig:
   microbatch_size: int | str | None = None
   device_memory: int | str | None = None
   memory_headroom: float = 0.9
+  privacy_unit: str = "example"
+  user_column: str = "user_id"
+  max_examples_per_user: int = 8
   target_epsilon: float | str = 3.0
   delta: float | str | None = None
   clip_norm: float | str = 0.1

@@ -140,7 +140,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
         secret_source=run_secret.source, clip_norms=bounds,
         public_n=(None if splits.public is None
                   else len(splits.public_tokens)),
-        saved=saved)
+        saved=saved, user_ids=splits.users)
 
   plan = plan_for(resume[1] if resume else None)
   if resume:
@@ -311,6 +311,7 @@ class _Splits(NamedTuple):
   a redaction schedule, the public split and its shuffled sampler."""
   train: dict
   tokens: np.ndarray
+  users: np.ndarray | None = None  # each row's user (user-level DP)
   public: dict | None = None
   public_tokens: np.ndarray | None = None
   public_sampler: sampling.ShuffleSampler | None = None
@@ -332,18 +333,47 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
   except ValueError as e:
     raise gin_cli.UsageError(f"{task}: {e}") from None
   tokens = data_arrays.real_token_counts(data)
-  plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
+  users = None
+  if config.privacy_unit == "user":
+    users = _user_ids(config, model, task, lengths, len(tokens))
+    reporting.say(f"{task}: {np.unique(users).size} users "
+                  f"({config.user_column}), the unit of privacy")
+  else:
+    plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
   reporting.say(f"{task} train split: {len(tokens)} examples, feature "
                 f"lengths {lengths}")
   if not config.redaction_schedule:
-    return _Splits(data, tokens)
+    return _Splits(data, tokens, users)
   public = data_arrays.load_task_arrays(
       config.public_task_name, "train", lengths, converter=model.converter)
   public_tokens = data_arrays.real_token_counts(public)
   reporting.say(f"{config.public_task_name} train split (public): "
                 f"{len(public_tokens)} examples")
-  return _Splits(data, tokens, public, public_tokens, plan_lib.public_sampler(
-      len(public_tokens), config.batch_size, config.seed))
+  return _Splits(data, tokens, users, public, public_tokens,
+                 plan_lib.public_sampler(len(public_tokens), config.batch_size,
+                                         config.seed))
+
+
+def _user_ids(config: RunConfig, model: trainable_lib.Trainable, task: str,
+              lengths: dict, n: int) -> np.ndarray:
+  """Each training row's user, from the task's `train.user_column`."""
+  from dpjax.data import arrays as data_arrays  # TF: only where data is read
+  if not isinstance(model.converter, str):  # dual_encoder.PairGroups
+    raise gin_cli.UsageError(
+        "train.privacy_unit = 'user': the dual encoder's row is a group of "
+        "pairs, not one user's example; use the default 'example' unit")
+  try:
+    users = data_arrays.load_task_column(task, "train", lengths,
+                                         config.user_column)
+  except ValueError as e:
+    raise gin_cli.UsageError(
+        f"train.privacy_unit = 'user' needs train.user_column: {e}") from None
+  if len(users) != n:
+    raise gin_cli.UsageError(
+        f"{task}: {len(users)} values of {config.user_column!r} for {n} "
+        "training rows (a task that packs or filters rows has no per-row "
+        "user)")
+  return users
 
 
 def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,

@@ -7,7 +7,9 @@ paper ("concatenate all dialogs for a domain and chunk them by 1024 tokens"),
 a domain's token sequences are concatenated and cut into `chunk_length`
 pieces (`pack=True`), or each conversation is cut on its own (`pack=False`).
 A chunk is one training example, so with packing one conversation can be in
-two examples: DP is per chunk (group size 2 per conversation). The default
+two examples: DP is per chunk (group size 2 per conversation). Unpacked,
+each chunk carries its conversation's id (`user_id`), and
+`train.privacy_unit = 'user'` makes the conversation the unit of privacy. The default
 `chunk_length` 1023 plus the BOS the GPT-2 feature converter prepends is
 GPT-2's 1024-token context.
 
@@ -44,12 +46,19 @@ from dpjax.datasets.multidogo import (
     PAPER_DOMAINS,
     SPLITS,
     chunk_conversations,
+    chunk_owners,
     domain_path,
     format_conversation,
     load_split,
     redact_conversations,
 )
 from dpjax.text import redaction
+
+# Unpacked tasks (`pack=False`) carry each chunk's conversation id here: the
+# unit of user-level DP (`train.privacy_unit = 'user'`). MultiDoGo names no
+# speaker, so a conversation is the user. Packed chunks mix conversations
+# and have no owner.
+USER_COLUMN = "user_id"
 
 def dialog_vocabulary(vocab_path: str = DEFAULT_BPE_VOCAB_PATH,
                       merges_path: str = DEFAULT_BPE_MERGES_PATH):
@@ -62,16 +71,20 @@ def dialog_vocabulary(vocab_path: str = DEFAULT_BPE_VOCAB_PATH,
                                              extra_tokens=CONTROL_TOKENS)
 
 
-def _chunks_dataset(chunks: list[np.ndarray], domains: list[str]):
+def _chunks_dataset(chunks: list[np.ndarray], domains: list[str],
+                    users: list[str] | None):
   import tensorflow as tf  # lazy: TensorFlow
 
   lengths = np.array([len(c) for c in chunks], np.int64)
   values = np.concatenate(chunks).astype(np.int32) if chunks else np.zeros([0], np.int32)
-  return tf.data.Dataset.from_tensor_slices({
+  features = {
       "inputs": tf.zeros([len(chunks), 0], tf.int32),
       "targets": tf.RaggedTensor.from_row_lengths(values, lengths),
       "domain": tf.constant(domains, tf.string, shape=[len(chunks)]),
-  })
+  }
+  if users is not None:
+    features[USER_COLUMN] = tf.constant(users, tf.string, shape=[len(chunks)])
+  return tf.data.Dataset.from_tensor_slices(features)
 
 
 def register_multidogo_task(
@@ -135,10 +148,14 @@ def register_multidogo_task(
         c, domain_tokens=domain_tokens)), np.int32) for c in conversations]
     chunks, chunk_domains = chunk_conversations(
         ids, [c.domain for c in conversations], chunk_length, pack=pack)
+    # Unpacked, each chunk belongs to one conversation: the user-level unit.
+    users = None if pack else chunk_owners(
+        ids, [c.conversation_id for c in conversations], chunk_length)
     if shuffle_files:
       order = np.random.default_rng(seed).permutation(len(chunks))
       chunks, chunk_domains = [chunks[i] for i in order], [chunk_domains[i] for i in order]
-    return _chunks_dataset(chunks, chunk_domains)
+      users = None if users is None else [users[i] for i in order]
+    return _chunks_dataset(chunks, chunk_domains, users)
 
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)

@@ -113,6 +113,26 @@ def load_task_arrays(task_or_mixture_name: str, split: str,
   return arrays
 
 
+def load_task_column(task_or_mixture_name: str, split: str,
+                     task_feature_lengths: Mapping[str, int],
+                     column: str) -> np.ndarray:
+  """[N] values of one passthrough feature of a split (e.g. the user each
+  example belongs to), in `load_task_arrays`' order: the same
+  `get_dataset` call, one value per example. A task without the feature is
+  a ValueError naming the ones it has."""
+  provider = seqio.get_mixture_or_task(task_or_mixture_name)
+  ds = provider.get_dataset(dict(task_feature_lengths), split=split,
+                            shuffle=False, use_cached=False, seed=0)
+  if column not in ds.element_spec:
+    raise ValueError(
+        f"{task_or_mixture_name} has no feature {column!r} (its features: "
+        f"{sorted(ds.element_spec)})")
+  if ds.element_spec[column].shape.rank != 0:
+    raise ValueError(f"{task_or_mixture_name}: feature {column!r} must hold "
+                     "one value per example")
+  return _to_numpy(ds, [column])[column]
+
+
 def decoder_only_features(ds: tf.data.Dataset, lengths: Mapping[str, int], *,
                           bos_id: int) -> dict[str, np.ndarray]:
   """Prompt + target packed into one causal-LM row per example.

@@ -287,7 +287,8 @@ def chunk_conversations(token_ids: Sequence[np.ndarray], domains: Sequence[str],
   """(chunks, their domains) of tokenized conversations; with `pack`, a
   domain's conversations are concatenated (in order) before chunking."""
   if not pack:
-    pieces = [(p, d) for ids, d in zip(token_ids, domains) for p in chunk_ids(ids, length)]
+    pieces = [(p, d) for ids, d in zip(token_ids, domains)
+              for p in chunk_ids(ids, length)]
   else:
     by_domain: dict[str, list[np.ndarray]] = {}
     for ids, d in zip(token_ids, domains):
@@ -295,6 +296,14 @@ def chunk_conversations(token_ids: Sequence[np.ndarray], domains: Sequence[str],
     pieces = [(p, d) for d, seqs in by_domain.items()
               for p in chunk_ids(np.concatenate(seqs), length)]
   return [p for p, _ in pieces], [d for _, d in pieces]
+
+
+def chunk_owners(token_ids: Sequence[np.ndarray], owners: Sequence[str],
+                 length: int) -> list[str]:
+  """Each unpacked chunk's owner (one per `chunk_conversations(...,
+  pack=False)` chunk): the owner of the conversation it was cut from."""
+  return [o for ids, o in zip(token_ids, owners)
+          for _ in chunk_ids(ids, length)]
 
 
 __all__ = [
@@ -305,5 +314,5 @@ __all__ = [
     "MalformedLineError", "domain_token", "domain_path", "read_conversations",
     "load_conversations", "split_conversations", "load_split",
     "utterance_texts", "redact_conversations", "format_conversation",
-    "chunk_ids", "chunk_conversations",
+    "chunk_ids", "chunk_conversations", "chunk_owners",
 ]

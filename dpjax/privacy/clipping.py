@@ -15,15 +15,18 @@ Let `f = clipped_grad(loss_fn, clip_norm=C)` and `S = f(params, batch, mask)[0]`
 For ANY `params`, `batch` and `mask` (including NaN/inf losses or gradients and
 arbitrary content in padding rows):
 
-* every example `i` with `mask[i] == 0` contributes exactly zero to `S`;
-* every example with `mask[i] == 1` contributes a vector of L2 norm `<= C`
+* every example `i` with `mask[i] <= 0` contributes exactly zero to `S`;
+* every example with `mask[i] > 0` contributes its clipped gradient times
+  its weight `w_i = min(mask[i], 1)`, a vector of L2 norm `<= w_i C <= C`
   (up to float32 rounding), or zero if its loss or gradient is non-finite;
 * `loss_fn` sees one example at a time (it is `vmap`ped), so an example's
   gradient does not depend on the other examples in the batch.
 
 Hence adding or removing one real example (or flipping its mask) changes `S`
 by at most `f.sensitivity == C` in L2 norm; replacing one example changes it by
-at most `2 * C`. For `per_group_clipped_grad` the same holds with
+at most `2 * C`. Masks are 0/1 for example-level DP; user-level sampling
+(`sampling.UserPoissonSampler`) gives each of a user's `c` sampled examples
+the weight `1/c`, so one user's whole contribution is at most `C`. For `per_group_clipped_grad` the same holds with
 `C = sqrt(sum_g C_g**2)`, since each group's block is clipped to `C_g`.
 `multi_loss_clipped_grad` returns one such sum per named loss (each the
 sensitivity of its own loss's bound), meant to be noised separately.
@@ -361,12 +364,13 @@ def clip_scales(losses: jax.Array, sq_norms: jax.Array, mask: jax.Array,
   Args:
     losses: [m] per-example losses.
     sq_norms: [m, G] float32 squared gradient norm of each example's group.
-    mask: [m]; > 0 marks real examples.
+    mask: [m]; > 0 marks real examples, whose weight is `min(mask, 1)`.
     bounds: [G] clip bounds.
 
   Returns:
-    `(scales [m, G], keep [m], stats)`: `scales` is `min(1, C_g / norm_g)`
-    for kept examples and 0 for the others; `keep` marks real examples with
+    `(scales [m, G], keep [m], stats)`: `scales` is
+    `min(mask, 1) * min(1, C_g / norm_g)` for kept examples and 0 for the
+    others; `keep` marks real examples with
     a finite loss and norm; `stats` is (norms, losses, num_clipped,
     num_nonfinite) of the chunk.
   """
@@ -379,8 +383,9 @@ def clip_scales(losses: jax.Array, sq_norms: jax.Array, mask: jax.Array,
   keep = real & finite
   # C / max(norm, C) == min(1, C / norm) with no division by zero (C > 0),
   # and exactly 1 for unclipped examples.
-  scales = jnp.where(keep[:, None], bounds / jnp.maximum(group_norms, bounds),
-                     0.0)
+  weight = jnp.minimum(mask, 1.0).astype(jnp.float32)[:, None]
+  scales = jnp.where(keep[:, None],
+                     weight * (bounds / jnp.maximum(group_norms, bounds)), 0.0)
   stats = (
       jnp.where(keep, norms, 0.0),
       jnp.where(keep, losses.astype(jnp.float32), 0.0),

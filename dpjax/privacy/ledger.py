@@ -46,7 +46,7 @@ class PrivacyLedger:
     noise_multiplier: The run's noise multiplier.
     clip_norm: The L2 sensitivity of the clipped sum (L1 for a run of
       `accounting.Laplace` events).
-    dataset_size: Number of training examples.
+    dataset_size: Number of training units (examples, or users).
     delta: Target delta.
     target_epsilon: Budget; may be inf.
     steps: DP steps recorded with `record_dp_steps`.

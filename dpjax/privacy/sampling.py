@@ -16,6 +16,14 @@ Formal guarantees
   sum of sensitivity `C` and noise `sigma C`, each step is the Poisson
   subsampled Gaussian mechanism under add-or-remove-one adjacency, accounted
   by `accounting.PoissonGaussian`.
+* `UserPoissonSampler`: the same at the level of users: each of the `U`
+  users is included independently with probability `q`, and a sampled user
+  contributes at most `k` of their examples (a uniformly random subset,
+  drawn afresh each step), each weighted `1/c` where `c <= k` is how many
+  were taken. The clipped sum weights each example's clipped gradient (see
+  `clipping`), so one user moves it by at most `C` in L2 norm: each step is
+  the Poisson subsampled Gaussian mechanism under add-or-remove-one-USER
+  adjacency, accounted as `PoissonGaussian` at the user rate, with `n = U`.
 * `ShuffleSampler`: each epoch is a fresh data-independent permutation cut
   into fixed-size batches, so each example is in at most one batch per epoch.
   Under replace-one adjacency one batch sum changes by at most `2C` and the
@@ -24,8 +32,8 @@ Formal guarantees
   shuffling is claimed. Epochs compose; a partial epoch counts as a full one.
   Accounted by `accounting.shuffle_epochs_event`.
 
-Poisson amplification assumes the adversary never learns which examples were
-sampled: the seed must be secret (the trainer passes the run secret's
+Poisson amplification assumes the adversary never learns which examples (or
+users) were sampled: the seed must be secret (the trainer passes the run secret's
 `RunSecret.sampling_seed()`, 256 bits of OS entropy, never `train.seed`),
 and the indices and realised batch sizes must not be released.
 """
@@ -45,6 +53,7 @@ from dpjax.privacy import accounting
 # Separate random streams for the samplers, so the same seed may be reused.
 SAMPLER_STREAM = 0x73616D70  # "samp"
 SHUFFLE_STREAM = 0x73687566  # "shuf"
+USER_STREAM = 0x75736572  # "user"
 
 
 class Neighbouring(enum.Enum):
@@ -99,6 +108,8 @@ def scheme_from_description(description: dict) -> PoissonScheme | ShuffleScheme:
   method = description.get("method")
   if method == "poisson":
     return PoissonScheme(description["sampling_rate"])
+  if method == "user_poisson":
+    return PoissonScheme(description["sampling_rate"], unit="user")
   if method == "shuffle":
     return ShuffleScheme(description["steps_per_epoch"])
   raise ValueError(f"Unknown sampling method {method!r}.")
@@ -235,6 +246,136 @@ class PoissonSampler:
         "expected_batch_size": self.expected_batch_size,
         "max_batch_size": self.max_batch_size,
         "adjacency": self.scheme.neighbouring.value,
+        "overflow_policy": (
+            "extra microbatches of the same shape; no example is dropped, so "
+            "Poisson accounting is exact"),
+    }
+
+
+class UserPoissonSampler:
+  """Poisson sampling of users, at most `k` examples from each sampled user.
+
+  Formal guarantees:
+    `sample(step)` includes each of the `U` users independently with
+    probability `sampling_rate`, drawn from
+    `np.random.default_rng([seed, step, USER_STREAM])` and so independent
+    across steps and of the data. From a sampled user with `n_u` examples it
+    takes `c_u = min(n_u, k)` of them, a uniformly random subset, each with
+    weight `1 / c_u`: a user's weights sum to 1, so with per-example clipping
+    at `C` (weights applied after clipping, `clipping.clip_scales`) one
+    user's contribution to the sum has L2 norm `<= C`: the average of their
+    clipped gradients. Adding or removing one user (all their examples)
+    moves the sum by at most `C`: a step is the Poisson subsampled Gaussian
+    at the user rate, with `U` as the dataset size (δ, the ledger's `n`).
+
+    The overflow policy is `PoissonSampler`'s: `max_batch_size` (in
+    examples) is planned from a normal approximation to the sample's size,
+    and a larger sample gets more microbatches; nothing sampled is dropped.
+  """
+
+  def __init__(self, user_ids, expected_users: float, *, seed: int,
+               max_examples_per_user: int,
+               overflow_probability: float = 1e-6):
+    """Initializes the sampler.
+
+    Args:
+      user_ids: [N] each example's user (any hashable numpy values).
+      expected_users: `q * U`, the expected sampled users per step.
+      seed: Sampling seed (secret).
+      max_examples_per_user: `k >= 1`.
+      overflow_probability: Target per-step overflow probability of the
+        planned batch shape (approximate; overflow only costs time).
+    """
+    user_ids = np.asarray(user_ids)
+    if user_ids.ndim != 1 or user_ids.size < 1:
+      raise ValueError("user_ids must be a non-empty 1-D array, got shape "
+                       f"{user_ids.shape}.")
+    if max_examples_per_user < 1:
+      raise ValueError("max_examples_per_user must be >= 1, got "
+                       f"{max_examples_per_user}.")
+    _, users = np.unique(user_ids, return_inverse=True)
+    self.num_examples = int(user_ids.size)
+    self.dataset_size = int(users.max()) + 1  # U: the units of privacy
+    if not 0 < expected_users <= self.dataset_size:
+      raise ValueError(f"expected_users must be in (0, U={self.dataset_size}]"
+                       f", got {expected_users}.")
+    if not 0 < overflow_probability < 1:
+      raise ValueError("overflow_probability must be in (0, 1), got "
+                       f"{overflow_probability}.")
+    self.sampling_rate = float(expected_users) / self.dataset_size
+    self.seed = int(seed)
+    self.max_examples_per_user = int(max_examples_per_user)
+    # Each user's examples, contiguous: _order[_starts[u]:_starts[u] + n_u].
+    self._order = np.argsort(users, kind="stable").astype(np.int64)
+    self._counts = np.bincount(users, minlength=self.dataset_size)
+    self._starts = np.cumsum(self._counts) - self._counts
+    taken = np.minimum(self._counts, self.max_examples_per_user)
+    q = self.sampling_rate
+    mean = q * taken.sum()
+    std = math.sqrt(q * (1 - q) * np.square(taken.astype(float)).sum())
+    planned = math.ceil(mean + stats.norm.isf(overflow_probability) * std)
+    self.max_batch_size = int(min(max(planned, 1), taken.sum()))
+
+  @property
+  def expected_batch_size(self) -> float:
+    """The expected sampled users, `q * U` (the noisy sum's normaliser)."""
+    return self.sampling_rate * self.dataset_size
+
+  def sample(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(indices [s] int64, weights [s] float32)` of step `step`: the
+    sampled users' chosen examples, each weighted 1 / (its user's count)."""
+    rng = np.random.default_rng([self.seed, step, USER_STREAM])
+    size = rng.binomial(self.dataset_size, self.sampling_rate)
+    users = np.sort(rng.choice(self.dataset_size, size=size, replace=False))
+    counts = self._counts[users]
+    group = np.repeat(np.arange(users.size), counts)
+    group_start = np.repeat(np.cumsum(counts) - counts, counts)
+    position = np.arange(group.size) - group_start
+    examples = self._order[np.repeat(self._starts[users], counts) + position]
+    # A uniform subset of each user's examples: rank them by random keys
+    # within their group and keep the first k.
+    by_key = np.lexsort((rng.random(group.size), group))
+    keep = by_key[position < self.max_examples_per_user]
+    taken = np.minimum(counts, self.max_examples_per_user)
+    chosen, weights = examples[keep], 1.0 / taken[group[keep]]
+    order = np.argsort(chosen)
+    return chosen[order], weights[order].astype(np.float32)
+
+  def indices(self, step: int) -> np.ndarray:
+    """Sorted int64 example indices of step `step`'s sample."""
+    return self.sample(step)[0]
+
+  def microbatches(self, step: int,
+                   microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(idx [K, m] int64, weights [K, m] float32)`: `PoissonSampler`'s
+    shapes, the mask holding each example's weight (0 for padding)."""
+    _check_microbatch_size(microbatch_size)
+    sample, weights = self.sample(step)
+    planned = math.ceil(self.max_batch_size / microbatch_size)
+    needed = math.ceil(sample.size / microbatch_size)
+    idx, mask = _pack(sample, max(planned, needed), microbatch_size)
+    mask[mask > 0] = weights
+    return idx, mask
+
+  @property
+  def scheme(self) -> PoissonScheme:
+    return PoissonScheme(self.sampling_rate, unit="user")
+
+  def describe(self) -> dict:
+    return {
+        "method": "user_poisson",
+        "unit": "user",
+        "sampling_rate": self.sampling_rate,
+        "dataset_size": self.dataset_size,
+        "num_examples": self.num_examples,
+        "max_examples_per_user": self.max_examples_per_user,
+        "expected_batch_size": self.expected_batch_size,
+        "max_batch_size": self.max_batch_size,
+        "adjacency": "add_or_remove_one_user",
+        "contribution": (
+            "each sampled user's examples (at most max_examples_per_user, a "
+            "uniform subset) are clipped one by one and averaged, so one "
+            "user moves the clipped sum by at most C"),
         "overflow_policy": (
             "extra microbatches of the same shape; no example is dropped, so "
             "Poisson accounting is exact"),
