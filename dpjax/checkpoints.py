@@ -274,11 +274,13 @@ def _legacy_layout(mngr: ocp.CheckpointManager, step: int) -> bool:
 
 def _saved_layout(state, legacy: bool) -> dict:
   """`state` (a TrainState) as a dict in the layout it was saved in. A
-  state without adaptive clip norms has no `clip_norms` entry, as before
-  they existed, so older checkpoints keep restoring."""
+  state without adaptive clip norms (or BandMF noise) has no `clip_norms`
+  (`noise_state`) entry, as before they existed, so older checkpoints keep
+  restoring."""
   saved = state._asdict()
-  if saved.get("clip_norms", ()) is None:
-    del saved["clip_norms"]
+  for optional in ("clip_norms", "noise_state"):
+    if saved.get(optional, ()) is None:
+      del saved[optional]
   if legacy:
     count = saved.pop("noise_count")
     saved["opt_state"] = (_LegacyNoiseState(count), saved["opt_state"])

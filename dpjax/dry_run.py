@@ -95,6 +95,7 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
       "accountant": plan.ledger.accountant,
       "sampling": plan.sampler.describe()["method"],
       "privacy_unit": built.config.privacy_unit,
+      "mechanism": plan.ledger.mechanism,
       "clipping_method": clipping_method(built),
       "remat": sizing.model_remat(built.model.config),
       "microbatch_size": m, "accumulation_calls": k,

@@ -176,11 +176,16 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
       base, mirror, state.opt_state, params, logical_axes,
       transform_non_params=lambda t: jax.tree.map(lambda _: everywhere, t),
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  params_sh = param_shardings(mesh, logical_axes, rules, shapes=params)
+  noise_state = None
+  if state.noise_state is not None:  # BandMF: band buffers like the params
+    from dpjax.privacy import bandmf
+    noise_state = bandmf.state_shardings(state.noise_state, params_sh,
+                                         everywhere)
   return train_step.TrainState(
-      step=everywhere,
-      params=param_shardings(mesh, logical_axes, rules, shapes=params),
-      opt_state=opt, noise_count=everywhere,
-      clip_norms=jax.tree.map(lambda _: everywhere, state.clip_norms))
+      step=everywhere, params=params_sh, opt_state=opt, noise_count=everywhere,
+      clip_norms=jax.tree.map(lambda _: everywhere, state.clip_norms),
+      noise_state=noise_state)
 
 
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,

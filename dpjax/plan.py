@@ -26,6 +26,7 @@ import numpy as np
 from dpjax import checkpoints, gin_cli, run_config
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import adaptive_clipping as adaptive_lib
+from dpjax.privacy import bandmf as bandmf_lib
 from dpjax.privacy import redaction_schedule as redaction_lib, sampling
 
 # Seeds the public sampler apart from the secret Poisson sampler's stream.
@@ -83,6 +84,9 @@ class Plan:
   # `train.privacy_unit = 'user'`: {"user_column", "max_examples_per_user"};
   # `dataset_size` and `batch_size` then count users. None: examples.
   user_level: dict | None = None
+  # `train.mechanism = 'bandmf'`: {"bands", "coefs" (the strategy, kept so
+  # a resumed run uses the very same one), "candidates" (the band choice)}.
+  bandmf: dict | None = None
 
   @property
   def releases_per_step(self) -> int:
@@ -96,7 +100,7 @@ class Plan:
   def guarantee(self) -> dict:
     plan = dataclasses.asdict(self)
     for optional in ("redaction", "clip_norms", "adaptive_clipping",
-                     "user_level"):
+                     "user_level", "bandmf"):
       # as saved before they existed
       if plan[optional] is None:
         del plan[optional]
@@ -140,7 +144,8 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
                  redaction: dict | None = None,
                  clip_norms: Mapping[str, float] | None = None,
                  adaptive: adaptive_lib.AdaptiveClipping | None = None,
-                 user_level: dict | None = None
+                 user_level: dict | None = None,
+                 bandmf_record: dict | None = None
                  ) -> tuple[ledger_lib.PrivacyLedger, Plan]:
   """The run's ledger and plan: read back from a checkpoint (whose plan must
   match this one), else with σ calibrated by dp-accounting for the target
@@ -186,7 +191,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
               clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
               redaction, dict(clip_norms) if clip_norms else None,
               dataclasses.asdict(adaptive) if adaptive else None,
-              user_level)
+              user_level, bandmf_record)
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
@@ -196,7 +201,9 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
         accountant=accountant, sampling=sampler.describe(),
         noise_multiplier=float(sigma), clip_norm=clip_norm,
         dataset_size=sampler.dataset_size, delta=delta,
-        target_epsilon=target_epsilon)
+        target_epsilon=target_epsilon,
+        mechanism=({"name": "bandmf", "bands": bandmf_record["bands"]}
+                   if bandmf_record else "dpsgd"))
     if prior:
       try:
         ledger.compose_after(prior)
@@ -367,6 +374,26 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
                              or not 0 < epochs < math.inf):
     raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
+  if config.mechanism not in bandmf_lib.MECHANISMS:
+    raise gin_cli.UsageError(f"train.mechanism must be one of "
+                             f"{bandmf_lib.MECHANISMS}, got "
+                             f"{config.mechanism!r}")
+  if config.mechanism == "bandmf":
+    bands = config.bands
+    if bands is not None and (not gin_cli.is_int(bands) or bands < 1):
+      raise gin_cli.UsageError("train.bands must be a positive integer or "
+                               f"None, got {bands!r}")
+    clashes = {
+        "train.sampling_method = 'shuffle'": config.sampling_method != "poisson",
+        "train.privacy_unit = 'user'": config.privacy_unit != "example",
+        "train.clip_norm = 'adaptive'": clip_norm == ADAPTIVE,
+        "a redaction schedule": config.redaction_schedule is not None}
+    for what, clash in clashes.items():
+      if clash:
+        raise gin_cli.UsageError(
+            f"train.mechanism = 'bandmf' (cyclic Poisson sampling of "
+            f"examples, every step a DP step at one bound) does not combine "
+            f"with {what}")
   if config.privacy_unit not in PRIVACY_UNITS:
     raise gin_cli.UsageError(f"train.privacy_unit must be one of "
                              f"{PRIVACY_UNITS}, got {config.privacy_unit!r}")
@@ -457,7 +484,7 @@ class RunPlan:
   """
   steps: int
   sampler: (sampling.PoissonSampler | sampling.UserPoissonSampler
-            | sampling.ShuffleSampler)
+            | sampling.CyclicPoissonSampler | sampling.ShuffleSampler)
   delta: float
   target_epsilon: float
   public: np.ndarray
@@ -476,6 +503,13 @@ class RunPlan:
     return plan_multipliers(self.privacy)
 
   @property
+  def strategy(self) -> bandmf_lib.Strategy | None:
+    """BandMF's strategy (`train.mechanism = 'bandmf'`), else None."""
+    record = self.privacy.bandmf
+    return None if record is None else bandmf_lib.Strategy(
+        tuple(record["coefs"]), self.privacy.dp_steps)
+
+  @property
   def adaptive_clipping(self) -> adaptive_lib.AdaptiveClipping | None:
     """The run's adaptive clipping (resolved), None with fixed bounds."""
     settings = self.privacy.adaptive_clipping
@@ -484,12 +518,12 @@ class RunPlan:
 
   @property
   def normalizer(self) -> float:
-    """The expected batch the noisy sum is divided by: q·n (Poisson), else
-    the batch size."""
-    if isinstance(self.sampler, (sampling.PoissonSampler,
-                                 sampling.UserPoissonSampler)):
-      return self.sampler.sampling_rate * self.sampler.dataset_size
-    return self.privacy.batch_size
+    """The expected batch the noisy sum is divided by: the Poisson
+    samplers' expected batch (q·n; users; q·(n // b) cyclic), else the
+    batch size."""
+    if isinstance(self.sampler, sampling.ShuffleSampler):
+      return self.privacy.batch_size
+    return self.sampler.expected_batch_size
 
   def dp_steps_before(self, step: int) -> int:
     return int(np.count_nonzero(~self.public[:step]))
@@ -502,14 +536,18 @@ class RunPlan:
              f"schedule): {plan.dp_steps} DP steps and "
              f"{self.steps - plan.dp_steps} public steps on "
              f"{redaction['public_task']}")
-    users = plan.user_level
-    sampled = ("Poisson sampling of users (q="
+    users, mf = plan.user_level, plan.bandmf
+    noise = (f"BandMF noise ({mf['bands']} bands), " if mf else "")
+    sampled = ("cyclic Poisson sampling (q="
+               f"{self.sampler.sampling_rate:.4g} of n // {mf['bands']})"
+               if mf else
+               "Poisson sampling of users (q="
                f"{plan.batch_size / plan.dataset_size:.4g} of "
                f"{plan.dataset_size} users, <= "
                f"{users['max_examples_per_user']} examples each)" if users
                else f"{self.sampler.describe()['method']} sampling "
                f"(q={plan.batch_size / plan.dataset_size:.4g})")
-    return (f"{steps}, {sampled}, "
+    return (f"{steps}, {noise}{sampled}, "
             f"σ={self.noise_multiplier:.4f}, "
             f"C={self._clip_summary()}, "
             f"δ={self.delta:.3g}, planned ε={self.planned_epsilon:.4f} "
@@ -523,6 +561,46 @@ class RunPlan:
     return (f"adaptive (from {adaptive.initial_clip_norm:g} toward the "
             f"{adaptive.target_quantile:g} quantile, count noise "
             f"{adaptive.count_stddev:.4g})")
+
+
+def plan_bandmf(config: run_config.RunConfig, *, n: int, steps: int,
+                delta: float, target_epsilon: float,
+                prior: ledger_lib.PrivacyLedger | None,
+                saved_plan: dict | None) -> dict:
+  """BandMF's strategy for a run of `steps` DP steps on n examples: the
+  checkpoint's on resume; else jax-privacy's optimised strategy of
+  `train.bands` bands or, by default, of the band count whose error at the
+  σ calibrated for the target (cyclic Poisson, cycle = bands) is least."""
+  if saved_plan and saved_plan.get("bandmf"):
+    return saved_plan["bandmf"]
+  limit = n // config.batch_size
+  if config.bands is not None and config.bands > min(limit, steps):
+    raise gin_cli.UsageError(
+        f"train.bands = {config.bands}: each example must be eligible only "
+        f"every bands-th step, so bands <= min(n // BATCH_SIZE = {limit}, "
+        f"steps = {steps})")
+  if config.bands is not None:
+    strategy = bandmf_lib.optimized_strategy(steps, config.bands)
+    return {"bands": strategy.bands, "coefs": list(strategy.coefs),
+            "candidates": [{"bands": strategy.bands}]}
+  if math.isinf(target_epsilon) or config.noise_multiplier is not None:
+    raise gin_cli.UsageError(
+        "train.mechanism = 'bandmf' chooses its bands at the σ calibrated for "
+        "a finite TARGET_EPSILON: with train.noise_multiplier or ε = inf, "
+        "set train.bands")
+  prior_events = prior.all_events if prior else []
+
+  def noise_multiplier(bands: int) -> float:
+    scheme = sampling.CyclicPoissonScheme(
+        config.batch_size / (n // bands), bands)
+    return calibrate(target_epsilon, delta, scheme, [steps],
+                     accountant=config.accountant, prior_events=prior_events)
+
+  strategy, _, rows = bandmf_lib.choose_bands(
+      steps, bandmf_lib.band_candidates(steps, n, config.batch_size),
+      noise_multiplier)
+  return {"bands": strategy.bands, "coefs": list(strategy.coefs),
+          "candidates": rows}
 
 
 def make_plan(config: run_config.RunConfig, *, n: int,
@@ -555,11 +633,22 @@ def make_plan(config: run_config.RunConfig, *, n: int,
   unit = config.privacy_unit
   check_batch_size(config.batch_size, n, config.delta, unit)
   steps = steps_for(config.train_steps, config.epochs, n, config.batch_size)
-  sampler = make_sampler(config.sampling_method, n, config.batch_size,
-                         sampling_seed, config.overflow_probability,
-                         user_ids=user_ids,
-                         max_examples_per_user=config.max_examples_per_user)
   delta = resolve_delta(config.delta, n)
+  prior = read_prior_ledger(config.prior_ledger)
+  bandmf_record = None
+  if config.mechanism == "bandmf":
+    bandmf_record = plan_bandmf(
+        config, n=n, steps=steps, delta=delta, target_epsilon=target_epsilon,
+        prior=prior, saved_plan=saved.plan if saved else None)
+    sampler = sampling.CyclicPoissonSampler(
+        n, config.batch_size, cycle_length=bandmf_record["bands"],
+        steps=steps, seed=sampling_seed,
+        overflow_probability=config.overflow_probability)
+  else:
+    sampler = make_sampler(config.sampling_method, n, config.batch_size,
+                           sampling_seed, config.overflow_probability,
+                           user_ids=user_ids,
+                           max_examples_per_user=config.max_examples_per_user)
   adaptive = adaptive_settings(config)
   if adaptive is not None:  # the count's default noise: expected batch / 20
     adaptive = adaptive.resolved(
@@ -580,8 +669,8 @@ def make_plan(config: run_config.RunConfig, *, n: int,
       target_epsilon=target_epsilon,
       noise_multiplier=config.noise_multiplier,
       accountant=config.accountant, seed=config.seed,
-      prior=read_prior_ledger(config.prior_ledger), redaction=redaction,
-      clip_norms=clip_norms, adaptive=adaptive, user_level=user_level)
+      prior=prior, redaction=redaction, clip_norms=clip_norms,
+      adaptive=adaptive, user_level=user_level, bandmf_record=bandmf_record)
   ledger.secret = secret_source
   planned = accounting.epsilon(
       ledger.all_events + ledger.planned_events(

@@ -54,6 +54,9 @@ class RunConfig:
   `adaptive_clipping.*`, `dpjax.privacy.adaptive_clipping`), `clip_norms`
   (per-loss bounds of a model with several named losses; default
   `clip_norm` for each),
+  `mechanism` ('dpsgd', or 'bandmf': banded correlated noise with cyclic
+  Poisson sampling, `dpjax.privacy.bandmf`; `bands` None: the number of
+  bands of least expected error at the target, else that number),
   `noise_multiplier` (None: calibrated for the target), `accountant`
   ('pld', the tighter and default, | 'rdp'), `prior_ledger` (an earlier run on the same data whose
   releases this run composes with), `pinned_secret_seed` (tests only: the
@@ -91,6 +94,8 @@ class RunConfig:
   clip_norm: float | str = 0.1
   clip_norms: Mapping[str, float] | None = None
   noise_multiplier: float | None = None
+  mechanism: str = "dpsgd"
+  bands: int | None = None
   accountant: str = "pld"
   sampling_method: str = "poisson"
   overflow_probability: float = 0.01

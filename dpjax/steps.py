@@ -104,7 +104,8 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                   noise_multiplier: float, normalizer: float, seed: int,
                   clipping_method: str = "vmap",
                   clip_norms: Mapping[str, float] | None = None,
-                  adaptive_clipping: adaptive.AdaptiveClipping | None = None):
+                  adaptive_clipping: adaptive.AdaptiveClipping | None = None,
+                  strategy: bandmf.Strategy | None = None):
   """(DP optimizer, accumulate, apply) for a model: the un-jitted DP step.
 
   `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms:
@@ -126,6 +127,10 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   (`dpjax.privacy.adaptive_clipping`); the losses are clipped in units of
   their bound (sensitivity 1), and `accumulate` takes the state's
   `clip_norms`.
+
+  `strategy` (`train.mechanism = 'bandmf'`): BandMF's correlated noise in
+  place of independent noise (`dpjax.privacy.bandmf`), one loss at a
+  fixed bound.
   """
   if clipping_method not in CLIPPING_METHODS:
     raise gin_cli.UsageError("train.clipping_method must be 'vmap', 'ghost' "
@@ -155,13 +160,24 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
     clipped = clipping.multi_loss_clipped_grad(
         example_losses, clip_norms=bounds, trainable=trainable_mask(model))
   sensitivities = train_step.sensitivities(clipped)
-  tx = dp_optimizers.dp_optimizer(
-      base_optimizer(model, optimizer, learning_rate),
-      noise_multipliers={k: noise_multiplier for k in sensitivities},
-      sensitivities=sensitivities, normalizer=normalizer,
-      trainable=trainable_mask(model),
-      initial_clip_norms=None if adaptive_clipping is None else {
-          k: adaptive_clipping.initial_clip_norm for k in sensitivities})
+  if strategy is not None:
+    if len(sensitivities) != 1 or adaptive_clipping is not None:
+      raise gin_cli.UsageError(
+          "train.mechanism = 'bandmf' noises one loss at a fixed clip norm: "
+          "not a model with several losses or train.clip_norm = 'adaptive'")
+    (sensitivity,) = sensitivities.values()
+    tx = dp_optimizers.bandmf_optimizer(
+        base_optimizer(model, optimizer, learning_rate), strategy,
+        noise_multiplier=noise_multiplier, sensitivity=sensitivity,
+        normalizer=normalizer, trainable=trainable_mask(model))
+  else:
+    tx = dp_optimizers.dp_optimizer(
+        base_optimizer(model, optimizer, learning_rate),
+        noise_multipliers={k: noise_multiplier for k in sensitivities},
+        sensitivities=sensitivities, normalizer=normalizer,
+        trainable=trainable_mask(model),
+        initial_clip_norms=None if adaptive_clipping is None else {
+            k: adaptive_clipping.initial_clip_norm for k in sensitivities})
   accumulate = train_step.make_accumulate(clipped, seed=seed,
                                           dropout=model.example_rng)
   return tx, accumulate, train_step.make_apply(tx, adaptive_clipping,
@@ -195,8 +211,8 @@ def place_steps(model: trainable_lib.Trainable, *, mesh, rules,
                 clip_norm: float, clip_norms: Mapping[str, float] | None,
                 noise_multiplier: float, normalizer: float, seed: int,
                 clipping_method: str,
-                adaptive_clipping: adaptive.AdaptiveClipping | None = None
-                ) -> PlacedSteps:
+                adaptive_clipping: adaptive.AdaptiveClipping | None = None,
+                strategy: bandmf.Strategy | None = None) -> PlacedSteps:
   """The DP, public and eval steps jitted on `mesh`: params by their logical
   axes (replicated, FSDP or tensor-parallel per `rules`), optimizer moments
   like their params, counters replicated; the state and clipped sums are
@@ -205,7 +221,8 @@ def place_steps(model: trainable_lib.Trainable, *, mesh, rules,
       model, clip_norm=clip_norm, optimizer=optimizer,
       learning_rate=learning_rate, noise_multiplier=noise_multiplier,
       normalizer=normalizer, seed=seed, clipping_method=clipping_method,
-      clip_norms=clip_norms, adaptive_clipping=adaptive_clipping)
+      clip_norms=clip_norms, adaptive_clipping=adaptive_clipping,
+      strategy=strategy)
   abstract, axes = model.abstract_params()
   state_sh = partitioning.state_shardings(mesh, tx, abstract, axes, rules)
   target = jax.tree.map(

@@ -57,12 +57,15 @@ class TrainState(NamedTuple):
   the index that keys the next one's noise. In a run without public steps
   `step == noise_count`. `clip_norms`: with adaptive clipping, each loss's
   current bound `{name: float32}` (a function of earlier releases); None
-  (no leaves) with fixed bounds."""
+  (no leaves) with fixed bounds. `noise_state`: BandMF's correlated-noise
+  state (`bandmf.correlated_privatizer`: past noise, SECRET); None with
+  independent noise."""
   step: jax.Array
   params: PyTree
   opt_state: optax.OptState
   noise_count: jax.Array
   clip_norms: Any = None
+  noise_state: Any = None
 
 
 def init_state(params: PyTree, optimizer: optimizers.DPOptimizer |
@@ -71,7 +74,9 @@ def init_state(params: PyTree, optimizer: optimizers.DPOptimizer |
   initial = getattr(optimizer, "initial_clip_norms", None)
   clip_norms = None if initial is None else {
       k: jnp.asarray(c, jnp.float32) for k, c in initial.items()}
-  return TrainState(zero, params, optimizer.init(params), zero, clip_norms)
+  noise_init = getattr(optimizer, "noise_state_init", None)
+  return TrainState(zero, params, optimizer.init(params), zero, clip_norms,
+                    None if noise_init is None else noise_init(params))
 
 
 def sensitivities(clipped_grad) -> dict[str, float]:
@@ -187,9 +192,10 @@ def make_apply(optimizer: optimizers.DPOptimizer,
     if adaptive_clipping is not None:
       sums = dict(sums)
       counts = sums.pop(adaptive.UNCLIPPED)
-    updates, opt_state = optimizer.update(
+    updates, opt_state, noise_state = optimizer.update(
         sums, state.opt_state, state.params, count=state.noise_count,
-        noise_secret=noise_secret, scales=clip_norms)
+        noise_secret=noise_secret, scales=clip_norms,
+        noise_state=state.noise_state)
     params = optax.apply_updates(state.params, updates)
     if adaptive_clipping is not None:
       clip_norms = {}
@@ -202,7 +208,7 @@ def make_apply(optimizer: optimizers.DPOptimizer,
             state.clip_norms[name], fraction,
             adaptive_clipping.target_quantile, adaptive_clipping.learning_rate)
     return TrainState(state.step + 1, params, opt_state,
-                      state.noise_count + 1, clip_norms)
+                      state.noise_count + 1, clip_norms, noise_state)
 
   return apply
 
@@ -239,8 +245,8 @@ def make_public_step(example_loss: Callable,
     grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
     updates, opt_state = base.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return (TrainState(state.step + 1, params, opt_state, state.noise_count,
-                       state.clip_norms),
+    return (state._replace(step=state.step + 1, params=params,
+                           opt_state=opt_state),
             {"loss_sum": losses.sum(), "num_examples": count})
 
   return public_step

@@ -146,6 +146,12 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
   if resume:
     checkpoints.check_model(resume[1], model_config)
   reporting.say(plan.summary())
+  if plan.privacy.bandmf and not resume:
+    reporting.say("BandMF bands (σ calibrated for the target, expected "
+                  "error σ x prefix error): " + ", ".join(
+                      f"{r['bands']}: σ={r['noise_multiplier']:.4f} error="
+                      f"{r['error']:.4g}" for r in
+                      plan.privacy.bandmf["candidates"] if "error" in r))
   if run_secret.is_pinned:
     reporting.say(
         "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"
@@ -169,7 +175,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
         noise_multiplier=float(plan.noise_multiplier),
         normalizer=plan.normalizer, seed=config.seed,
         clipping_method=config.clipping_method,
-        adaptive_clipping=plan.adaptive_clipping)
+        adaptive_clipping=plan.adaptive_clipping, strategy=plan.strategy)
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}

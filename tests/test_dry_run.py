@@ -29,6 +29,7 @@ TINY = ["--gin_file=quickstart.gin", "--gin.TRAIN_STEPS=4",
         "--gin.train.pinned_secret_seed=7"]
 FIELDS = {"n", "q", "steps", "dp_steps", "start_step", "sigma", "epsilon",
           "target_epsilon", "delta", "accountant", "sampling", "privacy_unit",
+          "mechanism",
           "clipping_method", "remat", "microbatch_size", "accumulation_calls",
           "auto_sizing", "mesh", "rules", "compute_dtype", "params",
           "peak_bytes_per_device", "state_bytes_per_device",

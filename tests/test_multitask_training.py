@@ -169,8 +169,8 @@ def test_frozen_leaves_are_not_updated_even_with_weight_decay():
       noise_multipliers={"lm": 1.0}, sensitivities={"lm": 1.0}, normalizer=1.0,
       trainable=trains)
   grads = {"lm": {"w": jnp.ones(3), "frozen": jnp.zeros(2)}}
-  updates, _ = tx.update(grads, tx.init(params), params, count=0,
-                         noise_secret=RunSecret.pinned(0).noise_key())
+  updates, _, _ = tx.update(grads, tx.init(params), params, count=0,
+                            noise_secret=RunSecret.pinned(0).noise_key())
   assert np.all(np.asarray(updates["frozen"]) == 0)
   assert np.all(np.asarray(updates["w"]) != 0)  # the trainable ones are
 

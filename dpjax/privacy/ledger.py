@@ -57,6 +57,9 @@ class PrivacyLedger:
       (`secret.RunSecret.draw`), 'pinned' (known to whoever pinned it: the
       guarantee does not hold against them) or 'unknown' (a ledger written
       before dpjax recorded it).
+    mechanism: The noise: 'dpsgd' (independent Gaussians), or
+      {'name': 'bandmf', 'bands': b, ...} (BandMF's correlated noise,
+      accounted through its cyclic Poisson `sampling`).
   """
 
   accountant: str
@@ -70,6 +73,7 @@ class PrivacyLedger:
   events: list[accounting.Event] = dataclasses.field(default_factory=list)
   prior_events: list[accounting.Event] = dataclasses.field(default_factory=list)
   secret: str = "unknown"
+  mechanism: str | dict = "dpsgd"
 
   def compose_after(self, prior: PrivacyLedger) -> None:
     """Counts every release of `prior` (an earlier run on the same dataset
@@ -149,6 +153,7 @@ class PrivacyLedger:
         "events": [e.to_json() for e in self.events],
         "prior_events": [e.to_json() for e in self.prior_events],
         "secret": self.secret,
+        "mechanism": self.mechanism,
         "epsilon_spent": _encode_float(self.epsilon_spent()),
     }
 
@@ -168,6 +173,7 @@ class PrivacyLedger:
         prior_events=[accounting.event_from_json(e)
                       for e in d.get("prior_events", [])],
         secret=str(d.get("secret", "unknown")),
+        mechanism=d.get("mechanism", "dpsgd"),
     )
 
   def save(self, path: str | os.PathLike) -> None:

@@ -16,6 +16,10 @@ The release index is not optimizer state: it is the train state's
 redaction schedule's public step) runs `base` on the same state and leaves
 the count, and with it every later release's noise, as it is.
 
+`bandmf_optimizer`: the same with BandMF's correlated noise
+(`dpjax.privacy.bandmf`); its noise state is the train state's
+`noise_state`, and secret.
+
 `freeze` runs `base` on the trained leaves only and zeroes the frozen
 ones' updates (a data-independent mask: post-processing).
 """
@@ -33,21 +37,31 @@ from dpjax.privacy import noise
 class DPOptimizer(NamedTuple):
   """`privatize` (named clipped sums -> one noisy mean update) and the `base`
   optax optimizer it feeds; with adaptive clipping, the bounds the train
-  state starts from (`{name: C}`, `train_step.init_state`)."""
+  state starts from (`{name: C}`, `train_step.init_state`). With correlated
+  noise (`bandmf.correlated_privatizer`), `noise_state_init(params)` gives
+  the noise state the train state carries, and `privatize` takes and
+  returns it."""
   privatize: Callable
   base: optax.GradientTransformation
   initial_clip_norms: Mapping[str, float] | None = None
+  noise_state_init: Callable | None = None
 
   def init(self, params) -> optax.OptState:
     return self.base.init(params)
 
   def update(self, sums: Mapping[str, Any], opt_state: optax.OptState, params,
              *, count: jax.Array, noise_secret: jax.Array,
-             scales: Mapping[str, jax.Array] | None = None):
-    """(updates, opt_state): release `count` of `sums` (each noisy sum times
-    its `scales` entry, if given), then `base`."""
-    return self.base.update(self.privatize(sums, count, noise_secret, scales),
-                            opt_state, params)
+             scales: Mapping[str, jax.Array] | None = None,
+             noise_state: Any = None):
+    """(updates, opt_state, noise_state): release `count` of `sums` (each
+    noisy sum times its `scales` entry, if given), then `base`."""
+    if self.noise_state_init is None:
+      released = self.privatize(sums, count, noise_secret, scales)
+    else:
+      released, noise_state = self.privatize(sums, count, noise_secret,
+                                             scales, noise_state)
+    updates, opt_state = self.base.update(released, opt_state, params)
+    return updates, opt_state, noise_state
 
 
 def dp_optimizer(
@@ -67,6 +81,17 @@ def dp_optimizer(
                        sensitivities=sensitivities, normalizer=normalizer,
                        trainable=trainable),
       base, None if initial_clip_norms is None else dict(initial_clip_norms))
+
+
+def bandmf_optimizer(base: optax.GradientTransformation, strategy, *,
+                     noise_multiplier: float, sensitivity: float,
+                     normalizer: float, trainable: Any = None) -> DPOptimizer:
+  """`base` fed by `bandmf.correlated_privatizer(strategy, ...)`."""
+  from dpjax.privacy import bandmf
+  init, privatize = bandmf.correlated_privatizer(
+      strategy, noise_multiplier=noise_multiplier, sensitivity=sensitivity,
+      normalizer=normalizer, trainable=trainable)
+  return DPOptimizer(privatize, base, noise_state_init=init)
 
 
 def freeze(base: optax.GradientTransformation, trainable: Any

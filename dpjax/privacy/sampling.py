@@ -54,6 +54,7 @@ from dpjax.privacy import accounting
 SAMPLER_STREAM = 0x73616D70  # "samp"
 SHUFFLE_STREAM = 0x73687566  # "shuf"
 USER_STREAM = 0x75736572  # "user"
+CYCLIC_STREAM = 0x6379636C  # "cycl"
 
 
 class Neighbouring(enum.Enum):
@@ -103,13 +104,43 @@ class ShuffleScheme:
         accounting.effective_noise_multiplier(noise_multipliers), epochs)]
 
 
-def scheme_from_description(description: dict) -> PoissonScheme | ShuffleScheme:
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonScheme:
+  """Cyclic Poisson sampling (BandMF's, `CyclicPoissonSampler`): the data
+  split into `cycle_length` = b groups, step t Poisson-samples group
+  t mod b at rate q. With a b-banded, column-normalised strategy each round
+  of b steps is, for one example, one Poisson subsampled Gaussian (Theorem 4
+  of Choquette-Choo et al., NeurIPS 2023, "Amplified Banded Matrix
+  Factorization"), under add-or-remove-one adjacency."""
+  sampling_rate: float
+  cycle_length: int
+  unit: str = "example"
+  neighbouring: ClassVar[Neighbouring] = Neighbouring.ADD_OR_REMOVE_ONE
+
+  def events(self, noise_multipliers: Sequence[float], stop: int,
+             start: int = 0) -> list[accounting.Event]:
+    """The events of DP steps [start, stop): a round is counted at its
+    first step, so a partial round counts in full and splitting a run into
+    pieces never undercounts."""
+    rounds = (math.ceil(stop / self.cycle_length)
+              - math.ceil(start / self.cycle_length)) if stop > start else 0
+    if rounds <= 0:
+      return []
+    return [accounting.PoissonGaussian(self.sampling_rate,
+                                       tuple(noise_multipliers), rounds)]
+
+
+def scheme_from_description(description: dict
+                            ) -> PoissonScheme | ShuffleScheme | CyclicPoissonScheme:
   """The scheme of a sampler's `describe()` record (a ledger's `sampling`)."""
   method = description.get("method")
   if method == "poisson":
     return PoissonScheme(description["sampling_rate"])
   if method == "user_poisson":
     return PoissonScheme(description["sampling_rate"], unit="user")
+  if method == "cyclic_poisson":
+    return CyclicPoissonScheme(description["sampling_rate"],
+                               description["cycle_length"])
   if method == "shuffle":
     return ShuffleScheme(description["steps_per_epoch"])
   raise ValueError(f"Unknown sampling method {method!r}.")
@@ -379,6 +410,99 @@ class UserPoissonSampler:
         "overflow_policy": (
             "extra microbatches of the same shape; no example is dropped, so "
             "Poisson accounting is exact"),
+    }
+
+
+class CyclicPoissonSampler:
+  """Cyclic Poisson sampling, jax-privacy's `CyclicPoissonSampling` (the
+  sampling BandMF's amplification needs), random access by step.
+
+  Formal guarantees:
+    jax-privacy's: the `N` examples are assigned to `cycle_length` = b
+    groups independently and uniformly (`PartitionType.INDEPENDENT`, the
+    partition that holds under add-or-remove adjacency), and step t
+    includes each example of group t mod b independently with probability
+    `sampling_rate` = B / (N // b), so an example can be in step t only if
+    t ≡ its group (mod b): b-min-separated participations. Every draw comes
+    from `np.random.default_rng([seed, CYCLIC_STREAM])` (the secret sampling
+    seed), one stream for the run: step t is the t-th batch of jax-privacy's
+    iterator (`indices` replays it from the start for an earlier step, so a
+    resumed run draws the batches of the uninterrupted one). Nothing sampled
+    is dropped (no truncation); the overflow policy is `PoissonSampler`'s.
+  """
+
+  def __init__(self, dataset_size: int, expected_batch_size: float, *,
+               cycle_length: int, steps: int, seed: int,
+               overflow_probability: float = 1e-6):
+    if not 1 <= cycle_length <= dataset_size // max(expected_batch_size, 1):
+      raise ValueError(
+          f"cycle_length must be in [1, N // B = "
+          f"{dataset_size // max(int(expected_batch_size), 1)}], got "
+          f"{cycle_length}.")
+    self.dataset_size = int(dataset_size)
+    self.cycle_length = int(cycle_length)
+    self.steps = int(steps)
+    self.seed = int(seed)
+    self.sampling_rate = float(expected_batch_size) / (
+        self.dataset_size // self.cycle_length)
+    # Group sizes are Binomial(N, 1/b); a Binomial(N, q/b) bounds a step's
+    # sample at the overflow probability.
+    self.max_batch_size = PoissonSampler(
+        self.dataset_size, sampling_rate=self.sampling_rate / cycle_length,
+        seed=0, overflow_probability=overflow_probability).max_batch_size
+    self._batches, self._next = None, 0
+
+  @property
+  def expected_batch_size(self) -> float:
+    return self.sampling_rate * (self.dataset_size // self.cycle_length)
+
+  def indices(self, step: int) -> np.ndarray:
+    """Sorted int64 indices of step `step`'s sample."""
+    if not 0 <= step < self.steps:
+      raise ValueError(f"step must be in [0, {self.steps}), got {step}.")
+    if self._batches is None or step < self._next:
+      from jax_privacy import batch_selection  # only BandMF runs need it
+      strategy = batch_selection.CyclicPoissonSampling(
+          sampling_prob=self.sampling_rate, iterations=self.steps,
+          cycle_length=self.cycle_length,
+          partition_type=batch_selection.PartitionType.INDEPENDENT)
+      self._batches = strategy.batch_iterator(
+          self.dataset_size, rng=np.random.default_rng(
+              [self.seed, CYCLIC_STREAM]))
+      self._next = 0
+    while True:
+      batch = next(self._batches)
+      self._next += 1
+      if self._next - 1 == step:
+        return np.sort(batch).astype(np.int64)
+
+  def microbatches(self, step: int,
+                   microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(idx [K, m], mask [K, m])` as `PoissonSampler.microbatches`."""
+    _check_microbatch_size(microbatch_size)
+    sample = self.indices(step)
+    planned = math.ceil(self.max_batch_size / microbatch_size)
+    needed = math.ceil(sample.size / microbatch_size)
+    return _pack(sample, max(planned, needed), microbatch_size)
+
+  @property
+  def scheme(self) -> CyclicPoissonScheme:
+    return CyclicPoissonScheme(self.sampling_rate, self.cycle_length)
+
+  def describe(self) -> dict:
+    return {
+        "method": "cyclic_poisson",
+        "sampling_rate": self.sampling_rate,
+        "cycle_length": self.cycle_length,
+        "dataset_size": self.dataset_size,
+        "expected_batch_size": self.expected_batch_size,
+        "max_batch_size": self.max_batch_size,
+        "adjacency": self.scheme.neighbouring.value,
+        "partition": "independent (jax_privacy.batch_selection)",
+        "accounting": (
+            "b-banded column-normalised BandMF with b = cycle_length: each "
+            "round of b steps is one Poisson subsampled Gaussian at "
+            "sampling_rate (Choquette-Choo et al. 2023, Theorem 4)"),
     }
 
 
