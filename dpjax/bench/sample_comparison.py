@@ -44,24 +44,31 @@ LORA = ["T5Config.lora = @LoRAConfig()", "LoRAConfig.rank = 8",
         "LoRAConfig.alpha = 16.0"]
 
 
-def _train(model_dir: str, steps: int, bindings: list[str]) -> dict:
-  """One `python -m dpjax.train` on gin/quickstart.gin; its summary."""
+def train(model_dir: str, steps: int | None, bindings: list[str],
+          gin_file: str = "gin/quickstart.gin") -> dict:
+  """One `python -m dpjax.train` on `gin_file` (`steps` steps, or the
+  file's own), evaluated and checkpointed at its end; its summary, with
+  the ledger's mechanism."""
   summary = os.path.join(model_dir, "train_summary.json")
   if not os.path.isfile(summary):  # a rerun of the script reuses finished runs
+    once = steps or 10**9  # at the end only
     args = [sys.executable, "-m", "dpjax.train",
-            "--gin_file=gin/quickstart.gin",
+            f"--gin_file={gin_file}",
             f"--gin_bindings=MODEL_DIR = '{model_dir}'",
-            f"--gin_bindings=TRAIN_STEPS = {steps}",
-            f"--gin_bindings=train.eval_period = {steps}",
+            *([f"--gin_bindings=TRAIN_STEPS = {steps}"] if steps else []),
+            f"--gin_bindings=train.eval_period = {once}",
             "--gin_bindings=train.eval_examples = 512",
             "--gin_bindings=train.generate_after_training = False",
-            f"--gin_bindings=train.checkpoint_period = {steps}",
+            f"--gin_bindings=train.checkpoint_period = {once}",
             *(f"--gin_bindings={b}" for b in bindings)]
     started = time.perf_counter()
     subprocess.run(args, cwd=REPO, check=True)
     print(f"[{time.perf_counter() - started:.0f} s] {model_dir}", flush=True)
   with open(summary) as f:
-    return json.load(f)
+    result = json.load(f)
+  with open(os.path.join(model_dir, "privacy_ledger.json")) as f:
+    result["mechanism"] = json.load(f).get("mechanism", "dpsgd")
+  return result
 
 
 def _row(name: str, summary: dict, clip: str) -> list[str]:
@@ -73,17 +80,16 @@ def _row(name: str, summary: dict, clip: str) -> list[str]:
           clip or f"{summary['clip_norm']:.4g} (last)"]
 
 
-def run(work_dir: str, steps: int, finetune_steps: int | None = None) -> str:
-  """The comparison's table: `steps` of public pretraining, then
-  `finetune_steps` (default `steps`) of each private fine-tuning."""
-  tune = finetune_steps or steps
-  work_dir = os.path.abspath(work_dir)
+def pretrained_start(work_dir: str, steps: int) -> list[str]:
+  """The shared start (made once in `work_dir`: `steps` of public
+  pretraining, exported to HF) as the bindings of a private fine-tuning
+  from it."""
   public = os.path.join(work_dir, "public_world")
   if not os.path.isdir(public):
     subprocess.run([sys.executable, "-m", "tasks.msmarco_sample.generate",
                     f"--output_dir={public}", f"--seed={PUBLIC_SEED}",
                     "--no_spm"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-  _train(os.path.join(work_dir, "pretrain"), steps, [
+  train(os.path.join(work_dir, "pretrain"), steps, [
       f"MSMARCO_DIR = '{public}'", "TARGET_EPSILON = 'inf'",
       "CLIP_NORM = 1e10"])
   start = os.path.join(work_dir, "start_hf")
@@ -93,37 +99,47 @@ def run(work_dir: str, steps: int, finetune_steps: int | None = None) -> str:
                     f"--output_dir={start}"], cwd=REPO, check=True)
   # Fine-tuning at the paper's learning rate (gin/msmarco_query_generation.gin),
   # not the quickstart's from-scratch 1e-2.
-  private = [f"INITIAL_CHECKPOINT_PATH = '{start}'", "LEARNING_RATE = 1e-3"]
+  return [f"INITIAL_CHECKPOINT_PATH = '{start}'", "LEARNING_RATE = 1e-3"]
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |",
+           "| " + " | ".join("---" for _ in header) + " |"]
+  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def run(work_dir: str, steps: int, finetune_steps: int | None = None) -> str:
+  """The comparison's table: `steps` of public pretraining, then
+  `finetune_steps` (default `steps`) of each private fine-tuning."""
+  tune = finetune_steps or steps
+  work_dir = os.path.abspath(work_dir)
+  private = pretrained_start(work_dir, steps)
   # The start's own loss on the private validation split: one step at a
   # learning rate of 0.
-  unchanged = _train(os.path.join(work_dir, "start_eval"), 1,
+  unchanged = train(os.path.join(work_dir, "start_eval"), 1,
                      private + ["LEARNING_RATE = 0.0"])
   rows = [["public start (no private data)", f"{unchanged['eval_loss']:.4f}",
            "-", "-", "-"]]
   for eps in (3, 8):
     for name, extra in (("full", []), ("LoRA r=8", LORA)):
-      summary = _train(
+      summary = train(
           os.path.join(work_dir, f"{name[:4].strip()}_eps{eps}_{tune}"),
           tune, private + [f"TARGET_EPSILON = {eps}.0", *extra])
       rows.append(_row(f"{name}, ε = {eps}", summary, "0.1"))
   for c in (0.01, 0.1, 1.0):
     if c == 0.1:
       continue  # the full ε = 3 run above
-    summary = _train(os.path.join(work_dir, f"full_eps3_c{c}_{tune}"), tune,
+    summary = train(os.path.join(work_dir, f"full_eps3_c{c}_{tune}"), tune,
                      private + ["TARGET_EPSILON = 3.0", f"CLIP_NORM = {c}"])
     rows.append(_row("full, ε = 3", summary, str(c)))
-  summary = _train(os.path.join(work_dir, f"full_eps3_adaptive_{tune}"), tune,
+  summary = train(os.path.join(work_dir, f"full_eps3_adaptive_{tune}"), tune,
                    private + ["TARGET_EPSILON = 3.0",
                               "train.clip_norm = 'adaptive'"])
   rows.append(_row("full, ε = 3, adaptive (from 0.1, median)", summary, ""))
-  header = ["run", "eval loss", "ε spent", "σ", "C"]
-  lines = ["| " + " | ".join(header) + " |",
-           "| " + " | ".join("---" for _ in header) + " |"]
-  lines += ["| " + " | ".join(r) + " |" for r in rows]
-  table = "\n".join(lines) + "\n"
+  text = table(["run", "eval loss", "ε spent", "σ", "C"], rows)
   with open(os.path.join(work_dir, "comparison.md"), "w") as f:
-    f.write(table)
-  return table
+    f.write(text)
+  return text
 
 
 def main(argv=None) -> int:
