@@ -162,6 +162,7 @@ def privacy_statement(meta: checkpoints.RunMeta, config) -> dict:
       "clip_norm": ledger.clip_norm,
       "clip_norms": plan.get("clip_norms"),
       "adaptive_clipping": plan.get("adaptive_clipping"),
+      "mechanism": ledger.mechanism,
       "dataset_size": ledger.dataset_size,
       "dp_steps": ledger.steps,
       "target_epsilon": _float(ledger.target_epsilon),
@@ -201,6 +202,13 @@ def _clip_text(s: dict) -> str:
           f"noise stddev {adaptive['count_stddev']:.4g} (in the events)")
 
 
+def _mechanism_text(mechanism) -> str:
+  if isinstance(mechanism, dict) and mechanism.get("name") == "bandmf":
+    return (f"BandMF ({mechanism['bands']}-banded correlated noise, cyclic "
+            "Poisson sampling)")
+  return "DP-SGD"
+
+
 def privacy_markdown(s: dict) -> str:
   """PRIVACY.md: the statement for people."""
   rows = [("ε spent (recomputed from the ledger's events)", s["epsilon"]),
@@ -217,7 +225,8 @@ def privacy_markdown(s: dict) -> str:
   eps = s["epsilon"]
   eps = f"{eps:.4g}" if isinstance(eps, float) else eps
   lines = ["# Privacy statement", "", _NOISE_KEY_TEXT[s["noise_key"]], "",
-           f"These parameters were trained by dpjax with DP-SGD and are "
+           f"These parameters were trained by dpjax with "
+           f"{_mechanism_text(s.get('mechanism', 'dpsgd'))} and are "
            f"(ε = {eps}, δ = {s['delta']:.3g})-differentially private for "
            f"{s['unit_of_privacy']} under {s['adjacency']} adjacency "
            f"({s['accountant']} accounting), provided the run's secret key "

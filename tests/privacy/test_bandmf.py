@@ -258,6 +258,20 @@ def test_resumed_run_is_bit_identical(uninterrupted, resumed):
   assert resumed[1]["epsilon_spent"] == uninterrupted[1]["epsilon_spent"]
 
 
+def test_export_releases_params_and_names_bandmf(uninterrupted, tmp_path):
+  """The release holds the params and the statement, never the noise state
+  the checkpoint keeps."""
+  from dpjax import export
+  out = tmp_path / "release"
+  export.main([f"--model_dir={uninterrupted[0]}", f"--output_dir={out}"])
+  with open(out / export.STATEMENT_FILE) as f:
+    statement = json.load(f)
+  assert statement["mechanism"] == {"name": "bandmf", "bands": 2}
+  assert "BandMF (2-banded" in (out / "PRIVACY.md").read_text()
+  for name in os.listdir(out):
+    assert b"noise_state" not in (out / name).read_bytes()
+
+
 def test_dry_run_names_the_mechanism(tmp_path, capsys):
   from dpjax import train
   try:
