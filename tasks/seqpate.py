@@ -16,6 +16,9 @@ import numpy as np
 from dpjax.datasets.seqpate import DEFAULT_VOCAB_DIR, completion_splits
 
 PRIVATE_LM_TASK = "seqpate_private_lm"
+# AirDialogue's examples carry their customer's name here, the unit of
+# user-level DP (`train.privacy_unit = 'user'`); Europarl has no users.
+USER_COLUMN = "user_id"
 
 
 def register_private_lm_task(dataset: str, seed: int, *,
@@ -29,7 +32,8 @@ def register_private_lm_task(dataset: str, seed: int, *,
   "test". An example is `inputs` empty and `targets` = the BPE ids of its
   text + EOS; with task feature lengths `{"targets": L - 1}` the trainer's
   decoder-only rows are `encode_completions(examples, vocabulary, L)`'s
-  (BOS, text, EOS, cut at L, loss on every token after BOS).
+  (BOS, text, EOS, cut at L, loss on every token after BOS). AirDialogue
+  examples also carry `user_id`, the customer's name.
   `vocabulary`: a seqio vocabulary; None means `sample_vocabulary()`.
   """
   import seqio  # lazy: TensorFlow
@@ -48,10 +52,12 @@ def register_private_lm_task(dataset: str, seed: int, *,
           len(rows))]
     ids = [np.asarray(list(vocabulary.encode(e.text)) + [vocabulary.eos_id],
                       np.int32) for e in rows]
-    return tf.data.Dataset.from_tensor_slices({
-        "inputs": tf.zeros([len(ids), 0], tf.int32),
-        "targets": tf.RaggedTensor.from_row_lengths(
-            np.concatenate(ids), [len(i) for i in ids])})
+    features = {"inputs": tf.zeros([len(ids), 0], tf.int32),
+                "targets": tf.RaggedTensor.from_row_lengths(
+                    np.concatenate(ids), [len(i) for i in ids])}
+    if rows and all(e.user_id is not None for e in rows):
+      features[USER_COLUMN] = tf.constant([e.user_id for e in rows])
+    return tf.data.Dataset.from_tensor_slices(features)
 
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)

@@ -288,3 +288,18 @@ def test_a_task_without_the_user_column_is_refused(tmp_path):
   finally:
     gin.clear_config()
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_dry_run_counts_users(tmp_path, capsys):
+  from dpjax import train
+  try:
+    train.main(["--gin_file=dialog_sample_user_level.gin",
+                f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                *(f"--gin_bindings={b}" for b in TINY), "--dry_run"])
+  finally:
+    gin.clear_config()
+  record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert record["privacy_unit"] == "user" and record["n"] == 540
+  assert record["sampling"] == "user_poisson"
+  assert record["q"] == pytest.approx(12 / 540)
+  assert not os.path.exists(tmp_path / "run")

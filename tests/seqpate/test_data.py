@@ -156,6 +156,11 @@ def test_private_lm_task_rows_equal_encode_completions():
   want = seqpate.encode_completions(private[:64], _SampleBPE(), 24)
   np.testing.assert_array_equal(got["tokens"], want["tokens"])
   np.testing.assert_array_equal(got["loss_weights"], want["loss_weights"])
+  # Each row's user (user-level DP): its customer's name, in row order.
+  users = arrays.load_task_column(task.name, "train", {"targets": 23},
+                                  seqpate_tasks.USER_COLUMN)
+  assert [u.decode() for u in users] == [e.user_id for e in private[:64]]
+  assert 1 < len(set(users)) < 64  # several sentences per customer
 
 
 def _sha(path):
