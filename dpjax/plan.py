@@ -536,23 +536,25 @@ class RunPlan:
              f"schedule): {plan.dp_steps} DP steps and "
              f"{self.steps - plan.dp_steps} public steps on "
              f"{redaction['public_task']}")
-    users, mf = plan.user_level, plan.bandmf
-    noise = (f"BandMF noise ({mf['bands']} bands), " if mf else "")
-    sampled = ("cyclic Poisson sampling (q="
-               f"{self.sampler.sampling_rate:.4g} of n // {mf['bands']})"
-               if mf else
-               "Poisson sampling of users (q="
-               f"{plan.batch_size / plan.dataset_size:.4g} of "
-               f"{plan.dataset_size} users, <= "
-               f"{users['max_examples_per_user']} examples each)" if users
-               else f"{self.sampler.describe()['method']} sampling "
-               f"(q={plan.batch_size / plan.dataset_size:.4g})")
-    return (f"{steps}, {noise}{sampled}, "
+    mf = plan.bandmf
+    noise = f"BandMF noise ({mf['bands']} bands), " if mf else ""
+    return (f"{steps}, {noise}{self._sampling_summary()}, "
             f"σ={self.noise_multiplier:.4f}, "
             f"C={self._clip_summary()}, "
             f"δ={self.delta:.3g}, planned ε={self.planned_epsilon:.4f} "
             f"(target {self.target_epsilon})")
 
+  def _sampling_summary(self) -> str:
+    plan = self.privacy
+    if plan.bandmf:
+      return (f"cyclic Poisson sampling (q={self.sampler.sampling_rate:.4g} "
+              f"of n // {plan.bandmf['bands']})")
+    q = plan.batch_size / plan.dataset_size
+    if plan.user_level:
+      return (f"Poisson sampling of users (q={q:.4g} of {plan.dataset_size} "
+              f"users, <= {plan.user_level['max_examples_per_user']} "
+              "examples each)")
+    return f"{self.sampler.describe()['method']} sampling (q={q:.4g})"
 
   def _clip_summary(self) -> str:
     plan, adaptive = self.privacy, self.adaptive_clipping
