@@ -63,6 +63,15 @@ class Neighbouring(enum.Enum):
   REPLACE_ONE = "replace_one"
 
 
+def _periods_begun(start: int, stop: int, period: int) -> int:
+  """How many periods of `period` steps (epochs, rounds) begin within steps
+  [start, stop): counting each at its first step counts a partial one in
+  full, once, however a run is split."""
+  if stop <= start:
+    return 0
+  return math.ceil(stop / period) - math.ceil(start / period)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoissonScheme:
   """Poisson sampling at rate q: each DP step is one Poisson-subsampled
@@ -94,10 +103,7 @@ class ShuffleScheme:
     """The events of DP steps [start, stop): an epoch is counted at its
     first step, so a partial epoch counts in full and splitting a run into
     pieces never undercounts."""
-    if stop <= start:
-      return []
-    epochs = (math.ceil(stop / self.steps_per_epoch)
-              - math.ceil(start / self.steps_per_epoch))
+    epochs = _periods_begun(start, stop, self.steps_per_epoch)
     if not epochs:
       return []
     return [accounting.shuffle_epochs_event(
@@ -122,9 +128,8 @@ class CyclicPoissonScheme:
     """The events of DP steps [start, stop): a round is counted at its
     first step, so a partial round counts in full and splitting a run into
     pieces never undercounts."""
-    rounds = (math.ceil(stop / self.cycle_length)
-              - math.ceil(start / self.cycle_length)) if stop > start else 0
-    if rounds <= 0:
+    rounds = _periods_begun(start, stop, self.cycle_length)
+    if not rounds:
       return []
     return [accounting.PoissonGaussian(self.sampling_rate,
                                        tuple(noise_multipliers), rounds)]
@@ -160,6 +165,16 @@ def _pack(sample: np.ndarray, num_microbatches: int,
 def _check_microbatch_size(microbatch_size: int) -> None:
   if microbatch_size < 1:
     raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
+
+
+def _pack_poisson(sample: np.ndarray, max_batch_size: int,
+                  microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """A Poisson sample in `ceil(max_batch_size / m)` microbatches, or more
+  of the same shape if it is larger (the overflow policy: nothing dropped)."""
+  _check_microbatch_size(microbatch_size)
+  planned = math.ceil(max_batch_size / microbatch_size)
+  needed = math.ceil(sample.size / microbatch_size)
+  return _pack(sample, max(planned, needed), microbatch_size)
 
 
 class PoissonSampler:
@@ -259,11 +274,8 @@ class PoissonSampler:
     unless the sample is larger, in which case more microbatches are returned
     (see the class overflow policy).
     """
-    _check_microbatch_size(microbatch_size)
-    sample = self.indices(step)
-    planned = math.ceil(self.max_batch_size / microbatch_size)
-    needed = math.ceil(sample.size / microbatch_size)
-    return _pack(sample, max(planned, needed), microbatch_size)
+    return _pack_poisson(self.indices(step), self.max_batch_size,
+                         microbatch_size)
 
   @property
   def scheme(self) -> PoissonScheme:
@@ -380,11 +392,8 @@ class UserPoissonSampler:
                    microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """`(idx [K, m] int64, weights [K, m] float32)`: `PoissonSampler`'s
     shapes, the mask holding each example's weight (0 for padding)."""
-    _check_microbatch_size(microbatch_size)
     sample, weights = self.sample(step)
-    planned = math.ceil(self.max_batch_size / microbatch_size)
-    needed = math.ceil(sample.size / microbatch_size)
-    idx, mask = _pack(sample, max(planned, needed), microbatch_size)
+    idx, mask = _pack_poisson(sample, self.max_batch_size, microbatch_size)
     mask[mask > 0] = weights
     return idx, mask
 
@@ -479,11 +488,8 @@ class CyclicPoissonSampler:
   def microbatches(self, step: int,
                    microbatch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """`(idx [K, m], mask [K, m])` as `PoissonSampler.microbatches`."""
-    _check_microbatch_size(microbatch_size)
-    sample = self.indices(step)
-    planned = math.ceil(self.max_batch_size / microbatch_size)
-    needed = math.ceil(sample.size / microbatch_size)
-    return _pack(sample, max(planned, needed), microbatch_size)
+    return _pack_poisson(self.indices(step), self.max_batch_size,
+                         microbatch_size)
 
   @property
   def scheme(self) -> CyclicPoissonScheme:
