@@ -4,7 +4,10 @@ The privacy contract of a DP training step, module by module:
 
 1. `sampling`: a data-independent batch selection. `PoissonSampler` includes
    each example independently with probability q and never drops a sampled
-   example; `ShuffleSampler` puts each example in at most one fixed-size batch
+   example; `UserPoissonSampler` does so for users, each giving at most k
+   examples weighted 1/c (so a user, not an example, is the unit);
+   `CyclicPoissonSampler` (BandMF's) Poisson-samples one of b groups per
+   step; `ShuffleSampler` puts each example in at most one fixed-size batch
    per epoch.
 2. `clipping`: `clipped_grad` / `per_group_clipped_grad` return the SUM of
    per-example gradients each clipped to L2 norm <= C (padding and non-finite
@@ -19,6 +22,8 @@ The privacy contract of a DP training step, module by module:
    each named sum (one per loss) exactly once per logical batch, keyed by
    (secret, release index), and divides by a data-independent normalizer;
    the base optax optimizer after it (`DPOptimizer`) is post-processing.
+   `bandmf.correlated_privatizer` adds BandMF's correlated noise instead
+   (C⁻¹z, z keyed the same way; its state is secret).
 4. `accounting` / `ledger`: each release is recorded as an event
    (`PoissonGaussian` per Poisson step, `Gaussian` per shuffled epoch with
    sigma / 2, or any other Gaussian query); epsilon at delta is the
@@ -59,13 +64,19 @@ from dpjax.privacy.ledger import (
 )
 from dpjax.privacy.noise import add_gaussian_noise, noise_key, privatizer
 from dpjax.privacy.optimizers import DPOptimizer, dp_optimizer
-from dpjax.privacy.sampling import PoissonSampler, ShuffleSampler
+from dpjax.privacy.sampling import (
+    CyclicPoissonSampler,
+    PoissonSampler,
+    ShuffleSampler,
+    UserPoissonSampler,
+)
 from dpjax.privacy.secret import RunSecret
 
 __all__ = [
     "BudgetExceededError",
     "ClipStats",
     "ClippedGradFn",
+    "CyclicPoissonSampler",
     "DPOptimizer",
     "Event",
     "Gaussian",
@@ -76,6 +87,7 @@ __all__ = [
     "RunSecret",
     "ShuffleSampler",
     "Site",
+    "UserPoissonSampler",
     "add_gaussian_noise",
     "calibrate_noise_multiplier",
     "clipped_grad",
