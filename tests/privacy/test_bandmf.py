@@ -124,6 +124,8 @@ def test_rounds_are_counted_once_whatever_the_pieces():
 
 
 def config(**overrides):
+  """A run's settings, none from gin bindings an earlier test left."""
+  gin.clear_config()
   fields = dict(model_dir="/tmp/unused", model_config=None,
                 mixture_or_task_name="x", task_feature_lengths={},
                 batch_size=20, train_steps=64, mechanism="bandmf",

@@ -188,6 +188,8 @@ def test_weights_above_one_count_as_one():
 # --- Accounting and refusals of the plan. ---------------------------------
 
 def config(**overrides):
+  """A run's settings, none from gin bindings an earlier test left."""
+  gin.clear_config()
   fields = dict(model_dir="/tmp/unused", model_config=None,
                 mixture_or_task_name="x", task_feature_lengths={},
                 batch_size=8, train_steps=50, privacy_unit="user",
