@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dpjax import train_step
-from dpjax.privacy import optimizers
+from dpjax.privacy import bandmf, optimizers
 
 PyTree = Any
 # (logical axis name, mesh axis | tuple of mesh axes | None = replicated).
@@ -179,7 +179,6 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
   params_sh = param_shardings(mesh, logical_axes, rules, shapes=params)
   noise_state = None
   if state.noise_state is not None:  # BandMF: band buffers like the params
-    from dpjax.privacy import bandmf
     noise_state = bandmf.state_shardings(state.noise_state, params_sh,
                                          everywhere)
   return train_step.TrainState(

@@ -24,6 +24,7 @@ import optax
 from dpjax import gin_cli, partitioning, train_step
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import adaptive_clipping as adaptive
+from dpjax.privacy import bandmf
 from dpjax.privacy import clipping
 from dpjax.privacy.clipping_method import make_clipped_grad
 from dpjax.privacy import optimizers as dp_optimizers

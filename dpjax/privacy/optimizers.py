@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 import optax
 
-from dpjax.privacy import noise
+from dpjax.privacy import bandmf, noise
 
 
 class DPOptimizer(NamedTuple):
@@ -87,7 +87,6 @@ def bandmf_optimizer(base: optax.GradientTransformation, strategy, *,
                      noise_multiplier: float, sensitivity: float,
                      normalizer: float, trainable: Any = None) -> DPOptimizer:
   """`base` fed by `bandmf.correlated_privatizer(strategy, ...)`."""
-  from dpjax.privacy import bandmf
   init, privatize = bandmf.correlated_privatizer(
       strategy, noise_multiplier=noise_multiplier, sensitivity=sensitivity,
       normalizer=normalizer, trainable=trainable)
