@@ -146,12 +146,13 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
   if resume:
     checkpoints.check_model(resume[1], model_config)
   reporting.say(plan.summary())
-  if plan.privacy.bandmf and not resume:
+  if plan.privacy.bandmf and not resume and len(
+      plan.privacy.bandmf["candidates"]) > 1:
     reporting.say("BandMF bands (σ calibrated for the target, expected "
                   "error σ x prefix error): " + ", ".join(
                       f"{r['bands']}: σ={r['noise_multiplier']:.4f} error="
                       f"{r['error']:.4g}" for r in
-                      plan.privacy.bandmf["candidates"] if "error" in r))
+                      plan.privacy.bandmf["candidates"]))
   if run_secret.is_pinned:
     reporting.say(
         "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"

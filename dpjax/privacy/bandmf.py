@@ -25,7 +25,8 @@ Poisson subsampled Gaussian of rate q and multiplier σ per round
 jax-privacy's `DpsgdTrainingAccountant(cycle_length=b)` computes.
 
 The state carried from step to step (the b - 1 last rows of `C⁻¹ Z`, one
-float32 copy of the trained params per band) is the noise itself: it is in
+float32 copy of the trained params per band; frozen leaves, e.g. LoRA's
+base, have none) is the noise itself: it is in
 the checkpoint, so a resumed run is bit-identical, and it must stay as
 secret as the run's secret key. `dpjax.export` writes params only.
 
@@ -118,32 +119,41 @@ def correlated_privatizer(strategy: Strategy, *, noise_multiplier: float,
   """`(init, privatize)` for one clipped sum with BandMF noise.
 
   `init(params) -> state` (the streaming matrix's: a release counter and
-  b - 1 float32 buffers per leaf); `privatize(sums, count, noise_secret,
-  scales, state) -> (update, state)`: `sums` is `{name: clipped sum}` with
-  one name; the update is `(sum + row count of C⁻¹ Z) / normalizer`, the
-  frozen leaves (`trainable` False) exactly their zero sum. See the module
-  docstring for the guarantee."""
+  b - 1 float32 buffers per trained leaf; a frozen leaf, `trainable` False,
+  b - 1 numbers); `privatize(sums, count, noise_secret, scales, state)
+  -> (update, state)`: `sums` is `{name: clipped sum}` with one name; the
+  update is `(sum + row count of C⁻¹ Z) / normalizer`, the frozen leaves
+  exactly their zero sum. See the module docstring for the guarantee."""
   matrix = strategy.noising_matrix()
   stddev = noise_multiplier * sensitivity
 
+  def trained(tree):
+    return (jax.tree.map(lambda _: True, tree) if trainable is None
+            else trainable)
+
+  def noise_shaped(tree):
+    """Zeros like the trained leaves; a scalar for a frozen one (it keeps
+    its place, so every leaf's key stays the one it would have, and a
+    checkpoint cannot hold an empty array)."""
+    return jax.tree.map(
+        lambda x, t: jnp.zeros(jnp.shape(x) if t else (), jnp.float32),
+        tree, trained(tree))
+
   def init(params):
-    return matrix.init_multiply(jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
+    return matrix.init_multiply(noise_shaped(params))
 
   def privatize(sums, count, noise_secret, scales, state):
     if len(sums) != 1 or scales is not None:
       raise ValueError("BandMF noises one clipped sum at a fixed bound, got "
                        f"{sorted(sums)} (scales {scales is not None})")
     (total,) = sums.values()
-    fresh = noise.add_gaussian_noise(
-        jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), total),
-        noise.noise_key(noise_secret, count), stddev)
+    fresh = noise.add_gaussian_noise(noise_shaped(total),
+                                     noise.noise_key(noise_secret, count),
+                                     stddev)
     correlated, state = matrix.multiply_next(fresh, state)
-    noisy = jax.tree.map(lambda s, z: s.astype(jnp.float32) + z, total,
-                         correlated)
-    if trainable is not None:
-      noisy = jax.tree.map(lambda n, s, t: n if t else s.astype(jnp.float32),
-                           noisy, total, trainable)
+    noisy = jax.tree.map(
+        lambda s, z, t: s.astype(jnp.float32) + z if t
+        else s.astype(jnp.float32), total, correlated, trained(total))
     return jax.tree.map(lambda x: x / normalizer, noisy), state
 
   return init, privatize
@@ -156,7 +166,7 @@ def state_shardings(state: Any, param_shardings: Any, replicated) -> Any:
 
   def part(tree):
     def leaf(sharding, x):
-      if not jnp.shape(x):
+      if jnp.ndim(x) <= 1:  # a counter; the buffer of a scalar (frozen leaf)
         return replicated
       spec = jax.sharding.PartitionSpec(None, *sharding.spec)
       return jax.sharding.NamedSharding(sharding.mesh, spec)

@@ -78,10 +78,20 @@ def test_frozen_leaves_get_no_noise():
       trainable={"w": True, "frozen": False})
   sums = {"w": jnp.ones(4), "frozen": jnp.zeros(3)}
   state = init(sums)
+  # The frozen leaf keeps b - 1 numbers, not a buffer of its size (LoRA's
+  # base would cost b - 1 copies of the model otherwise).
+  assert [x.shape for x in jax.tree.leaves(state)] == [(), (), (1,), (1, 4)]
+  whole_init, whole = bandmf.correlated_privatizer(
+      strategy, noise_multiplier=1.0, sensitivity=1.0, normalizer=2.0)
+  whole_state = whole_init(sums)
   for t in range(3):
     update, state = privatize({"loss": sums}, t, SECRET, None, state)
     assert np.all(np.asarray(update["frozen"]) == 0)
     assert np.all(np.asarray(update["w"]) != 0.5)
+    # The trained leaf's noise is the one it gets with nothing frozen.
+    unmasked, whole_state = whole({"loss": sums}, t, SECRET, None,
+                                  whole_state)
+    np.testing.assert_array_equal(update["w"], unmasked["w"])
 
 
 # --- Cyclic Poisson sampling and its accounting. --------------------------
@@ -288,3 +298,15 @@ def test_dry_run_names_the_mechanism(tmp_path, capsys):
   assert record["mechanism"] == {"name": "bandmf", "bands": 2}
   assert record["sampling"] == "cyclic_poisson"
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_lora_run_checkpoints_noise_for_the_adapters_only(tmp_path):
+  """BandMF with LoRA: the frozen base keeps no noise buffer of its size,
+  and the state (scalars for frozen leaves) checkpoints and restores."""
+  model_dir = tmp_path / "lora"
+  lora = ["TRAIN_STEPS = 2", "train.checkpoint_period = 2",
+          "T5Config.lora = @LoRAConfig()", "LoRAConfig.rank = 4"]
+  first = run(model_dir, *lora)
+  assert checkpoints.manager(str(model_dir)).latest_step() == 2
+  again = run(model_dir, *lora)  # restores the state, trains no more
+  assert again["epsilon_spent"] == first["epsilon_spent"]
