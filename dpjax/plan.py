@@ -575,12 +575,12 @@ def plan_bandmf(config: run_config.RunConfig, *, n: int, steps: int,
   σ calibrated for the target (cyclic Poisson, cycle = bands) is least."""
   if saved_plan and saved_plan.get("bandmf"):
     return saved_plan["bandmf"]
-  limit = n // config.batch_size
-  if config.bands is not None and config.bands > min(limit, steps):
+  if config.bands is not None and config.bands > bandmf_lib.max_bands(
+      steps, n, config.batch_size):
     raise gin_cli.UsageError(
         f"train.bands = {config.bands}: each example must be eligible only "
-        f"every bands-th step, so bands <= min(n // BATCH_SIZE = {limit}, "
-        f"steps = {steps})")
+        f"every bands-th step, so bands <= min(n // BATCH_SIZE = "
+        f"{n // config.batch_size}, steps = {steps})")
   if config.bands is not None:
     strategy = bandmf_lib.optimized_strategy(steps, config.bands)
     return {"bands": strategy.bands, "coefs": list(strategy.coefs),
@@ -593,8 +593,8 @@ def plan_bandmf(config: run_config.RunConfig, *, n: int, steps: int,
   prior_events = prior.all_events if prior else []
 
   def noise_multiplier(bands: int) -> float:
-    scheme = sampling.CyclicPoissonScheme(
-        config.batch_size / (n // bands), bands)
+    scheme = sampling.PoissonScheme(config.batch_size / (n // bands),
+                                    cycle_length=bands)
     return calibrate(target_epsilon, delta, scheme, [steps],
                      accountant=config.accountant, prior_events=prior_events)
 
@@ -632,8 +632,7 @@ def make_plan(config: run_config.RunConfig, *, n: int,
     n = int(np.unique(user_ids).size)  # the units of privacy from here on
   else:
     user_ids = None
-  unit = config.privacy_unit
-  check_batch_size(config.batch_size, n, config.delta, unit)
+  check_batch_size(config.batch_size, n, config.delta, config.privacy_unit)
   steps = steps_for(config.train_steps, config.epochs, n, config.batch_size)
   delta = resolve_delta(config.delta, n)
   prior = read_prior_ledger(config.prior_ledger)

@@ -9,7 +9,8 @@ pieces (`pack=True`), or each conversation is cut on its own (`pack=False`).
 A chunk is one training example, so with packing one conversation can be in
 two examples: DP is per chunk (group size 2 per conversation). Unpacked,
 each chunk carries its conversation's id (`user_id`), and
-`train.privacy_unit = 'user'` makes the conversation the unit of privacy. The default
+`train.privacy_unit = 'user'` makes the conversation the unit of privacy.
+The default
 `chunk_length` 1023 plus the BOS the GPT-2 feature converter prepends is
 GPT-2's 1024-token context.
 
@@ -46,7 +47,6 @@ from dpjax.datasets.multidogo import (
     PAPER_DOMAINS,
     SPLITS,
     chunk_conversations,
-    chunk_owners,
     domain_path,
     format_conversation,
     load_split,
@@ -149,8 +149,9 @@ def register_multidogo_task(
     chunks, chunk_domains = chunk_conversations(
         ids, [c.domain for c in conversations], chunk_length, pack=pack)
     # Unpacked, each chunk belongs to one conversation: the user-level unit.
-    users = None if pack else chunk_owners(
-        ids, [c.conversation_id for c in conversations], chunk_length)
+    users = None if pack else chunk_conversations(
+        ids, [c.conversation_id for c in conversations], chunk_length,
+        pack=False)[1]
     if shuffle_files:
       order = np.random.default_rng(seed).permutation(len(chunks))
       chunks, chunk_domains = [chunks[i] for i in order], [chunk_domains[i] for i in order]

@@ -285,7 +285,8 @@ def chunk_conversations(token_ids: Sequence[np.ndarray], domains: Sequence[str],
                         length: int, *, pack: bool = True
                         ) -> tuple[list[np.ndarray], list[str]]:
   """(chunks, their domains) of tokenized conversations; with `pack`, a
-  domain's conversations are concatenated (in order) before chunking."""
+  domain's conversations are concatenated (in order) before chunking.
+  Unpacked, `domains` may be any per-conversation label (e.g. its id)."""
   if not pack:
     pieces = [(p, d) for ids, d in zip(token_ids, domains)
               for p in chunk_ids(ids, length)]
@@ -298,14 +299,6 @@ def chunk_conversations(token_ids: Sequence[np.ndarray], domains: Sequence[str],
   return [p for p, _ in pieces], [d for _, d in pieces]
 
 
-def chunk_owners(token_ids: Sequence[np.ndarray], owners: Sequence[str],
-                 length: int) -> list[str]:
-  """Each unpacked chunk's owner (one per `chunk_conversations(...,
-  pack=False)` chunk): the owner of the conversation it was cut from."""
-  return [o for ids, o in zip(token_ids, owners)
-          for _ in chunk_ids(ids, length)]
-
-
 __all__ = [
     "DEFAULT_DATA_DIR", "DEFAULT_KEYWORDS_PATH", "DEFAULT_BPE_VOCAB_PATH",
     "DEFAULT_BPE_MERGES_PATH", "DOMAINS", "PAPER_DOMAINS", "CONTROL_TOKENS",
@@ -314,5 +307,5 @@ __all__ = [
     "MalformedLineError", "domain_token", "domain_path", "read_conversations",
     "load_conversations", "split_conversations", "load_split",
     "utterance_texts", "redact_conversations", "format_conversation",
-    "chunk_ids", "chunk_conversations", "chunk_owners",
+    "chunk_ids", "chunk_conversations",
 ]

@@ -21,17 +21,18 @@ that ships with the code). `C` is b-banded with unit-norm columns; with
 at most once in every round of b steps (b-min-separation), so by Theorem 4
 of the paper the T releases are as private as ⌈T/b⌉ rounds of DP-SGD: one
 Poisson subsampled Gaussian of rate q and multiplier σ per round
-(`sampling.CyclicPoissonScheme`), which is what the ledger records and
-jax-privacy's `DpsgdTrainingAccountant(cycle_length=b)` computes.
+(`sampling.PoissonScheme` with `cycle_length` b), which is what the ledger
+records and jax-privacy's `DpsgdTrainingAccountant(cycle_length=b)`
+computes.
 
-The state carried from step to step (the b - 1 last rows of `C⁻¹ Z`, one
-float32 copy of the trained params per band; frozen leaves, e.g. LoRA's
-base, have none) is the noise itself: it is in
-the checkpoint, so a resumed run is bit-identical, and it must stay as
-secret as the run's secret key. `dpjax.export` writes params only.
+The state carried from step to step (the b - 1 last rows of `C⁻¹ Z`) is
+the noise itself: it is in the checkpoint, so a resumed run is
+bit-identical, and it must stay as secret as the run's secret key.
+`dpjax.export` writes params only.
 
-Cost: (b - 1) float32 copies of the params in memory, and b - 1
-multiply-adds per parameter per step.
+Cost: b - 1 float32 copies of the trained params in memory (a frozen leaf,
+e.g. of LoRA's base, keeps b - 1 numbers), and b - 1 multiply-adds per
+trained parameter per step.
 """
 from __future__ import annotations
 
@@ -84,11 +85,16 @@ def prefix_error(strategy: Strategy) -> float:
       jnp.asarray(strategy.coefs, jnp.float32), n=strategy.steps)))
 
 
+def max_bands(steps: int, dataset_size: int, batch_size: int) -> int:
+  """The most bands b-min-separation allows: b <= T, and b <= N // B (each
+  of the b groups must hold a batch)."""
+  return min(steps, dataset_size // batch_size)
+
+
 def band_candidates(steps: int, dataset_size: int,
                     batch_size: int) -> list[int]:
-  """Powers of two up to `MAX_BANDS` that b-min-separation allows: b <= T
-  and b <= N // B (each of the b groups must hold a batch)."""
-  limit = min(steps, dataset_size // batch_size, MAX_BANDS)
+  """Powers of two up to `MAX_BANDS` and `max_bands`."""
+  limit = min(max_bands(steps, dataset_size, batch_size), MAX_BANDS)
   return [2 ** k for k in range(int(math.log2(max(limit, 1))) + 1)]
 
 

@@ -26,8 +26,9 @@ Hence adding or removing one real example (or flipping its mask) changes `S`
 by at most `f.sensitivity == C` in L2 norm; replacing one example changes it by
 at most `2 * C`. Masks are 0/1 for example-level DP; user-level sampling
 (`sampling.UserPoissonSampler`) gives each of a user's `c` sampled examples
-the weight `1/c`, so one user's whole contribution is at most `C`. For `per_group_clipped_grad` the same holds with
-`C = sqrt(sum_g C_g**2)`, since each group's block is clipped to `C_g`.
+the weight `1/c`, so one user's whole contribution is at most `C`. For
+`per_group_clipped_grad` the same holds with `C = sqrt(sum_g C_g**2)`, since
+each group's block is clipped to `C_g`.
 `multi_loss_clipped_grad` returns one such sum per named loss (each the
 sensitivity of its own loss's bound), meant to be noised separately.
 

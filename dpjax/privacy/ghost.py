@@ -53,8 +53,8 @@ Those of `clipping.clipped_grad`, for the same call contract: for ANY
 
 * every example with `mask[i] <= 0` contributes exactly zero to the sum;
 * every example with `mask[i] > 0` contributes `w_i g_i` with
-  `w_i = min(mask[i], 1) min(1, C / ||g_i||)`, of L2 norm `<= C`, or zero if its loss or
-  squared norm is non-finite; `g_i` is its gradient, whose large blocks are
+  `w_i = min(mask[i], 1) min(1, C / ||g_i||)`, of L2 norm `<= C`, or zero
+  if its loss or squared norm is non-finite; `g_i` is its gradient, whose large blocks are
   `sum_k A_k^T B_k`. Up to float rounding: the identity's is relative to its
   (possibly cancelling) terms rather than to the norm (a sum rounded below
   zero is taken as zero); book-keeping forms the sum from the very factors

@@ -33,9 +33,9 @@ Formal guarantees
   Accounted by `accounting.shuffle_epochs_event`.
 
 Poisson amplification assumes the adversary never learns which examples (or
-users) were sampled: the seed must be secret (the trainer passes the run secret's
-`RunSecret.sampling_seed()`, 256 bits of OS entropy, never `train.seed`),
-and the indices and realised batch sizes must not be released.
+users) were sampled: the seed must be secret (the trainer passes the run
+secret's `RunSecret.sampling_seed()`, 256 bits of OS entropy, never
+`train.seed`), and the indices and realised batch sizes must not be released.
 """
 
 from __future__ import annotations
@@ -75,18 +75,30 @@ def _periods_begun(start: int, stop: int, period: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class PoissonScheme:
   """Poisson sampling at rate q: each DP step is one Poisson-subsampled
-  Gaussian per release, under add-or-remove-one adjacency."""
+  Gaussian per release, under add-or-remove-one adjacency.
+
+  `cycle_length` b > 1 is cyclic Poisson sampling (BandMF's,
+  `CyclicPoissonSampler`): the data split into b groups, step t samples
+  group t mod b at rate q. With a b-banded, column-normalised strategy
+  each round of b steps is, for one example, one Poisson subsampled
+  Gaussian (Theorem 4 of Choquette-Choo et al., NeurIPS 2023, "Amplified
+  Banded Matrix Factorization"); b = 1 is plain Poisson sampling, a round
+  per step."""
   sampling_rate: float
   unit: str = "example"
+  cycle_length: int = 1
   neighbouring: ClassVar[Neighbouring] = Neighbouring.ADD_OR_REMOVE_ONE
 
   def events(self, noise_multipliers: Sequence[float], stop: int,
              start: int = 0) -> list[accounting.Event]:
-    """The events of DP steps [start, stop)."""
-    if stop <= start:
+    """The events of DP steps [start, stop): a round is counted at its
+    first step, so a partial round counts in full and splitting a run into
+    pieces never undercounts."""
+    rounds = _periods_begun(start, stop, self.cycle_length)
+    if not rounds:
       return []
     return [accounting.PoissonGaussian(self.sampling_rate,
-                                       tuple(noise_multipliers), stop - start)]
+                                       tuple(noise_multipliers), rounds)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,33 +122,7 @@ class ShuffleScheme:
         accounting.effective_noise_multiplier(noise_multipliers), epochs)]
 
 
-@dataclasses.dataclass(frozen=True)
-class CyclicPoissonScheme:
-  """Cyclic Poisson sampling (BandMF's, `CyclicPoissonSampler`): the data
-  split into `cycle_length` = b groups, step t Poisson-samples group
-  t mod b at rate q. With a b-banded, column-normalised strategy each round
-  of b steps is, for one example, one Poisson subsampled Gaussian (Theorem 4
-  of Choquette-Choo et al., NeurIPS 2023, "Amplified Banded Matrix
-  Factorization"), under add-or-remove-one adjacency."""
-  sampling_rate: float
-  cycle_length: int
-  unit: str = "example"
-  neighbouring: ClassVar[Neighbouring] = Neighbouring.ADD_OR_REMOVE_ONE
-
-  def events(self, noise_multipliers: Sequence[float], stop: int,
-             start: int = 0) -> list[accounting.Event]:
-    """The events of DP steps [start, stop): a round is counted at its
-    first step, so a partial round counts in full and splitting a run into
-    pieces never undercounts."""
-    rounds = _periods_begun(start, stop, self.cycle_length)
-    if not rounds:
-      return []
-    return [accounting.PoissonGaussian(self.sampling_rate,
-                                       tuple(noise_multipliers), rounds)]
-
-
-def scheme_from_description(description: dict
-                            ) -> PoissonScheme | ShuffleScheme | CyclicPoissonScheme:
+def scheme_from_description(description: dict) -> PoissonScheme | ShuffleScheme:
   """The scheme of a sampler's `describe()` record (a ledger's `sampling`)."""
   method = description.get("method")
   if method == "poisson":
@@ -144,8 +130,8 @@ def scheme_from_description(description: dict
   if method == "user_poisson":
     return PoissonScheme(description["sampling_rate"], unit="user")
   if method == "cyclic_poisson":
-    return CyclicPoissonScheme(description["sampling_rate"],
-                               description["cycle_length"])
+    return PoissonScheme(description["sampling_rate"],
+                         cycle_length=description["cycle_length"])
   if method == "shuffle":
     return ShuffleScheme(description["steps_per_epoch"])
   raise ValueError(f"Unknown sampling method {method!r}.")
@@ -492,8 +478,8 @@ class CyclicPoissonSampler:
                          microbatch_size)
 
   @property
-  def scheme(self) -> CyclicPoissonScheme:
-    return CyclicPoissonScheme(self.sampling_rate, self.cycle_length)
+  def scheme(self) -> PoissonScheme:
+    return PoissonScheme(self.sampling_rate, cycle_length=self.cycle_length)
 
   def describe(self) -> dict:
     return {

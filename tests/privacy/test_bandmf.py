@@ -126,7 +126,7 @@ def test_cyclic_sampler_resumes_at_any_step():
 
 
 def test_rounds_are_counted_once_whatever_the_pieces():
-  scheme = sampling.CyclicPoissonScheme(0.1, 4)
+  scheme = sampling.PoissonScheme(0.1, cycle_length=4)
   whole = scheme.events((1.0,), 10)
   assert whole == [accounting.PoissonGaussian(0.1, (1.0,), 3)]
   pieces = scheme.events((1.0,), 5) + scheme.events((1.0,), 10, start=5)
@@ -180,8 +180,8 @@ def test_bands_are_those_of_least_error(planned):
   assert planned.privacy.bandmf["bands"] == best["bands"]
   assert planned.noise_multiplier == pytest.approx(best["noise_multiplier"])
   for r in rows:
-    scheme = sampling.CyclicPoissonScheme(20 / (1000 // r["bands"]),
-                                          r["bands"])
+    scheme = sampling.PoissonScheme(20 / (1000 // r["bands"]),
+                                    cycle_length=r["bands"])
     eps = accounting.epsilon(scheme.events((r["noise_multiplier"],), 64),
                              planned.delta, "pld")
     assert 0.99 * 3 <= eps <= 3
