@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import gin
 import numpy as np
@@ -96,6 +96,7 @@ def register_multidogo_task(
     chunk_length: int = DEFAULT_CHUNK_LENGTH,
     pack: bool = True,
     split_seed: int = 0,
+    train_conversations: Collection[str] | None = None,
     vocabulary=None,
     on_malformed: str = "fail"):
   """Registers (or re-registers) one decoder-only MultiDoGo LM task.
@@ -118,6 +119,10 @@ def register_multidogo_task(
     domain_tokens: the `<DOMAIN>` token before each utterance.
     chunk_length, pack: the chunking.
     split_seed: seed of the 60/20/20 split.
+    train_conversations: None for the whole train split; else the ids of the
+      conversations it keeps (a membership experiment's shadow model trains
+      on half of them). An id not in the train split is a ValueError when
+      the split is read.
     vocabulary: a seqio vocabulary; None means `dialog_vocabulary()`.
     on_malformed: "fail" or "skip" (see `read_conversations`).
 
@@ -142,6 +147,8 @@ def register_multidogo_task(
   def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None):
     conversations = load_split(split, data_dir, domains, seed=split_seed,
                                on_malformed=on_malformed)
+    if split == "train" and train_conversations is not None:
+      conversations = _kept(conversations, train_conversations)
     if make_policy:
       conversations = redact_conversations(conversations, make_policy())
     ids = [np.asarray(vocabulary.encode(format_conversation(
@@ -172,6 +179,24 @@ def register_multidogo_task(
   )
 
 
+def _kept(conversations, ids: Collection[str]) -> list:
+  """The conversations whose id is in `ids`, which must all be there."""
+  ids = set(ids)
+  missing = ids - {c.conversation_id for c in conversations}
+  if missing:
+    raise ValueError(f"{len(missing)} of the {len(ids)} conversations to train "
+                     f"on are not in the train split: {sorted(missing)[:5]}")
+  return [c for c in conversations if c.conversation_id in ids]
+
+
+def read_conversation_ids(path: str) -> list[str]:
+  """Conversation ids, one per line (blank lines skipped)."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"conversation id file not found: {path!r}")
+  with open(path) as f:
+    return [line.strip() for line in f if line.strip()]
+
+
 @gin.configurable("register_multidogo_tasks")
 @dataclasses.dataclass(frozen=True)
 class MultidogoConfig:
@@ -190,6 +215,7 @@ class MultidogoConfig:
   bpe_merges_path: str | None = None
   split_seed: int = 0
   on_malformed: str = "fail"
+  train_conversations_path: str | None = None
 
 
 def register_multidogo_tasks(
@@ -213,6 +239,8 @@ def register_multidogo_tasks(
       INSURANCE).
     domain_tokens, chunk_length, pack, split_seed, on_malformed: see
       `register_multidogo_task`.
+    train_conversations_path: None, or a file of conversation ids (one per
+      line): every task's train split keeps those conversations only.
     keywords_path: JSON phrase lists `{"DOMAIN": [...]}`; None means the
       sample's `keywords.json`. Redaction uses every domain of the policy
       (keyword file or classifier), selected or not.
@@ -247,7 +275,9 @@ def register_multidogo_tasks(
       register_multidogo_task, data_dir=c.data_dir,
       domain_tokens=c.domain_tokens, chunk_length=c.chunk_length, pack=c.pack,
       split_seed=c.split_seed, vocabulary=vocabulary,
-      on_malformed=c.on_malformed)
+      on_malformed=c.on_malformed,
+      train_conversations=(read_conversation_ids(c.train_conversations_path)
+                           if c.train_conversations_path else None))
   registered = [register(f"multidogo_lm{suffix}", domains=domains, policy=policy)
                 for suffix, policy in policies.items()]
   for d in domains:

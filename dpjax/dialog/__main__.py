@@ -7,9 +7,17 @@
       [--num_samples=10] [--max_new_tokens=64] \\
       [--gin_file=dialog_sample.gin] [--gin.NAME=VALUE ...]
 
+and the user-level membership inference (LiRA) of non-private, example-level
+and user-level DP training at the same ε (`dpjax.dialog.membership`):
+
+  python -m dpjax.dialog membership --output_dir=runs/dialog_membership \\
+      [--settings=nonprivate,example,user] [--epsilon=8] [--num_models=8] \\
+      [--gin_file=dialog_sample_user_level.gin] [--gin.NAME=VALUE ...]
+
 Defaults run on the embedded MultiDoGo sample (tiny GPT-2, CPU). With the
-release's files: `--gin_file=dialog_gpt2.gin
---gin.register_multidogo_tasks.data_dir="'/data/multidogo/unannotated'"`.
+release's files: `--gin_file=dialog_gpt2.gin` (`dialog_gpt2_user_level.gin`
+for membership)
+`--gin.register_multidogo_tasks.data_dir="'/data/multidogo/unannotated'"`.
 Rerunning the same command skips every finished run and attack.
 """
 from __future__ import annotations
@@ -17,13 +25,13 @@ from __future__ import annotations
 import argparse
 
 from dpjax import gin_cli, harness
-from dpjax.dialog import experiment, lira
+from dpjax.dialog import experiment, lira, membership
 
 _LIST = lambda s: [x for x in s.split(",") if x]
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-  p.add_argument("experiment", choices=["table"])
+  p.add_argument("experiment", choices=["table", "membership"])
   p.add_argument("--output_dir", required=True)
   p.add_argument("--prompt_domain", default="AIRLINE")
   p.add_argument("--modes", type=_LIST, default=list(experiment.MODES))
@@ -38,9 +46,23 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--classifier_epochs", type=float, default=3.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch_size", type=int, default=64)
+  p.add_argument("--settings", type=_LIST, default=list(membership.SETTINGS),
+                 help="membership: the trainings attacked")
+  p.add_argument("--num_models", type=int, default=8,
+                 help="membership: models per setting (each user trains half)")
 
 
 def _run(args, gin_files, bindings) -> dict:
+  if args.experiment == "membership":
+    if not args.settings or set(args.settings) - set(membership.SETTINGS):
+      raise gin_cli.UsageError(
+          f"--settings takes a comma-separated subset of "
+          f"{','.join(membership.SETTINGS)}, got {','.join(args.settings)!r}")
+    return membership.run(
+        args.output_dir, settings=args.settings, epsilon=args.epsilon,
+        num_models=args.num_models, seed=args.seed,
+        gin_files=gin_files or ("dialog_sample_user_level.gin",),
+        bindings=bindings, batch_size=args.batch_size)
   for name, given, known in (("modes", args.modes, experiment.MODES),
                              ("policies", args.policies, experiment.POLICIES)):
     if not given or set(given) - set(known):

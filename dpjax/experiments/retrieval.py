@@ -1,13 +1,14 @@
 """The retrieval experiment of shared/papers/003 in one command.
 
   python -m dpjax.experiments.retrieval --output_dir=runs/retrieval \\
-      [--epsilons=3,8,16,inf] [--seeds=0] [--skip_canaries] \\
+      [--epsilons=3,8,16,inf] [--seeds=0] [--mechanisms=dpsgd] [--skip_canaries] \\
       [--canary_epsilons=16,inf] [--generator_gin=retrieval_experiment_sample.gin] \\
       [--dual_encoder_gin=dual_encoder_msmarco_sample.gin] \\
       [--gin.NAME=VALUE ...] [--generator_gin.NAME=VALUE ...] \\
       [--dual_encoder_gin.NAME=VALUE ...]
 
-For each ε and seed: a T5 document -> query generator DP fine-tuned at ε,
+For each ε, seed and mechanism: a T5 document -> query generator DP
+fine-tuned at ε (DP-SGD, or BandMF with `--mechanisms=dpsgd,bandmf`),
 one synthetic query per training document (`inference.generate_synthetic`,
 the gin's decoding: nucleus p = 0.8), a dual encoder trained WITHOUT DP on
 the synthetic pairs (post-processing: ε is the generator's), and the
@@ -36,7 +37,8 @@ a rerun skips finished trainings, generations, evaluations and audits.
 
 Outputs under --output_dir: results.jsonl, table.md, table.csv,
 canaries.csv (with the audit), ndcg_vs_epsilon.png, and one directory per
-run (original/, synthetic/eps*/seed*/, direct_dp/eps*/seed*/, canaries/).
+run (original/, synthetic/eps*/seed*/, synthetic_bandmf/eps*/seed*/,
+direct_dp/eps*/seed*/, canaries/).
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ SAMPLE_DUAL_ENCODER_BINDINGS = (
 # Table 7 of the paper audits ε = 16 and ∞.
 CANARY_EPSILONS = (16.0, math.inf)
 MEMORIZATION_N = 4
+# train.mechanism of the generators: the approach's name and its directory.
+MECHANISMS = {"dpsgd": ("synthetic", "synthetic"),
+              "bandmf": ("synthetic (BandMF)", "synthetic_bandmf")}
 
 
 def _cached_json(path: str, compute):
@@ -141,6 +146,7 @@ def _privacy(model_dir: str) -> dict:
 
 def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                    seeds: Sequence[int] = (0,),
+                   mechanisms: Sequence[str] = ("dpsgd",),
                    generator_gin: Sequence[str] = GENERATOR_GIN,
                    dual_encoder_gin: Sequence[str] = DUAL_ENCODER_OVERLAY,
                    bindings: Sequence[str] = (),
@@ -168,27 +174,36 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
   harness.train_run(reference, de_files, [*de_bind, eps_binding(math.inf)])
   rows = [dict(approach="original", epsilon=math.inf, seed=0,
                **_privacy(reference), **evaluate(reference, data_dir))]
+  unknown = set(mechanisms) - set(MECHANISMS)
+  if unknown or not mechanisms:
+    raise gin_cli.UsageError(f"mechanisms are a non-empty subset of "
+                             f"{sorted(MECHANISMS)}, got {list(mechanisms)}")
   for eps in epsilons:
     for seed in seeds:
-      run_dir = os.path.join(root, "synthetic", f"eps{harness.eps_name(eps)}",
-                             f"seed{seed}")
-      generator = os.path.join(run_dir, "generator")
-      harness.train_run(generator, generator_gin,
-                         [*gen_bind, eps_binding(eps), f"train.seed = {seed}"])
-      synthetic = os.path.join(run_dir, "synthetic")
-      if not os.path.isfile(os.path.join(synthetic, "synthetic.jsonl")):
-        _with_config(generator)
-        inference.generate_synthetic(model_dir=generator, output_dir=synthetic,
-                                     seed=seed)
-      dual = os.path.join(run_dir, "dual_encoder")
-      harness.train_run(dual, de_files, [
-          *de_bind, eps_binding(math.inf), f"TRAIN_PAIRS_DIR = {synthetic!r}",
-          "TRAIN_PAIRS_SPLIT = 'synthetic'", f"train.seed = {seed}"])
-      rows.append(dict(
-          approach="synthetic", epsilon=eps, seed=seed, **_privacy(generator),
-          **evaluate(dual, data_dir),
-          **text_quality(os.path.join(synthetic, "synthetic.jsonl"), data_dir,
-                         reference)))
+      for mechanism in mechanisms:
+        if mechanism != "dpsgd" and math.isinf(eps):
+          continue  # no noise to correlate: the ε = ∞ generator is DP-SGD's
+        approach, folder = MECHANISMS[mechanism]
+        run_dir = os.path.join(root, folder, f"eps{harness.eps_name(eps)}",
+                               f"seed{seed}")
+        generator = os.path.join(run_dir, "generator")
+        harness.train_run(generator, generator_gin, [
+            *gen_bind, eps_binding(eps), f"train.seed = {seed}",
+            f"train.mechanism = {mechanism!r}"])
+        synthetic = os.path.join(run_dir, "synthetic")
+        if not os.path.isfile(os.path.join(synthetic, "synthetic.jsonl")):
+          _with_config(generator)
+          inference.generate_synthetic(model_dir=generator,
+                                       output_dir=synthetic, seed=seed)
+        dual = os.path.join(run_dir, "dual_encoder")
+        harness.train_run(dual, de_files, [
+            *de_bind, eps_binding(math.inf), f"TRAIN_PAIRS_DIR = {synthetic!r}",
+            "TRAIN_PAIRS_SPLIT = 'synthetic'", f"train.seed = {seed}"])
+        rows.append(dict(
+            approach=approach, epsilon=eps, seed=seed, **_privacy(generator),
+            **evaluate(dual, data_dir),
+            **text_quality(os.path.join(synthetic, "synthetic.jsonl"),
+                           data_dir, reference)))
       if math.isinf(eps):
         continue
       direct = os.path.join(root, "direct_dp", f"eps{harness.eps_name(eps)}",
@@ -276,7 +291,7 @@ def write_outputs(root: str, rows: list[dict], audit_rows: list[dict]) -> dict:
   harness.plot_vs_epsilon(
       {approach: {e: float(np.mean([g["ndcg@10"] for g in group]))
                   for (a, e), group in groups.items() if a == approach}
-       for approach in ("synthetic", "direct DP")},
+       for approach in (*(a for a, _ in MECHANISMS.values()), "direct DP")},
       plot, "NDCG@10 (dev)", references={
           "original pairs, no DP": original[0]["ndcg@10"]} if original else {})
   print(text, end="", flush=True)
@@ -294,6 +309,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                  type=harness.parse_epsilons)
   p.add_argument("--seeds", default="0",
                  type=lambda s: [int(x) for x in s.split(",")])
+  p.add_argument("--mechanisms", default="dpsgd",
+                 type=lambda s: [x for x in s.split(",") if x],
+                 help="generators' train.mechanism: dpsgd, bandmf or both")
   p.add_argument("--data_dir", default=None,
                  help="MSMARCO directory (default: the embedded sample)")
   p.add_argument("--skip_canaries", action="store_true")
@@ -314,6 +332,7 @@ def _run(args, gin_files, bindings) -> dict:
                              *dual_encoder_bindings]
   return run_experiment(
       args.output_dir, epsilons=args.epsilons, seeds=args.seeds,
+      mechanisms=args.mechanisms,
       generator_gin=tuple(args.generator_gin_file or GENERATOR_GIN),
       dual_encoder_gin=tuple(f for f in (args.dual_encoder_gin_file
                                          or DUAL_ENCODER_OVERLAY) if f),

@@ -9,13 +9,14 @@ import os
 
 import pytest
 
-from dpjax import inference, trainer
+from dpjax import gin_cli, inference, trainer
 from dpjax.datasets import msmarco
 from dpjax.experiments import canaries, retrieval
 from dpjax.privacy import ledger as ledger_lib
 
 SETTINGS = dict(
-    epsilons=(8.0,), seeds=(0,), canary_epsilons=(8.0,), canaries_per_cell=1,
+    epsilons=(8.0,), seeds=(0,), mechanisms=("dpsgd", "bandmf"),
+    canary_epsilons=(8.0,), canaries_per_cell=1,
     canary_repetitions=(1, 3), num_candidates=31,
     generator_bindings=[
         "TRAIN_STEPS = 2", "BATCH_SIZE = 32", "MICROBATCH_SIZE = 32",
@@ -56,14 +57,15 @@ def test_tables_and_plot_are_written(experiment):
   out, data, result = experiment
   approaches = [(r["approach"], r["epsilon"]) for r in result["rows"]]
   assert approaches == [("original", math.inf), ("synthetic", 8.0),
-                        ("direct DP", 8.0)]
+                        ("synthetic (BandMF)", 8.0), ("direct DP", 8.0)]
   for row in result["rows"]:
     for m in retrieval.METRICS:
       assert 0.0 <= row[m] <= 1.0
   with open(os.path.join(out, "table.csv")) as f:
     table = list(csv.DictReader(f))
   assert [(t["approach"], t["ε"]) for t in table] == [
-      ("original", "inf"), ("synthetic", "8"), ("direct DP", "8")]
+      ("original", "inf"), ("synthetic", "8"), ("synthetic (BandMF)", "8"),
+      ("direct DP", "8")]
   assert float(table[1]["NDCG@10"]) == pytest.approx(result["rows"][1]["ndcg@10"],
                                                      abs=1e-4)
   md = open(os.path.join(out, "table.md")).read()
@@ -71,7 +73,7 @@ def test_tables_and_plot_are_written(experiment):
   with open(os.path.join(out, "ndcg_vs_epsilon.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   lines = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
-  assert sum(l["kind"] == "retrieval" for l in lines) == 3
+  assert sum(l["kind"] == "retrieval" for l in lines) == 4
 
 
 def test_synthetic_pipeline_and_privacy(experiment):
@@ -91,6 +93,25 @@ def test_synthetic_pipeline_and_privacy(experiment):
     assert row["epsilon_spent"] == pytest.approx(8.0, rel=0.02)
   quality = result["rows"][1]
   assert 0 <= quality["bleu"] <= 100 and 0 <= quality["mauve"] <= 1
+
+
+def test_bandmf_generator_is_recorded_by_its_ledger(experiment):
+  """The BandMF row's generator trained with correlated noise and spent
+  (within the PLD grid) the ε its ledger recomputes."""
+  out, _, result = experiment
+  generator = os.path.join(out, "synthetic_bandmf", "eps8", "seed0",
+                           "generator")
+  ledger = ledger_lib.PrivacyLedger.load(
+      os.path.join(generator, ledger_lib.LEDGER_FILENAME))
+  assert ledger.mechanism["name"] == "bandmf"
+  row = next(r for r in result["rows"] if r["approach"] == "synthetic (BandMF)")
+  assert row["epsilon_spent"] == pytest.approx(ledger.epsilon_spent())
+  assert row["epsilon_spent"] <= 8.0 * (1 + 1e-9)
+
+
+def test_unknown_mechanism_is_refused(tmp_path):
+  with pytest.raises(gin_cli.UsageError, match="mechanisms"):
+    retrieval.run_experiment(str(tmp_path), mechanisms=("dpftrl",))
 
 
 def test_canary_audit_rows(experiment):
