@@ -16,8 +16,12 @@ Design (Carlini et al.'s online attack, leave-one-model-out):
    `register_multidogo_tasks.train_conversations_path` naming its users.
 3. `user_scores`: the statistic of user u under model m is minus the mean
    per-token NLL of all of u's training chunks.
-4. `lira_scores`: each model in turn is the target and the other M - 1 its
-   shadows. Λ(m, u) = log N(s; μ_in(u), σ_in²) - log N(s; μ_out(u), σ_out²),
+4. `lira_scores`: each model's scores are first centred on their mean over
+   all users: models differ in overall fit (their random starts, their
+   halves' step counts), a shift shared by all users that would otherwise
+   swamp the per-user signal (on the embedded sample it takes the AUC
+   against non-private models from 0.67 to 0.48). Then each model in turn
+   is the target and the other M - 1 its shadows. Λ(m, u) = log N(s; μ_in(u), σ_in²) - log N(s; μ_out(u), σ_out²),
    with per-user means over the shadows where u was IN / OUT, and variances
    pooled over all users (the paper's fixed-variance variant, the stable one
    with few shadows).
@@ -74,9 +78,11 @@ def user_scores(nll_sums: np.ndarray, token_counts: np.ndarray,
 
 
 def lira_scores(scores: np.ndarray, member: np.ndarray) -> np.ndarray:
-  """float64 [M, U]: Λ of each (target model, user), leave-one-model-out
-  (see the module docstring); `scores` and `member` are [M, U]."""
+  """float64 [M, U]: Λ of each (target model, user) from per-model centred
+  scores, leave-one-model-out (see the module docstring); `scores` and
+  `member` are [M, U]."""
   s, inn = np.asarray(scores, np.float64), np.asarray(member, bool)
+  s = s - s.mean(1, keepdims=True)  # each model's overall fit
   out = ~inn
 
   def others(x):  # Σ over the models other than the target, per (m, u)

@@ -53,6 +53,7 @@ def test_user_scores_are_minus_the_mean_nll_per_token_of_each_user():
 def _lira_loop(scores, member):
   """Λ by the definition, one (target, user) at a time, in float64."""
   num_models, num_users = scores.shape
+  scores = np.array([[x - np.mean(row) for x in row] for row in scores])
   out = np.zeros_like(scores, dtype=np.float64)
   for m in range(num_models):
     shadows = [k for k in range(num_models) if k != m]
@@ -80,6 +81,16 @@ def test_lira_scores_match_the_explicit_loop():
   scores = rng.normal(size=(6, 7)) + 0.5 * member
   np.testing.assert_allclose(membership.lira_scores(scores, member),
                              _lira_loop(scores, member), rtol=1e-10)
+
+
+def test_a_shift_of_a_whole_model_does_not_move_its_statistic():
+  rng = np.random.default_rng(6)
+  member = membership.membership_splits(9, 6, rng)
+  scores = rng.normal(size=(6, 9))
+  shifted = scores + rng.normal(size=(6, 1)) * 10
+  np.testing.assert_allclose(membership.lira_scores(shifted, member),
+                             membership.lira_scores(scores, member),
+                             rtol=1e-9, atol=1e-9)
 
 
 def test_the_attack_separates_members_only_when_the_scores_do():
