@@ -56,11 +56,15 @@ def membership_splits(num_users: int, num_models: int,
                       rng: np.random.Generator) -> np.ndarray:
   """bool [M, U]: user u trains model m. Each column holds exactly M / 2
   True values, at positions uniform over the M-choose-M/2 subsets."""
+  _check_model_count(num_models)
+  order = np.argsort(rng.random((num_models, num_users)), axis=0)
+  return order < num_models // 2
+
+
+def _check_model_count(num_models: int) -> None:
   if num_models < 4 or num_models % 2:
     raise ValueError(f"num_models must be even and >= 4 (each user needs >= 2 "
                      f"IN and OUT shadows besides the target), got {num_models}")
-  order = np.argsort(rng.random((num_models, num_users)), axis=0)
-  return order < num_models // 2
 
 
 def user_scores(nll_sums: np.ndarray, token_counts: np.ndarray,
@@ -160,7 +164,8 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
   """Trains `num_models` models per setting on random halves of the users,
   attacks them, writes `results.jsonl`, `table.md` and `table.csv` under
   `out_dir`; returns {"rows", "table_md"}. Resumable: finished runs and
-  scored settings are skipped.
+  scored settings are skipped; a rerun with another ε, model count, seed or
+  gin is a `CheckpointMismatchError` naming what differs.
 
   `gin_files`/`bindings` configure a user-level run on MultiDoGo
   (`privacy_unit = 'user'`, unpacked chunks); `seed` draws the splits (the
@@ -171,7 +176,13 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
   if unknown or not settings:
     raise ValueError(f"settings are a non-empty subset of {SETTINGS}, "
                      f"got {list(settings)}")
+  _check_model_count(num_models)
   root = os.path.abspath(out_dir)
+  # A rerun may add settings; any other change would mix its runs and
+  # splits with these.
+  harness.check_settings(root, dict(
+      epsilon=epsilon, num_models=num_models, seed=seed,
+      gin_files=list(gin_files), bindings=list(bindings)))
   base = harness.configured(run_config.RunConfig, gin_files, bindings)
   if base.privacy_unit != "user":
     raise ValueError("the shared gin must configure a user-level run "
@@ -226,7 +237,6 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
       fileio.write_atomic(cached, json.dumps(dict(
           scores=np.asarray(scores).tolist(), perplexity=perplexities,
           epsilon_spent=epsilons)))
-      # Every setting's gin was left bound by its runs; the next reads its own.
     with open(cached) as f:
       record = json.load(f)
     attack = attack_metrics(lira_scores(np.array(record["scores"]), member),

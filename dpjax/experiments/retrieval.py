@@ -159,6 +159,10 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                    num_candidates: int = 1000) -> dict:
   """Runs the grid (resumably); writes the tables and the plot; returns
   `{"rows", "canaries", "table_md", "plot"}`."""
+  unknown = set(mechanisms) - set(MECHANISMS)
+  if unknown or not mechanisms:
+    raise gin_cli.UsageError(f"mechanisms are a non-empty subset of "
+                             f"{sorted(MECHANISMS)}, got {list(mechanisms)}")
   root = os.path.abspath(out_dir)
   data = [] if data_dir is None else [f"MSMARCO_DIR = {data_dir!r}"]
   gen_bind = [*bindings, *data, "train.generate_after_training = False",
@@ -174,10 +178,6 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
   harness.train_run(reference, de_files, [*de_bind, eps_binding(math.inf)])
   rows = [dict(approach="original", epsilon=math.inf, seed=0,
                **_privacy(reference), **evaluate(reference, data_dir))]
-  unknown = set(mechanisms) - set(MECHANISMS)
-  if unknown or not mechanisms:
-    raise gin_cli.UsageError(f"mechanisms are a non-empty subset of "
-                             f"{sorted(MECHANISMS)}, got {list(mechanisms)}")
   for eps in epsilons:
     for seed in seeds:
       for mechanism in mechanisms:

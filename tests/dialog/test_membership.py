@@ -198,6 +198,21 @@ def test_rerun_retrains_nothing(experiment, monkeypatch):
   assert again["rows"] == result["rows"]
 
 
+def test_rerun_with_other_settings_is_refused(experiment):
+  from dpjax import checkpoints
+  out, _ = experiment
+  with pytest.raises(checkpoints.CheckpointMismatchError, match="num_models"):
+    membership.run(out, settings=("user",), num_models=6, bindings=SHRUNK)
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
+  for kwargs, match in ((dict(num_models=5), "even and >= 4"),
+                        (dict(settings=("group",)), "settings are")):
+    with pytest.raises(ValueError, match=match):
+      membership.run(str(tmp_path / "out"), **kwargs)
+  assert not os.path.exists(tmp_path / "out")
+
+
 def test_settings_bind_their_unit_and_noise():
   assert membership.setting_bindings("user", 8.0, 200) == ["TARGET_EPSILON = 8.0"]
   example = membership.setting_bindings("example", 3.0, 200)
@@ -206,3 +221,11 @@ def test_settings_bind_their_unit_and_noise():
   assert "TARGET_EPSILON = 'inf'" in nonprivate
   with pytest.raises(ValueError, match="unknown setting"):
     membership.setting_bindings("group", 3.0, 200)
+
+
+def test_cli_refuses_unknown_settings(tmp_path):
+  from dpjax import gin_cli
+  from dpjax.dialog import __main__ as dialog_cli
+  with pytest.raises(gin_cli.UsageError, match="--settings takes"):
+    dialog_cli.main(["membership", f"--output_dir={tmp_path}",
+                     "--settings=user,group"])

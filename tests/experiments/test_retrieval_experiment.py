@@ -112,6 +112,7 @@ def test_bandmf_generator_is_recorded_by_its_ledger(experiment):
 def test_unknown_mechanism_is_refused(tmp_path):
   with pytest.raises(gin_cli.UsageError, match="mechanisms"):
     retrieval.run_experiment(str(tmp_path), mechanisms=("dpftrl",))
+  assert not os.listdir(tmp_path)  # refused before anything ran
 
 
 def test_canary_audit_rows(experiment):
