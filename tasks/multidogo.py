@@ -10,9 +10,8 @@ A chunk is one training example, so with packing one conversation can be in
 two examples: DP is per chunk (group size 2 per conversation). Unpacked,
 each chunk carries its conversation's id (`user_id`), and
 `train.privacy_unit = 'user'` makes the conversation the unit of privacy.
-The default
-`chunk_length` 1023 plus the BOS the GPT-2 feature converter prepends is
-GPT-2's 1024-token context.
+The default `chunk_length` 1023 plus the BOS the GPT-2 feature converter
+prepends is GPT-2's 1024-token context.
 
 The redacted tasks apply a `dpjax.text.redaction.Policy` to every
 utterance (all of the policy's domains) before formatting; control tokens

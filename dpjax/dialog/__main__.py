@@ -53,21 +53,20 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args, gin_files, bindings) -> dict:
+  lists = ((("settings", args.settings, membership.SETTINGS),)
+           if args.experiment == "membership" else
+           (("modes", args.modes, experiment.MODES),
+            ("policies", args.policies, experiment.POLICIES)))
+  for name, given, known in lists:
+    if not given or set(given) - set(known):
+      raise gin_cli.UsageError(f"--{name} takes a comma-separated subset of "
+                               f"{','.join(known)}, got {','.join(given)!r}")
   if args.experiment == "membership":
-    if not args.settings or set(args.settings) - set(membership.SETTINGS):
-      raise gin_cli.UsageError(
-          f"--settings takes a comma-separated subset of "
-          f"{','.join(membership.SETTINGS)}, got {','.join(args.settings)!r}")
     return membership.run(
         args.output_dir, settings=args.settings, epsilon=args.epsilon,
         num_models=args.num_models, seed=args.seed,
         gin_files=gin_files or ("dialog_sample_user_level.gin",),
         bindings=bindings, batch_size=args.batch_size)
-  for name, given, known in (("modes", args.modes, experiment.MODES),
-                             ("policies", args.policies, experiment.POLICIES)):
-    if not given or set(given) - set(known):
-      raise gin_cli.UsageError(f"--{name} takes a comma-separated subset of "
-                               f"{','.join(known)}, got {','.join(given)!r}")
   return experiment.domain_privacy_table(
       args.output_dir, prompt_domain=args.prompt_domain, modes=args.modes,
       policies=args.policies, epsilon=args.epsilon,

@@ -21,7 +21,8 @@ Design (Carlini et al.'s online attack, leave-one-model-out):
    halves' step counts), a shift shared by all users that would otherwise
    swamp the per-user signal (on the embedded sample it takes the AUC
    against non-private models from 0.67 to 0.48). Then each model in turn
-   is the target and the other M - 1 its shadows. Λ(m, u) = log N(s; μ_in(u), σ_in²) - log N(s; μ_out(u), σ_out²),
+   is the target and the other M - 1 its shadows:
+   Λ(m, u) = log N(s; μ_in(u), σ_in²) - log N(s; μ_out(u), σ_out²),
    with per-user means over the shadows where u was IN / OUT, and variances
    pooled over all users (the paper's fixed-variance variant, the stable one
    with few shadows).
@@ -30,7 +31,8 @@ Design (Carlini et al.'s online attack, leave-one-model-out):
 
 Cost: M trainings per setting; scoring is one forward pass per model over
 the train and validation splits. No TensorFlow here but in `run` (the data
-layer, imported lazily).
+layer, imported lazily). Bad settings, model counts or a gin that is not
+user-level are `gin_cli.UsageError`s, raised before anything is written.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import numpy as np
 from sklearn import metrics as sk_metrics
 
 import tasks
-from dpjax import checkpoints, fileio, harness, inference, run_config
+from dpjax import checkpoints, fileio, gin_cli, harness, inference, run_config
 from dpjax.dialog import lira
 
 FPRS = (0.01, 0.1)
@@ -63,8 +65,9 @@ def membership_splits(num_users: int, num_models: int,
 
 def _check_model_count(num_models: int) -> None:
   if num_models < 4 or num_models % 2:
-    raise ValueError(f"num_models must be even and >= 4 (each user needs >= 2 "
-                     f"IN and OUT shadows besides the target), got {num_models}")
+    raise gin_cli.UsageError(
+        f"num_models must be even and >= 4 (each user needs >= 2 IN and OUT "
+        f"shadows besides the target), got {num_models}")
 
 
 def user_scores(nll_sums: np.ndarray, token_counts: np.ndarray,
@@ -87,35 +90,23 @@ def lira_scores(scores: np.ndarray, member: np.ndarray) -> np.ndarray:
   `member` are [M, U]."""
   s, inn = np.asarray(scores, np.float64), np.asarray(member, bool)
   s = s - s.mean(1, keepdims=True)  # each model's overall fit
-  out = ~inn
 
   def others(x):  # Σ over the models other than the target, per (m, u)
     return x.sum(0, keepdims=True) - x
 
-  n_in, n_out = others(inn.astype(float)), others(out.astype(float))
-  mu_in = others(s * inn) / n_in
-  mu_out = others(s * out) / n_out
-  # Pooled variance over the shadows of each target: the squared residuals
-  # about per-user means of the shadows alone (the target left out).
-  var_in = _pooled_variance(s, inn)
-  var_out = _pooled_variance(s, out)
+  def mean_and_pooled_variance(group):
+    """Per (target, user): the mean over the shadows in `group` (IN or
+    OUT); per target: the variance about those means, pooled over users
+    (unbiased: one degree of freedom per user mean)."""
+    n = others(group.astype(float))
+    mu = others(s * group) / n
+    squares = others(s * s * group) - n * mu * mu  # Σ (x - mu)² per (m, u)
+    return mu, squares.sum(1, keepdims=True) / (n - 1).sum(1, keepdims=True)
+
+  mu_in, var_in = mean_and_pooled_variance(inn)
+  mu_out, var_out = mean_and_pooled_variance(~inn)
   log_pdf = lambda x, mu, var: -0.5 * ((x - mu) ** 2 / var + np.log(var))
   return log_pdf(s, mu_in, var_in) - log_pdf(s, mu_out, var_out)
-
-
-def _pooled_variance(s: np.ndarray, group: np.ndarray) -> np.ndarray:
-  """[M, 1]: for each target m, the variance of the scores of the group
-  (IN or OUT) about their per-user means over the models other than m,
-  pooled over users (unbiased: one degree of freedom per user mean)."""
-  num_models = s.shape[0]
-  out = np.empty((num_models, 1))
-  for m in range(num_models):  # M is small (the number of trainings)
-    keep = np.arange(num_models) != m
-    x, g = s[keep], group[keep]
-    n = g.sum(0)
-    mean = (x * g).sum(0) / n
-    out[m] = ((x - mean) ** 2 * g).sum() / (n - 1).sum()
-  return out
 
 
 def attack_metrics(scores: np.ndarray, member: np.ndarray,
@@ -174,8 +165,8 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
 
   unknown = set(settings) - set(SETTINGS)
   if unknown or not settings:
-    raise ValueError(f"settings are a non-empty subset of {SETTINGS}, "
-                     f"got {list(settings)}")
+    raise gin_cli.UsageError(f"settings are a non-empty subset of "
+                             f"{SETTINGS}, got {list(settings)}")
   _check_model_count(num_models)
   root = os.path.abspath(out_dir)
   # A rerun may add settings; any other change would mix its runs and
@@ -185,8 +176,8 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
       gin_files=list(gin_files), bindings=list(bindings)))
   base = harness.configured(run_config.RunConfig, gin_files, bindings)
   if base.privacy_unit != "user":
-    raise ValueError("the shared gin must configure a user-level run "
-                     "(train.privacy_unit = 'user')")
+    raise gin_cli.UsageError("the shared gin must configure a user-level "
+                             "run (train.privacy_unit = 'user')")
   tasks.register_tasks()
   lengths, task = base.task_feature_lengths, base.mixture_or_task_name
   train = data_arrays.load_task_arrays(task, "train", lengths,
@@ -256,7 +247,8 @@ def write_outputs(root: str, rows: Sequence[Mapping]) -> dict:
   header = ["training", "ε spent", "validation PPL", "LiRA AUC",
             *(f"TPR @ {f:.0%} FPR" for f in FPRS), "models", "users"]
   table = [[LABELS[r["setting"]],
-            "∞" if math.isinf(r["epsilon_spent"]) else f"{r['epsilon_spent']:.3f}",
+            ("∞" if math.isinf(r["epsilon_spent"])
+             else f"{r['epsilon_spent']:.3f}"),
             f"{r['validation_ppl']:.2f}", f"{r['auc']:.3f}",
             *(f"{r[f'tpr@{f:g}']:.3f}" for f in FPRS), str(r["models"]),
             str(r["users"])] for r in rows]
