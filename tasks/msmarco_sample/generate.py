@@ -23,6 +23,13 @@ The world is made with ``random.Random(SEED)`` and only ordered containers, so
 the output is byte-for-byte reproducible; SentencePiece is trained with one
 thread, a fixed input order, no sentence sampling/shuffling and a fixed seed.
 
+``python -m tasks.msmarco_sample.generate --public_corpus`` (optionally
+``--output_dir``, ``--seed``) writes instead the public pretraining corpus
+``tasks/data/msmarco_public/`` (``generate_public_corpus``): the same world
+for ``PUBLIC_SEED``, every invented word drawn outside the sample's words and
+persons with other first names, one passage or query per line of
+``train.jsonl`` / ``validation.jsonl`` (``{"text": ...}``), and a README.
+
 This module needs only the standard library and ``sentencepiece`` (no
 TensorFlow).
 """
@@ -30,6 +37,7 @@ TensorFlow).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -43,6 +51,18 @@ DEFAULT_OUTPUT_DIR = os.path.join(
     "data",
     "msmarco_sample",
 )
+
+# The public pretraining corpus (`generate_public_corpus`): the same world
+# machinery for another seed, with every invented word drawn outside the
+# sample's words and other first names.
+PUBLIC_SEED = 918273
+DEFAULT_PUBLIC_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "data",
+    "msmarco_public",
+)
+PUBLIC_FILES = ("train.jsonl", "validation.jsonl")
+PUBLIC_VALIDATION_FRACTION = 0.05
 
 NUM_TRAIN_ENTITIES = 2600
 NUM_DEV_ENTITIES = 260
@@ -87,6 +107,17 @@ _FIRST_NAMES = (
     "Zora", "Alder", "Briony", "Casimir", "Delphine", "Emeric", "Faye",
     "Gideon", "Hollis", "Isolde", "Jasper", "Linnea", "Matthias", "Nadira",
     "Osric", "Perrin", "Ramona", "Silas", "Thea", "Viggo", "Wilhelmina",
+)
+# First names of the public corpus's persons: none is a first name of the
+# sample nor a word of it (checked by `generate_public_corpus`).
+_PUBLIC_FIRST_NAMES = (
+    "Anselm", "Beatrix", "Cedric", "Dorothea", "Elowen", "Florian", "Greta",
+    "Horatio", "Ingrid", "Jules", "Katrin", "Leopold", "Marguerite", "Nikolai",
+    "Ottilie", "Philippa", "Quentin", "Rosamund", "Sebastian", "Theodora",
+    "Ursula", "Valentin", "Winifred", "Xavier", "Yvette", "Zeno", "Agatha",
+    "Benedikt", "Clementine", "Dmitri", "Eleanor", "Frederick", "Gwendolyn",
+    "Hugo", "Imogen", "Leander", "Magnus", "Nell", "Oswin", "Prudence",
+    "Rupert", "Sabine", "Tobias", "Verena", "Wolfram",
 )
 _PROFESSIONS = (
     "cartographer", "glassblower", "astronomer", "poet", "shipwright",
@@ -280,11 +311,14 @@ _FILLERS = {
 
 
 class _NameFactory:
-  """Invents pronounceable words; never returns the same word twice."""
+  """Invents pronounceable words; never returns the same word twice, nor a
+  word of `forbidden` (the public corpus passes the private sample's words;
+  with none, the draws are exactly those of the sample)."""
 
-  def __init__(self, rng: random.Random):
+  def __init__(self, rng: random.Random, forbidden=frozenset()):
     self._rng = rng
     self._used: set[str] = set()
+    self._forbidden = frozenset(forbidden)
 
   def word(self, min_syllables: int = 2, max_syllables: int = 3) -> str:
     rng = self._rng
@@ -295,7 +329,7 @@ class _NameFactory:
         coda = rng.choice(_CODAS) if i == n - 1 else rng.choice(_CODAS[:6])
         parts.append(rng.choice(_ONSETS) + rng.choice(_VOWELS) + coda)
       w = "".join(parts)
-      if 5 <= len(w) <= 11 and w not in self._used:
+      if 5 <= len(w) <= 11 and w not in self._used and w not in self._forbidden:
         self._used.add(w)
         return w
 
@@ -332,7 +366,9 @@ def _fmt_int(n: int) -> str:
 class _Pools:
   """Value pools (names used as attribute values, never as entity names)."""
 
-  def __init__(self, rng: random.Random, names: _NameFactory):
+  def __init__(self, rng: random.Random, names: _NameFactory,
+               first_names: tuple[str, ...] = _FIRST_NAMES):
+    self.first_names = first_names  # draws no random numbers
     self.regions = [_cap(names.word(2, 3)) for _ in range(40)]
     self.rivers = [_cap(names.word(2, 2)) for _ in range(80)]
     self.towns = [_cap(names.word(2, 3)) + rng.choice(_TOWN_SUFFIXES)
@@ -343,7 +379,7 @@ class _Pools:
     self.rng = rng
 
   def person(self) -> str:
-    return f"{self.rng.choice(_FIRST_NAMES)} {self.rng.choice(self.surnames)}"
+    return f"{self.rng.choice(self.first_names)} {self.rng.choice(self.surnames)}"
 
 
 def _make_town(rng, names, pools):
@@ -362,7 +398,7 @@ def _make_town(rng, names, pools):
 
 def _make_person(rng, names, pools):
   born = rng.randint(1300, 1930)
-  name = f"{rng.choice(_FIRST_NAMES)} {_cap(names.word(2, 3))}"
+  name = f"{rng.choice(pools.first_names)} {_cap(names.word(2, 3))}"
   return dict(
       type="person", name=name, key=name.split()[1].lower(), born=born,
       died=born + rng.randint(28, 95), birthplace=rng.choice(pools.towns),
@@ -928,16 +964,19 @@ def _make_entity(rng, names, pools) -> dict:
   return e
 
 
-def build_world(seed: int = SEED) -> dict:
+def build_world(seed: int = SEED, *, forbidden_words=frozenset(),
+                first_names: tuple[str, ...] = _FIRST_NAMES) -> dict:
   """Builds the sample in memory.
 
   Returns a dict with `collection` (list of (pid, passage)), `queries` and
   `qrels` (dicts keyed by split 'train'/'dev' of lists of (qid, query) and
-  (qid, pid)).
+  (qid, pid)). `forbidden_words` (lower-case) are never drawn as invented
+  words and `first_names` replaces the persons' first names: both only for
+  the public corpus (`generate_public_corpus`); the defaults give the sample.
   """
   rng = random.Random(seed)
-  names = _NameFactory(rng)
-  pools = _Pools(rng, names)
+  names = _NameFactory(rng, forbidden_words)
+  pools = _Pools(rng, names, first_names)
 
   groups = {
       "train": [_make_entity(rng, names, pools) for _ in range(NUM_TRAIN_ENTITIES)],
@@ -1105,14 +1144,200 @@ def generate(output_dir: str = DEFAULT_OUTPUT_DIR, *, seed: int = SEED,
   return world
 
 
+# ---------------------------------------------------------------------------
+# The public pretraining corpus.
+# ---------------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+  """The lower-cased letter runs of `text` (its words, as the checks see them)."""
+  return re.findall(r"[a-z]+", text.lower())
+
+
+def _world_texts(world: dict) -> list[str]:
+  """Every passage and every (train and dev) query of `world`."""
+  return ([t for _, t in world["collection"]]
+          + [q for s in ("train", "dev") for _, q in world["queries"][s]])
+
+
+def _forbidden_words(sample_words) -> frozenset[str]:
+  """The sample's words, plus each one less any town-name or invention-word
+  suffix: an invented word outside this set stays outside the sample's words
+  when `_make_town` / `_make_invention` / `_Pools` glue such a suffix to it."""
+  suffixes = [x for x in _TOWN_SUFFIXES + _INVENTION_WORDS if x]
+  forbidden = set(sample_words)
+  for w in sample_words:
+    forbidden.update(w[:-len(x)] for x in suffixes if w.endswith(x) and w != x)
+  return frozenset(forbidden)
+
+
+def _template_words() -> set[str]:
+  """The words written in this module (templates, pools, fillers) and their
+  `_plural`s, less the sample's first names: the world's shared language,
+  never an invented name (those are drawn at run time)."""
+  with open(os.path.abspath(__file__), encoding="utf-8") as f:
+    words = set(_words(f.read()))
+  words |= {_plural(w) for w in words}
+  return words - {n.lower() for n in _FIRST_NAMES}
+
+
+def build_public_documents(seed: int = PUBLIC_SEED) -> dict:
+  """The public corpus in memory: {"train": [doc, ...], "validation": [...]}.
+
+  A document is one passage or one query (no "generate_query: " prefix) of
+  the world `build_world(seed, ...)` makes with every invented word drawn
+  outside the sample's words (`build_world(SEED)`) and with
+  `_PUBLIC_FIRST_NAMES`. About PUBLIC_VALIDATION_FRACTION of the passages,
+  with their queries, are held out as validation. Raises if a public name,
+  or any digit run longer than 4, could leak from the sample.
+  """
+  sample_words = {w for t in _world_texts(build_world(SEED)) for w in _words(t)}
+  clash = [n for n in _PUBLIC_FIRST_NAMES
+           if n.lower() in sample_words or n in _FIRST_NAMES]
+  if clash:
+    raise ValueError(f"public first names occur in the sample: {clash}")
+  world = build_world(seed, forbidden_words=_forbidden_words(sample_words),
+                      first_names=_PUBLIC_FIRST_NAMES)
+
+  # One group per passage: the passage, then its queries (qrels order).
+  groups = {pid: [text] for pid, text in world["collection"]}
+  for split in ("train", "dev"):
+    query_text = dict(world["queries"][split])
+    for qid, pid in world["qrels"][split]:
+      groups[pid].append(query_text[qid])
+
+  rng = random.Random(seed)
+  pids = sorted(groups)
+  n_val = max(1, round(PUBLIC_VALIDATION_FRACTION * len(pids)))
+  val_pids = set(rng.sample(pids, n_val))
+  seen: set[str] = set()
+  docs = {"train": [], "validation": []}
+  for pid in pids:
+    split = "validation" if pid in val_pids else "train"
+    for doc in groups[pid]:
+      if doc not in seen:  # a document is in one split, once
+        seen.add(doc)
+        docs[split].append(doc)
+  for split in ("train", "validation"):
+    rng.shuffle(docs[split])
+
+  # Safety nets (the tests check the committed files independently).
+  shared = {w for d in seen for w in _words(d)} & sample_words
+  leaked = sorted(shared - _template_words())
+  if leaked:
+    raise ValueError(f"public corpus shares non-template words with the "
+                     f"sample: {leaked[:20]}")
+  long_digits = [d for d in seen if re.search(r"[0-9]{5,}", d)]
+  if long_digits:  # canary secrets are 10-digit strings
+    raise ValueError(f"digit runs longer than 4 in: {long_digits[:3]}")
+  return docs
+
+
+def _public_readme(stats: dict, seed: int) -> str:
+  lines = [
+      "# msmarco_public",
+      "",
+      "Public pretraining corpus for the MSMARCO-format sample",
+      "(`tasks/data/msmarco_sample/`), generated by",
+      "",
+      "    python -m tasks.msmarco_sample.generate --public_corpus",
+      "",
+      "(deterministic; do not edit by hand; `--output_dir=DIR` writes",
+      f"elsewhere). It is the sample generator's world for seed {seed}",
+      "(`PUBLIC_SEED`): the same templates, attribute pools and query forms,",
+      "other invented towns, persons, animals, plants, rivers, inventions and",
+      "dishes. Each document is one passage or one query, as plain text (no",
+      "`generate_query: ` prefix: the pretraining objective is span",
+      "corruption on plain text), one JSON object per line:",
+      "`{\"text\": doc}`. About 5% of the passages, with their queries, form",
+      "`validation.jsonl`; no document is in both files. Every document",
+      "encodes with `tasks/data/msmarco_sample/spm/msmarco_sample.model`",
+      "without `<unk>`.",
+      "",
+      "| split | documents | passages | queries | words | characters |",
+      "| --- | --- | --- | --- | --- | --- |",
+  ]
+  for split in ("train", "validation"):
+    st = stats[split]
+    lines.append(f"| {split} | {st['documents']} | {st['passages']} | "
+                 f"{st['queries']} | {st['words']} | {st['characters']} |")
+  lines += [
+      "",
+      "## Disjointness from the private sample",
+      "",
+      "* Invented names: every invented word (entity names, and the towns,",
+      "  regions, rivers, mountains, seas and surnames used as attribute",
+      "  values) is drawn outside the set of words of the sample's passages",
+      "  and queries (and outside those words less a town or invention",
+      "  suffix, so glued names stay outside too). Persons' first names come",
+      "  from a separate list that shares no word with the sample.",
+      "* So every word the corpus shares with the sample is template language",
+      "  written in `tasks/msmarco_sample/generate.py` (\"river\", \"founded\",",
+      "  \"copper\", \"stew\", ...); the generator raises otherwise, and",
+      "  `tests/data/test_msmarco_public_corpus.py` checks it on the committed",
+      "  files: shared words are all in the generator's source (less the",
+      "  sample's first names), no first name or surname of a sample person",
+      "  occurs, and no name of the corpus occurs in the sample.",
+      "* Canaries (`dpjax.experiments.canaries`): their queries are sample",
+      "  queries (each names a sample entity) plus a 10-digit secret; the",
+      "  corpus has no digit run longer than 4 and none of the default canaries'",
+      "  queries or secrets (checked by the test).",
+      "* Shared on purpose: the templates, fillers, professions, titles of",
+      "  works, exports, colours, habitats, ingredients and the like.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
+                           seed: int = PUBLIC_SEED) -> dict:
+  """Writes `train.jsonl`, `validation.jsonl` and `README.md` of the public
+  pretraining corpus (`build_public_documents`) to `output_dir`.
+
+  Returns statistics: per split {"documents", "passages", "queries",
+  "words", "characters"}, and "seed".
+  """
+  docs = build_public_documents(seed)
+  queries = {q for q in docs["train"] + docs["validation"]
+             if not q.endswith(".")}  # passages end with a full stop
+  stats = {"seed": seed}
+  os.makedirs(output_dir, exist_ok=True)
+  for split, name in zip(("train", "validation"), PUBLIC_FILES):
+    _write_lines(os.path.join(output_dir, name),
+                 (json.dumps({"text": d}, ensure_ascii=False)
+                  for d in docs[split]))
+    n_q = sum(d in queries for d in docs[split])
+    stats[split] = dict(
+        documents=len(docs[split]), passages=len(docs[split]) - n_q,
+        queries=n_q, words=sum(len(d.split()) for d in docs[split]),
+        characters=sum(len(d) for d in docs[split]))
+  with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8",
+            newline="\n") as f:
+    f.write(_public_readme(stats, seed))
+  return stats
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
-  parser.add_argument("--seed", type=int, default=SEED)
+  parser.add_argument("--output_dir", default=None,
+                      help=f"default: {DEFAULT_OUTPUT_DIR}, or "
+                      f"{DEFAULT_PUBLIC_DIR} with --public_corpus")
+  parser.add_argument("--seed", type=int, default=None,
+                      help=f"default: {SEED}, or {PUBLIC_SEED} with "
+                      "--public_corpus")
   parser.add_argument("--no_spm", action="store_true",
                       help="skip training the SentencePiece model")
+  parser.add_argument("--public_corpus", action="store_true",
+                      help="write the public pretraining corpus (JSONL) "
+                      "instead of the sample")
   args = parser.parse_args(argv)
-  generate(args.output_dir, seed=args.seed, train_spm=not args.no_spm)
+  if args.public_corpus:
+    args.output_dir = args.output_dir or DEFAULT_PUBLIC_DIR
+    generate_public_corpus(args.output_dir, seed=(
+        PUBLIC_SEED if args.seed is None else args.seed))
+  else:
+    args.output_dir = args.output_dir or DEFAULT_OUTPUT_DIR
+    generate(args.output_dir, seed=SEED if args.seed is None else args.seed,
+             train_spm=not args.no_spm)
   with open(os.path.join(args.output_dir, "README.md"), encoding="utf-8") as f:
     print(f.read())
 

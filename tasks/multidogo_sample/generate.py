@@ -18,6 +18,15 @@ Run ``python -m tasks.multidogo_sample.generate`` (optionally
   are not in it: the task appends them as extra tokens).
 * ``README.md`` with statistics.
 
+With ``--public_corpus`` it writes instead the public pretraining corpus
+``tasks/data/multidogo_public/`` (`generate_public_corpus`): conversations of
+the three other MultiDoGo domains (FASTFOOD, FINANCE, SOFTWARE) from the same
+machinery with their own companies, intents and name/place pools, rendered
+one conversation per line as ``Agent: ... Customer: ...`` (the task's text
+without its control tokens), in ``train.jsonl`` / ``validation.jsonl``; no
+document holds a phrase of ``keywords.json`` or a word of the sample's
+entity pools.
+
 Each domain has its own companies and intents (AIRLINE: bookings, seat
 changes, seat numbers, boarding passes; MEDIA: new connections, data plans,
 bills, outages; INSURANCE: proof of insurance, claims, payments) and its own
@@ -41,8 +50,10 @@ import io
 import json
 import os
 import random
+import re
 
 from dpjax.datasets import multidogo
+from dpjax.text import redaction
 from tasks.semparse_sample.generate import train_bpe
 
 SEEDS = {"AIRLINE": 8101, "MEDIA": 8102, "INSURANCE": 8103}
@@ -106,12 +117,12 @@ _CLAIM_STATUS = ("approved and the payment will reach you in 3 days",
 # ---------------------------------------------------------------------------
 
 
-def _name(rng):
-  return rng.choice(_FIRST), rng.choice(_LAST)
+def _name(rng, first=_FIRST, last=_LAST):
+  return rng.choice(first), rng.choice(last)
 
 
-def _email(rng, first):
-  return f"{first.lower()}{rng.randint(1, 99)}@{rng.choice(_MAIL)}"
+def _email(rng, first, mail=_MAIL):
+  return f"{first.lower()}{rng.randint(1, 99)}@{rng.choice(mail)}"
 
 
 def _card(rng):
@@ -122,8 +133,8 @@ def _date(rng):
   return f"{rng.choice(_MONTHS)} {rng.randint(1, 28)}"
 
 
-def _address(rng):
-  return f"{rng.randint(2, 980)} {rng.choice(_STREETS)} {rng.choice(_STREET_KINDS)}"
+def _address(rng, streets=_STREETS):
+  return f"{rng.randint(2, 980)} {rng.choice(streets)} {rng.choice(_STREET_KINDS)}"
 
 
 def _digits(rng, n):
@@ -377,18 +388,22 @@ def _customer_style(rng):
   return lambda s: s[:1].upper() + s[1:]
 
 
-def conversation(rng: random.Random, domain: str) -> list[tuple[str, str]]:
-  """(authorRole, utterance) of one conversation."""
-  company = rng.choice(COMPANIES[domain])
-  first, last = _name(rng)
+def conversation(rng: random.Random, domain: str, *, companies=COMPANIES,
+                 intents=INTENTS, first_names=_FIRST, last_names=_LAST,
+                 agents=_AGENTS) -> list[tuple[str, str]]:
+  """(authorRole, utterance) of one conversation. The keyword arguments
+  are the entity pools and intents (the sample's by default; the public
+  corpus passes its own)."""
+  company = rng.choice(companies[domain])
+  first, last = _name(rng, first_names, last_names)
   greeting = ("agent", rng.choice((
       f"Hello! You've reached {company} customer service. How may I help you today?",
       f"Hi there, good morning! Welcome to {company}. You're connected to "
-      f"{rng.choice(_AGENTS)}. How may I assist you?",
+      f"{rng.choice(agents)}. How may I assist you?",
       f"Thank you for contacting {company}! How can I help you today?")))
   opener = [("customer", rng.choice(("hi", "hai", "hello", "good morning")))]
   turns = (opener + [greeting] if rng.random() < 0.5 else [greeting])
-  turns += rng.choice(INTENTS[domain])(rng, company, first, last)
+  turns += rng.choice(intents[domain])(rng, company, first, last)
   turns += [("agent", "Is there anything else I can help you with?"),
             ("customer", rng.choice(("no thanks", "nothing else",
                                      "no that's all, thank you"))),
@@ -479,13 +494,485 @@ def generate(output_dir: str = DEFAULT_OUTPUT_DIR, *,
   return conversations
 
 
+# ---------------------------------------------------------------------------
+# The public pretraining corpus: the other three MultiDoGo domains.
+# ---------------------------------------------------------------------------
+
+PUBLIC_SEED = 8190
+PUBLIC_NUM_CONVERSATIONS = 1500  # all domains together, before the split
+PUBLIC_VALIDATION_FRACTION = 0.05
+DEFAULT_PUBLIC_DIR = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "data", "multidogo_public")
+PUBLIC_DOMAINS = ("FASTFOOD", "FINANCE", "SOFTWARE")
+# How a public document names the speakers. Not the task's "SYS:" / "USR:":
+# those are control tokens (`multidogo.CONTROL_TOKENS`), appended to the
+# vocabulary only at fine-tuning time.
+PUBLIC_ROLE_NAMES = {"customer": "Customer:", "agent": "Agent:", "bot": "Agent:"}
+
+PUBLIC_COMPANIES = {
+    "FASTFOOD": ("Crispy Crown", "Burger Bay", "Taco Trail", "Noodle Nook",
+                 "Pepper Palace"),
+    "FINANCE": ("Ironleaf Bank", "Copperfield Credit Union", "Northgate Savings",
+                "Bluewater Bank", "Granite Trust"),
+    "SOFTWARE": ("Pixelforge Software", "Codewell", "Quillsoft", "Tidewave Apps",
+                 "Lumen Labs"),
+}
+# Disjoint from the sample's pools (`_FIRST`, `_LAST`, `_AGENTS`, `_MAIL`,
+# `_CITIES`, `_STREETS`); `_public_corpus_policy` checks every document.
+_PUBLIC_FIRST = ("Amara", "Bruno", "Chloe", "Dmitri", "Esther", "Farid",
+                 "Gemma", "Hugo", "Isla", "Jonas", "Keiko", "Lucas", "Mina",
+                 "Nikhil", "Olga", "Pablo", "Quentin", "Rahul", "Sana", "Theo",
+                 "Uma", "Wen", "Yara", "Zane", "Bianca", "Tariq", "Noor", "Ezra")
+_PUBLIC_LAST = ("Adeyemi", "Bergstrom", "Chatterjee", "Duarte", "Fischer",
+                "Gallagher", "Hosseini", "Jovanovic", "Kimura", "Laurent",
+                "Mendoza", "Novak", "Osei", "Petrov")
+_PUBLIC_AGENTS = ("Casey", "Riley", "Jamie", "Taylor", "Alex", "Skyler", "Reese")
+_PUBLIC_MAIL = ("letterly.com", "mailcove.io", "postbird.net")
+_PUBLIC_CITIES = ("Lisbon", "Nairobi", "Oslo", "Lagos", "Perth", "Dublin",
+                  "Kyoto", "Lima", "Quito", "Tampa", "Reno", "Omaha", "Tucson",
+                  "Fresno", "Pune", "Jaipur")
+_PUBLIC_STREETS = ("Birch", "Elm", "Aspen", "Meadow", "Orchard", "Juniper",
+                   "Chestnut", "Ridge", "Poplar", "Brook")
+_MENU = ("cheeseburger", "chicken wrap", "veggie burger", "pepperoni pizza",
+         "margherita pizza", "fish taco", "falafel bowl", "club sandwich",
+         "paneer roll", "chicken burrito")
+_SIDES = ("fries", "onion rings", "a side salad", "garlic bread", "coleslaw")
+_DRINKS = ("cola", "lemonade", "iced tea", "orange juice", "milkshake")
+_SIZES = ("small", "medium", "large")
+_COUNT_WORDS = ("one", "two", "three", "four")
+_BANK_ACCOUNTS = ("checking", "savings")
+_PRODUCTS = ("PhotoPad", "Notewise", "TaskTide", "SheetLab", "Clipvault")
+_SOFTWARE_PLANS = ("Basic", "Pro", "Team", "Business", "Starter")
+_DEVICES = ("laptop", "windows pc", "mac", "tablet", "phone")
+# Keys and codes use no vowels and 4-character groups, so they never spell a
+# word (the corpus check would reject one anyway).
+_KEY_CHARS = "BCDFGHJKLMNPQRSTVWXZ23456789"
+
+
+def _plural(item, n):
+  if n == 1:
+    return item
+  return item + ("es" if item.endswith("ch") else "s")
+
+
+def _price(rng, low, high):
+  return f"{rng.randint(low, high)}.{rng.choice(('25', '49', '75', '99'))}"
+
+
+def _public_address(rng):
+  return _address(rng, _PUBLIC_STREETS)
+
+
+def _public_email(rng, first):
+  return _email(rng, first, _PUBLIC_MAIL)
+
+
+def _order_number(rng):
+  return f"{rng.choice('ABCDEFGHJKLMNPRSTWXYZ')}{_digits(rng, 5)}"
+
+
+def _fastfood_order(rng, company, first, last):
+  item, n = rng.choice(_MENU), rng.randint(1, 4)
+  meal, delivery = rng.random() < 0.5, rng.random() < 0.6
+  minutes = rng.choice((15, 20, 25, 30, 40))
+  turns = [
+      ("customer", rng.choice((
+          f"i want to order {_COUNT_WORDS[n - 1]} {_plural(item, n)}",
+          f"can i get {n} {_plural(item, n)}",
+          f"i'd like to place an order for {_COUNT_WORDS[n - 1]} {_plural(item, n)}"))),
+      ("agent", f"Sure! Would you like to make it a meal with {rng.choice(_SIDES)} "
+                f"and a drink for ${_price(rng, 2, 5)} more?"),
+      ("customer", rng.choice(("yes please", "ok make it a meal")) if meal
+       else rng.choice((f"no just the {_plural(item, n)}", "no thanks"))),
+  ]
+  if meal:
+    turns += [("agent", "Which drink would you like, and what size?"),
+              ("customer", f"{rng.choice(_SIZES)} {rng.choice(_DRINKS)}")]
+  turns += [("agent", "Is this for delivery or pickup?"),
+            ("customer", "delivery" if delivery else "pickup")]
+  if delivery:
+    turns += [("agent", "Could you please share your delivery address?"),
+              ("customer", _public_address(rng))]
+  else:
+    turns += [("agent", "Which store would you like to pick it up from?"),
+              ("customer", f"the one in {rng.choice(_PUBLIC_CITIES)}")]
+  turns += _ask_name(rng, first, last) + [
+      ("agent", f"Your total is ${_price(rng, 6, 48)}. Could you please share "
+                "your card number for the payment?"),
+      ("customer", _card(rng)),
+      ("agent", f"Your order is placed! Your order number is {_order_number(rng)}. "
+                + (f"It will be delivered in {minutes} minutes." if delivery else
+                   f"It will be ready for pickup in {minutes} minutes.")),
+  ]
+  return turns
+
+
+def _fastfood_status(rng, company, first, last):
+  order = _order_number(rng)
+  return [
+      ("customer", rng.choice(("where is my order", "my food has not arrived yet",
+                               "how long will my order take"))),
+      ("agent", "Could you please share your order number?"),
+      ("customer", rng.choice((order, order.lower(), f"order number {order.lower()}"))),
+      ("agent", f"Your order {order} is out for delivery. Our driver "
+                f"{rng.choice(_PUBLIC_AGENTS)} will reach you in "
+                f"{rng.choice((5, 10, 15, 20))} minutes."),
+      ("customer", rng.choice(("ok thanks", "great", "thank you"))),
+  ]
+
+
+def _fastfood_complaint(rng, company, first, last):
+  item = rng.choice(_MENU)
+  refund = rng.random() < 0.5
+  return [("customer", rng.choice(("my order was wrong", "my fries were cold",
+                                   "you forgot my drink",
+                                   f"the {item} was missing from my order")))
+          ] + _ask_name(rng, first, last) + [
+      ("agent", f"I'm sorry about that, {first}. Could you please share your order "
+                "number?"),
+      ("customer", _order_number(rng)),
+      ("agent", "Would you like a refund or a replacement?"),
+      ("customer", "refund please" if refund else "a replacement please"),
+      ("agent", f"I've issued a refund of ${_price(rng, 4, 30)} to your card. It will "
+                "show up in 3 to 5 days." if refund else
+       f"A fresh {item} is on its way and will reach you in "
+       f"{rng.choice((20, 25, 30))} minutes."),
+  ]
+
+
+def _fastfood_store(rng, company, first, last):
+  city = rng.choice(_PUBLIC_CITIES)
+  return [
+      ("customer", rng.choice((f"what time does your {city} store close",
+                               f"is your store in {city} open now",
+                               f"where is your nearest store in {city}"))),
+      ("agent", f"Our store at {_public_address(rng)} in {city} is open from "
+                f"{rng.randint(6, 11)} am to {rng.randint(9, 11)} pm every day."),
+      ("customer", rng.choice(("do you deliver to my area", "can i order online"))),
+      ("agent", f"Yes! We deliver within {rng.randint(3, 8)} miles of the store, and "
+                "you can order on our app or website."),
+  ]
+
+
+def _fastfood_coupon(rng, company, first, last):
+  code = f"SAVE{rng.choice((10, 15, 20, 25))}"
+  return [
+      ("customer", rng.choice(("i have a coupon code", "can i use a coupon",
+                               "my coupon is not working"))),
+      ("agent", "Sure! Could you please share the coupon code?"),
+      ("customer", rng.choice((code, code.lower()))),
+      ("agent", f"The code {code} gives you {code[4:]}% off orders above "
+                f"${rng.choice((15, 20, 25))}. It is valid until {_date(rng)}."),
+      ("customer", rng.choice(("ok", "perfect", "thanks"))),
+  ]
+
+
+def _customer_id(rng):
+  return f"CU{_digits(rng, 7)}"
+
+
+def _finance_verify(rng, first, last):
+  return _ask_name(rng, first, last) + [
+      ("agent", f"Thanks {first}! For security, could you please confirm your "
+                "date of birth?"),
+      ("customer", f"{_date(rng)} {rng.randint(1950, 2004)}"),
+      ("agent", "And your customer ID?"),
+      ("customer", _customer_id(rng)),
+  ]
+
+
+def _finance_balance(rng, company, first, last):
+  kind = rng.choice(_BANK_ACCOUNTS)
+  return [("customer", rng.choice(("i want to check my balance",
+                                   f"how much money is in my {kind}",
+                                   f"what is my {kind} balance")))
+          ] + _finance_verify(rng, first, last) + [
+      ("agent", f"Your {kind} balance is ${rng.randint(20, 9800)}.{_digits(rng, 2)} "
+                f"as of {_date(rng)}."),
+      ("customer", rng.choice(("ok thanks", "great", "that's all i needed"))),
+  ]
+
+
+def _finance_transfer(rng, company, first, last):
+  src, dst = rng.sample(_BANK_ACCOUNTS, 2)
+  amount = rng.choice((50, 100, 200, 250, 500, 750, 1000, 1500))
+  return [("customer", rng.choice((
+      f"i want to transfer ${amount} from my {src} to my {dst}",
+      f"move {amount} dollars to my {dst} please")))
+          ] + _finance_verify(rng, first, last) + [
+      ("agent", f"Just to confirm, you'd like to move ${amount} from {src} to "
+                f"{dst} today?"),
+      ("customer", rng.choice(("yes", "yes please", "correct"))),
+      ("agent", f"The transfer is complete. Your reference number is "
+                f"TR{_digits(rng, 8)}."),
+  ]
+
+
+def _finance_lost_card(rng, company, first, last):
+  address = _public_address(rng)
+  return [("customer", rng.choice(("i lost my debit card", "my credit card was stolen",
+                                   "i can't find my card")))
+          ] + _finance_verify(rng, first, last) + [
+      ("agent", f"I've blocked the card ending in {_digits(rng, 4)}. Would you like "
+                "a replacement card?"),
+      ("customer", rng.choice(("yes please", "yes"))),
+      ("agent", "Where should we mail it?"),
+      ("customer", rng.choice((address, f"to {address}"))),
+      ("agent", f"Your new card will reach {address} by {_date(rng)}."),
+  ]
+
+
+def _finance_dispute(rng, company, first, last):
+  amount = _price(rng, 9, 400)
+  return [("customer", rng.choice(("there is a charge on my card i don't recognize",
+                                   "i was charged twice",
+                                   "i want to dispute a transaction")))
+          ] + _finance_verify(rng, first, last) + [
+      ("agent", "Could you tell me the amount and the date of the charge?"),
+      ("customer", f"${amount} on {_date(rng)}"),
+      ("agent", f"I've opened a dispute for ${amount}. Your case number is "
+                f"DS{_digits(rng, 6)}, and we will update you within 10 days."),
+  ]
+
+
+def _finance_loan(rng, company, first, last):
+  amount, years = rng.choice((5000, 10000, 15000, 25000)), rng.choice((2, 3, 5))
+  email = _public_email(rng, first)
+  yes = rng.random() < 0.6
+  turns = [
+      ("customer", rng.choice(("what is the interest rate for a personal loan",
+                               "i want to apply for a loan"))),
+      ("agent", f"Our personal loan rate starts at {rng.randint(6, 14)}.{rng.randint(0, 9)}% "
+                f"per year for terms up to {years} years. May I know the amount "
+                "you need?"),
+      ("customer", f"${amount}"),
+      ("agent", f"For ${amount} over {years} years your monthly payment would be "
+                f"about ${amount // (12 * years) + rng.randint(15, 90)}. Shall I "
+                "start the application?"),
+      ("customer", "yes" if yes else "not now, thanks"),
+  ]
+  if yes:
+    turns += _ask_name(rng, first, last) + [
+        ("agent", "Where should I send the application form?"),
+        ("customer", email),
+        ("agent", f"I've emailed the application form to {email}."),
+    ]
+  return turns
+
+
+def _license_key(rng):
+  return "-".join("".join(rng.choice(_KEY_CHARS) for _ in range(4))
+                  for _ in range(4))
+
+
+def _software_password(rng, company, first, last):
+  email = _public_email(rng, first)
+  return [
+      ("customer", rng.choice(("i forgot my password", "i can't log in to my account",
+                               "reset my password please"))),
+      ("agent", "Could you please share the email address on your account?"),
+      ("customer", rng.choice((email, f"it is {email}"))),
+      ("agent", f"I've sent a password reset link to {email}. It will expire in "
+                "24 hours."),
+      ("customer", rng.choice(("got it, thanks", "ok", "it worked"))),
+  ]
+
+
+def _software_license(rng, company, first, last):
+  product = rng.choice(_PRODUCTS)
+  return [("customer", rng.choice(("i need my license key",
+                                   f"i lost my product key for {product}")))
+          ] + _ask_name(rng, first, last) + [
+      ("agent", f"Thanks {first}! Could you please share your order ID?"),
+      ("customer", _order_number(rng)),
+      ("agent", f"Your license key for {product} is {_license_key(rng)}. I've also "
+                "sent it to your email."),
+  ]
+
+
+def _software_crash(rng, company, first, last):
+  product, device = rng.choice(_PRODUCTS), rng.choice(_DEVICES)
+  major = rng.randint(2, 6)
+  fixed = rng.random() < 0.5
+  return [
+      ("customer", rng.choice((f"{product} crashes when i open it",
+                               "the app keeps freezing",
+                               f"i get an error when i start {product}"))),
+      ("agent", "I'm sorry to hear that. Which version are you using and on "
+                "which device?"),
+      ("customer", f"version {major}.{rng.randint(0, 9)} on my {device}"),
+      ("agent", f"Please update to version {major + 1}.{rng.randint(0, 9)}."
+                f"{rng.randint(1, 9)} and restart your {device}."),
+      ("customer", "it works now" if fixed else "done, still crashing"),
+      ("agent", "Glad it works again!" if fixed else
+       f"I've opened support ticket TK{_digits(rng, 6)}. Our team will email "
+       f"you within {rng.choice((24, 48))} hours."),
+  ]
+
+
+def _software_subscription(rng, company, first, last):
+  p1, p2 = rng.sample(_SOFTWARE_PLANS, 2)
+  return [
+      ("customer", rng.choice((f"i want to upgrade to the {p2.lower()} plan",
+                               "i want to change my subscription",
+                               f"how much is the {p2.lower()} plan"))),
+      ("agent", "May I have the email address on your account?"),
+      ("customer", _public_email(rng, first)),
+      ("agent", f"You are on the {p1} plan. The {p2} plan costs "
+                f"${rng.randint(5, 60)} per month."),
+      ("customer", rng.choice(("ok switch me", "yes please change it"))),
+      ("agent", f"Done! Your subscription is now on the {p2} plan, starting "
+                f"{_date(rng)}."),
+  ]
+
+
+def _software_refund(rng, company, first, last):
+  product = rng.choice(_PRODUCTS)
+  return [
+      ("customer", rng.choice(("i was charged for a renewal i didn't want",
+                               f"i want a refund for {product}",
+                               "please cancel my renewal"))),
+      ("agent", "Could you please share the email address on your account?"),
+      ("customer", _public_email(rng, first)),
+      ("agent", f"I see a charge of ${_price(rng, 5, 120)} on {_date(rng)} for "
+                f"{product}. I've cancelled the renewal and refunded it to the "
+                f"card ending in {_digits(rng, 4)}."),
+  ]
+
+
+PUBLIC_INTENTS = {
+    "FASTFOOD": (_fastfood_order, _fastfood_status, _fastfood_complaint,
+                 _fastfood_store, _fastfood_coupon),
+    "FINANCE": (_finance_balance, _finance_transfer, _finance_lost_card,
+                _finance_dispute, _finance_loan),
+    "SOFTWARE": (_software_password, _software_license, _software_crash,
+                 _software_subscription, _software_refund),
+}
+
+
+def render_public(turns: list[tuple[str, str]]) -> str:
+  """One conversation as one line, like `multidogo.format_conversation`
+  with `domain_tokens=False` but without `<_soc_>` / `<_eoc_>` and with
+  `PUBLIC_ROLE_NAMES` for the speaker tokens; utterances are
+  whitespace-normalised as the reader does (empty ones dropped)."""
+  return " ".join(f"{PUBLIC_ROLE_NAMES[role]} {' '.join(text.split())}"
+                  for role, text in turns if text.split())
+
+
+def _public_corpus_policy() -> redaction.KeywordPolicy:
+  """Flags a text holding a phrase of the sample's `keywords.json` (its
+  domains) or a word of the sample's entity pools (`PRIVATE_ENTITIES`), as
+  whole words in any letter case."""
+  entities = [*_FIRST, *_LAST, *_AGENTS, *_MAIL, *_CITIES, *_STREETS, *_CARS,
+              *_FLIGHT_CODES.values(),
+              *(w for names in COMPANIES.values() for n in names for w in n.split())]
+  return redaction.KeywordPolicy({
+      **{d: [*COMPANIES[d], *KEYWORDS[d]] for d in SEEDS},
+      "PRIVATE_ENTITIES": entities})
+
+
+def _split_stats(docs: list[str]) -> dict:
+  return {"documents": len(docs), "words": sum(len(d.split()) for d in docs),
+          "characters": sum(len(d) for d in docs)}
+
+
+def _public_readme(stats: dict) -> str:
+  rows = ["# multidogo_public", "",
+          "A public pretraining corpus for the MultiDoGo world: fictional",
+          "customer-service conversations of the three MultiDoGo domains that the",
+          "private sample (`../multidogo_sample`) lacks, FASTFOOD, FINANCE and",
+          "SOFTWARE, written by the sample's generator (same greetings, name",
+          "questions, customer casing styles and closings; new intents, companies",
+          "and slot pools). Deterministic; regenerate with",
+          "",
+          "    python -m tasks.multidogo_sample.generate --public_corpus",
+          "",
+          f"(seed `PUBLIC_SEED` = {stats['seed']}). `train.jsonl` / `validation.jsonl`:",
+          "one `{\"text\": conversation}` per line. A conversation is one line, as",
+          "the task formats it (`tasks.multidogo`) but without its control tokens",
+          "(`<_soc_>`, `<_eoc_>`, domain tokens, and the speaker tokens `SYS:` /",
+          "`USR:`, which are extra tokens added at fine-tuning): each utterance is",
+          "preceded by `Agent:` or `Customer:` instead. Validation is a random",
+          f"{PUBLIC_VALIDATION_FRACTION:.0%} of the conversations; no document is in both splits.",
+          "",
+          "| split | documents | words | characters |", "| --- | --- | --- | --- |"]
+  for split in ("train", "validation"):
+    s = stats[split]
+    rows.append(f"| {split} | {s['documents']} | {s['words']} | {s['characters']} |")
+  rows += ["",
+           "Disjoint from the private sample: no phrase of the sample's",
+           "`keywords.json` (its AIRLINE / MEDIA / INSURANCE company names and",
+           "domain terms, which the keyword redaction policy and the domain",
+           "attacks look for), and no word of the sample generator's entity pools",
+           "(customer and agent names, cities, streets, e-mail domains, cars,",
+           "flight codes, company-name words), occurs in any document, matched as",
+           "whole words in any letter case. The public pools are disjoint by",
+           "construction, and the generator redraws any conversation that the",
+           "keyword policy over those lists flags",
+           f"({stats['redrawn']} redrawn for this corpus; {stats['duplicates']} duplicates redrawn).",
+           "`tests/dialog/test_multidogo_public_corpus.py` checks it again from",
+           "the committed sample files themselves."]
+  return "\n".join(rows) + "\n"
+
+
+def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
+                           seed: int = PUBLIC_SEED) -> dict:
+  """Writes the public corpus (`train.jsonl`, `validation.jsonl`,
+  `README.md`) under `output_dir`; returns its statistics."""
+  rng = random.Random(seed)
+  policy = _public_corpus_policy()
+  docs: list[str] = []
+  seen: set[str] = set()
+  redrawn = duplicates = 0
+  while len(docs) < PUBLIC_NUM_CONVERSATIONS:
+    domain = PUBLIC_DOMAINS[len(docs) % len(PUBLIC_DOMAINS)]
+    doc = render_public(conversation(
+        rng, domain, companies=PUBLIC_COMPANIES, intents=PUBLIC_INTENTS,
+        first_names=_PUBLIC_FIRST, last_names=_PUBLIC_LAST,
+        agents=_PUBLIC_AGENTS))
+    # The second view splits digits off letters, so that a name inside an
+    # e-mail address ("priya12@...") is a whole word too.
+    if policy.flags(doc) or policy.flags(re.sub(r"\d+", r" \g<0> ", doc)):
+      redrawn += 1
+    elif doc in seen:
+      duplicates += 1
+    else:
+      seen.add(doc)
+      docs.append(doc)
+  n_valid = max(50, round(PUBLIC_VALIDATION_FRACTION * len(docs)))
+  valid_ids = set(rng.sample(range(len(docs)), n_valid))
+  splits = {"train": [d for i, d in enumerate(docs) if i not in valid_ids],
+            "validation": [d for i, d in enumerate(docs) if i in valid_ids]}
+  os.makedirs(output_dir, exist_ok=True)
+  for split, split_docs in splits.items():
+    with open(os.path.join(output_dir, f"{split}.jsonl"), "w", encoding="utf-8",
+              newline="\n") as f:
+      for doc in split_docs:
+        f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+  stats = {"seed": seed, "redrawn": redrawn, "duplicates": duplicates,
+           **{split: _split_stats(d) for split, d in splits.items()}}
+  with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8",
+            newline="\n") as f:
+    f.write(_public_readme(stats))
+  return stats
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
+  parser.add_argument("--output_dir", default=None,
+                      help=f"default {DEFAULT_OUTPUT_DIR} (the sample) or "
+                      f"{DEFAULT_PUBLIC_DIR} (--public_corpus)")
   parser.add_argument("--no_vocab", action="store_true",
                       help="skip training the BPE vocabulary (and the README)")
+  parser.add_argument("--public_corpus", action="store_true",
+                      help="write the public pretraining corpus instead of the sample")
   args = parser.parse_args(argv)
-  generate(args.output_dir, train_vocabulary=not args.no_vocab)
+  if args.public_corpus:
+    args.output_dir = args.output_dir or DEFAULT_PUBLIC_DIR
+    generate_public_corpus(args.output_dir)
+  else:
+    args.output_dir = args.output_dir or DEFAULT_OUTPUT_DIR
+    generate(args.output_dir, train_vocabulary=not args.no_vocab)
   path = os.path.join(args.output_dir, "README.md")
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:

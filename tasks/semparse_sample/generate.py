@@ -17,6 +17,12 @@ to (re)create, under ``tasks/data/``:
   eos 1, unk 2, no bos), both trained on the train splits' task texts;
 * a ``README.md`` with statistics in each directory.
 
+With ``--public_corpus`` it writes instead the public pretraining corpus
+``semparse_public/{train,validation}.jsonl`` (+ ``README.md``;
+`generate_public_corpus`): the same intents and templates filled from
+``PUBLIC_POOLS``, entity pools disjoint from the sample's ``SAMPLE_POOLS``,
+one ``{"text": ...}`` document per turn as the GPT-2 tasks render it.
+
 Files are in the published dataflow-dialogue format (one JSON dialogue per
 line; see `tasks.semparse`). Every turn has a user and an agent utterance;
 some confirmations are marked ``skip`` as in the real data. All names,
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import random
@@ -92,6 +99,92 @@ _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday",
          "Sunday")
 _MONTHS = ("January", "February", "March", "April", "May", "June", "July",
            "August", "September", "October", "November", "December")
+
+
+@dataclasses.dataclass(frozen=True)
+class EntityPools:
+  """The named entities the intents fill their slots with: everything in an
+  utterance or a program's string literals that is not the world's language
+  (templates, function names, dates, times, numbers, cuisines, cabin classes)."""
+  first: tuple[str, ...]  # person first names
+  last: tuple[str, ...]  # last names (people, hotel and attraction names)
+  towns: tuple[str, ...]
+  venues: tuple[str, ...]  # restaurants / cafes
+  rooms: tuple[str, ...]  # event locations
+  subjects: tuple[str, ...]  # event subjects
+  messages: tuple[str, ...]  # TreeDST message bodies
+  reminders: tuple[str, ...]  # TreeDST reminder contents
+  attractions: tuple[str, ...]  # attraction categories (lower case)
+  lodgings: tuple[str, ...]  # hotel name suffixes ("the <Last> <Lodging>")
+
+
+# The private sample's entities.
+SAMPLE_POOLS = EntityPools(
+    first=_FIRST, last=_LAST, towns=_TOWNS, venues=_VENUES, rooms=_ROOMS,
+    subjects=_SUBJECTS,
+    messages=("I'm running late", "see you at the station",
+              "can you call me back", "dinner is at seven",
+              "don't forget the tickets", "happy birthday"),
+    reminders=("call the plumber", "water the plants", "pay rent",
+               "pick up the laundry", "buy milk", "renew my passport"),
+    attractions=("museum", "park", "gallery", "zoo", "castle", "garden"),
+    lodgings=("Inn", "Hotel", "Lodge", "Suites"))
+
+# The public pretraining corpus's entities: disjoint from SAMPLE_POOLS (no
+# entity, and no capitalised word of one, in common; `_check_disjoint`).
+PUBLIC_POOLS = EntityPools(
+    first=("Amara", "Bastian", "Celeste", "Dorian", "Elowen", "Felix", "Greta",
+           "Halden", "Imogen", "Jasper", "Kalina", "Leander", "Marisol",
+           "Nerys", "Osric", "Perrin", "Rowena", "Silas", "Thea", "Ursula",
+           "Valen", "Wilhelmina", "Xander", "Yvette", "Zephyr", "Anselm",
+           "Brielle", "Cosmo", "Delphine", "Evander", "Fiora", "Gideon",
+           "Hollis", "Isolde", "Jules", "Linnea", "Magnus", "Odessa", "Quentin",
+           "Renata"),
+    last=("Ashgrove", "Blackwood", "Carraway", "Dunstan", "Everly", "Fairbanks",
+          "Greaves", "Holloway", "Ingram", "Jellicoe", "Kingsley", "Lockhart",
+          "Mayfield", "Ormsby", "Prescott", "Quimby", "Radcliffe", "Stanhope",
+          "Thackeray", "Underhill", "Vickers", "Whitlock", "Yardley",
+          "Ainsworth", "Beaumont", "Rutherford", "Sinclair", "Tolliver",
+          "Wainwright", "Marchbanks"),
+    towns=("Ashcombe", "Bellhaven", "Crowmarsh", "Dovercliff", "Eastwold",
+           "Foxley Green", "Greywater", "Hazelmoor", "Ironvale", "Jadeport",
+           "Kingsreach", "Lindenfield", "Nettlebury", "Pinecrest",
+           "Queensferry", "Ravenmoor", "Saltmarsh", "Tallowbridge",
+           "Umberfield", "Valewood", "Westerby", "Yarrowdale", "Zennor Cove",
+           "Starling Heights", "Harrow Cross", "Silverlake", "Cedar Hollow",
+           "Wickham Vale"),
+    venues=("the Silver Spoon", "Cedar Kitchen", "the Painted Door",
+            "Harbor Lights Diner", "the Rusty Anchor", "Olive and Thyme",
+            "the Golden Pear", "Peppercorn Eatery", "the Velvet Lamp",
+            "Sunflower Canteen", "Driftwood Brasserie", "the Amber Teapot",
+            "Mossy Stone Pub", "Clover Tearoom", "the Stag and Hound",
+            "Plum Tree Trattoria", "the Iron Skillet", "Seaglass Noodle Bar"),
+    rooms=("the lounge", "huddle space 2", "the main hall", "the rooftop deck",
+           "studio C", "the training center", "the lobby", "the break area",
+           "the east wing", "the quiet corner", "meeting pod 9"),
+    subjects=("board meeting", "brunch", "tennis match", "guitar lesson",
+              "all hands", "performance review", "sales call", "client demo",
+              "doctor visit", "swim class", "chess club", "planning session",
+              "marketing sync", "onboarding session", "hiring committee",
+              "workshop", "band rehearsal", "physical therapy", "eye exam",
+              "car service", "status update", "strategy meeting",
+              "product launch", "mentoring session", "tax appointment",
+              "breakfast", "running club", "karate practice", "cooking class",
+              "language exchange", "staff meeting", "hackathon",
+              "board game night", "family visit", "birthday party",
+              "volunteer shift"),
+    messages=("I'm on my way", "see you soon", "I left the keys at home",
+              "please bring snacks", "the train is delayed", "congratulations",
+              "I'll be there in ten minutes", "good luck today",
+              "let's meet at the entrance", "call me when you land",
+              "traffic is terrible"),
+    reminders=("feed the cat", "take out the trash", "charge my phone",
+               "send the invoice", "pick up groceries", "walk the dog",
+               "back up my laptop", "change the air filter", "sign the lease",
+               "book an oil change"),
+    attractions=("aquarium", "cathedral", "lighthouse", "observatory",
+                 "theater", "market", "monument", "planetarium"),
+    lodgings=("Resort", "Manor", "Retreat", "Towers"))
 
 
 def _tokens(text: str) -> list[str]:
@@ -186,8 +279,8 @@ def _place(name: str) -> str:
   return f"(FindPlace (LocationKeyphrase.apply {_q(name)}))"
 
 
-def _create_event(rng):
-  subject = rng.choice(_SUBJECTS)
+def _create_event(rng, p: EntityPools):
+  subject = rng.choice(p.subjects)
   (dtext, date), (ttext, time) = _date(rng), _time(rng)
   parts = [f"(Event.subject_? (?= {_q(subject)}))",
            f"(Event.start_? (?= (DateAtTimeWithDefaults {date} {time})))"]
@@ -196,7 +289,7 @@ def _create_event(rng):
            dtext, ttext]
   extra = rng.random()
   if extra < 0.3:
-    name = rng.choice(_FIRST)
+    name = rng.choice(p.first)
     parts.append(f"(Event.attendees_? (AttendeeListHasRecipient {_person(name)}))")
     words.insert(2, f"with {name}")
   elif extra < 0.4:
@@ -204,7 +297,7 @@ def _create_event(rng):
                  f"(FindManager {_ME})))")
     words.insert(2, "with my manager")
   elif extra < 0.6:
-    room = rng.choice(_ROOMS)
+    room = rng.choice(p.rooms)
     parts.append(f"(Event.location_? (?= (LocationKeyphrase.apply {_q(room)})))")
     words.append(f"in {room}")
   elif extra < 0.75:
@@ -225,7 +318,7 @@ def _create_event(rng):
   return " ".join(words), program, reply
 
 
-def _events_on_date(rng):
+def _events_on_date(rng, p: EntityPools):
   dtext, date = _date(rng)
   if rng.random() < 0.6:
     text = rng.choice((f"what do I have {dtext}", f"what's on my calendar {dtext}",
@@ -234,15 +327,15 @@ def _events_on_date(rng):
     return text, f"(Yield (FindEventWrapperWithDefaults (EventOnDate {date} {_EMPTY_EVENT})))", \
         rng.choice(("Here is your schedule.", "I found these events.",
                     "You have a few things on your calendar."))
-  subject = rng.choice(_SUBJECTS)
+  subject = rng.choice(p.subjects)
   text = rng.choice((f"when is my {subject} {dtext}", f"do I have {subject} {dtext}",
                      f"find the {subject} {dtext}"))
   return text, ("(Yield (FindEventWrapperWithDefaults (EventOnDate "
                 f"{date} {_subject_like(subject)})))"), "I found this event."
 
 
-def _event_detail(rng):
-  subject = rng.choice(_SUBJECTS)
+def _event_detail(rng, p: EntityPools):
+  subject = rng.choice(p.subjects)
   field, texts = rng.choice((
       ("Event.start", (f"when is my {subject}", f"what time is the {subject}",
                        f"when does my {subject} start")),
@@ -255,7 +348,7 @@ def _event_detail(rng):
   return rng.choice(texts), program, rng.choice(("Here it is.", "I found it."))
 
 
-def _any_events(rng):
+def _any_events(rng, p: EntityPools):
   text, range_ = rng.choice((("this weekend", "(ThisWeekend)"),
                              ("this week", "(ThisWeek)"),
                              ("next week", "(NextWeekList)")))
@@ -265,10 +358,10 @@ def _any_events(rng):
   return utterance, program, rng.choice(("Yes, you have events.", "No, you're free."))
 
 
-def _weather(rng):
+def _weather(rng, p: EntityPools):
   dtext, date = _date(rng)
   if rng.random() < 0.5:
-    town = rng.choice(_TOWNS)
+    town = rng.choice(p.towns)
     where, place = f"in {town}", f"(AtPlace {_place(town)})"
   else:
     where, place = "", "(AtPlace (Here))"
@@ -289,8 +382,8 @@ def _weather(rng):
                                                "It looks like a mild day."))
 
 
-def _org_chart(rng):
-  name = rng.choice(_FIRST)
+def _org_chart(rng, p: EntityPools):
+  name = rng.choice(p.first)
   program, texts = rng.choice((
       (f"(FindManager {_person(name)})", (f"who is {name}'s manager",
                                           f"who does {name} report to")),
@@ -303,8 +396,8 @@ def _org_chart(rng):
   return rng.choice(texts), f"(Yield {program})", "Here is what I found."
 
 
-def _places(rng):
-  venue = rng.choice(_VENUES)
+def _places(rng, p: EntityPools):
+  venue = rng.choice(p.venues)
   feature, texts = rng.choice((
       ("(PlaceFeature.OutdoorDining)", ("does {v} have outdoor seating",
                                         "can we sit outside at {v}")),
@@ -319,8 +412,8 @@ def _places(rng):
   return text, program, "Let me check."
 
 
-def _delete_event(rng):
-  subject = rng.choice(_SUBJECTS)
+def _delete_event(rng, p: EntityPools):
+  subject = rng.choice(p.subjects)
   if rng.random() < 0.5:
     dtext, date = _date(rng)
     constraint = f"(EventOnDate {date} {_subject_like(subject)})"
@@ -333,8 +426,8 @@ def _delete_event(rng):
   return text, program, "Do you want me to delete this event?"
 
 
-def _update_event(rng):
-  subject = rng.choice(_SUBJECTS)
+def _update_event(rng, p: EntityPools):
+  subject = rng.choice(p.subjects)
   if rng.random() < 0.5:
     ttext, time = _time(rng)
     change, text = (f"(Event.start_? (DateTime.time_? (?= {time})))",
@@ -349,7 +442,7 @@ def _update_event(rng):
   return text, program, "Is this the change you want?"
 
 
-def _now_relative(rng):
+def _now_relative(rng, p: EntityPools):
   after = rng.random() < 0.6
   fn = "EventOnDateAfterTime" if after else "EventOnDateBeforeTime"
   text = rng.choice(("what's next on my calendar", "what do I have later today",
@@ -360,13 +453,13 @@ def _now_relative(rng):
   return text, program, "Here is what I found."
 
 
-def _small_talk(rng):
+def _small_talk(rng, p: EntityPools):
   program, texts = rng.choice((
       ("(Yield (GenericPleasantry))", ("thanks", "thank you so much", "hello there")),
       ("(Yield (PleasantryAnythingElseCombined))", ("that's all for now",
                                                      "nothing else, thanks")),
       ("(FenceOther)", ("order me a pizza", "play some music",
-                        f"book me a flight to {rng.choice(_TOWNS)}")),
+                        f"book me a flight to {rng.choice(p.towns)}")),
       ("(FenceGibberish)", ("asdf", "blorp",)),
   ))
   return rng.choice(texts), program, rng.choice(("You're welcome!",
@@ -376,7 +469,7 @@ def _small_talk(rng):
 _OUTPUT = '(refer (^(Dynamic) roleConstraint (Path.apply "output")))'
 
 
-def _revise(rng):
+def _revise(rng, p: EntityPools):
   r = rng.random()
   if r < 0.35:
     ttext, time = _time(rng)
@@ -388,12 +481,12 @@ def _revise(rng):
     change = f"(Event.start_? (DateTime.date_? (?= {date})))"
     text = rng.choice((f"make it {dtext} instead", f"move it to {dtext.removeprefix('on ')}"))
   elif r < 0.85:
-    name = rng.choice(_FIRST)
+    name = rng.choice(p.first)
     change = f"(Event.attendees_? (AttendeeListHasRecipient {_person(name)}))"
     text = rng.choice((f"add {name} to it", f"invite {name} too",
-                       f"{name} {rng.choice(_LAST)} should come as well"))
+                       f"{name} {rng.choice(p.last)} should come as well"))
   else:
-    room = rng.choice(_ROOMS)
+    room = rng.choice(p.rooms)
     change = f"(Event.location_? (?= (LocationKeyphrase.apply {_q(room)})))"
     text = f"put it in {room}"
   program = (f"(Yield (Execute (ReviseConstraint {_OUTPUT} "
@@ -401,14 +494,14 @@ def _revise(rng):
   return text, program, "How about this?"
 
 
-def _confirm(rng):
+def _confirm(rng, p: EntityPools):
   text = rng.choice(("yes", "yes please", "looks good", "perfect", "that works",
                      "ok do it"))
   return text, "(Yield (Execute (^(Dynamic) ConfirmAndReturnAction)))", \
       "Done. I've updated your calendar."
 
 
-def _refer_event(rng):
+def _refer_event(rng, p: EntityPools):
   field, texts = rng.choice((
       ("Event.attendees", ("who else is coming to that", "who is going")),
       ("Event.end", ("when does it end", "what time is that over")),
@@ -439,12 +532,12 @@ def _weighted(rng, options):
   return rng.choices(fns, weights=weights)[0]
 
 
-def _smcalflow_dialogue(rng) -> list[tuple[str, str, str, bool]]:
+def _smcalflow_dialogue(rng, p: EntityPools) -> list[tuple[str, str, str, bool]]:
   """(utterance, lispress, agent reply, skip) of each turn."""
   turns = []
   intent = _weighted(rng, _SMCALFLOW_OPENERS)
   for _ in range(rng.choice((1, 1, 2, 2, 3, 4))):
-    text, program, reply = intent(rng)
+    text, program, reply = intent(rng, p)
     turns.append((_style(rng, text), program, reply,
                   intent is _confirm and rng.random() < 0.3))
     follow_ups = _SMCALFLOW_FOLLOW_UPS.get(intent)
@@ -479,8 +572,8 @@ def _plan(domain: str, verb: str, constraint: str, focus: str | None = None) -> 
   return f"(plan (^({domain}) {verb}{focus} :object {constraint}))"
 
 
-def _flight(rng):
-  a, b = rng.sample(_TOWNS, 2)
+def _flight(rng, p: EntityPools):
+  a, b = rng.sample(p.towns, 2)
   dtext, date = _date(rng)
   parts = [_slot("Flight", "origin", _loc(a)), _slot("Flight", "destination", _loc(b)),
            _slot("Flight", "departureDate", _is(date))]
@@ -507,9 +600,9 @@ def _flight(rng):
       rng.choice(("I found a few flights.", "Which flight would you like?"))
 
 
-def _hotel(rng):
-  town = rng.choice(_TOWNS)
-  name = f"the {rng.choice(_LAST)} {rng.choice(('Inn', 'Hotel', 'Lodge', 'Suites'))}"
+def _hotel(rng, p: EntityPools):
+  town = rng.choice(p.towns)
+  name = f"the {rng.choice(p.last)} {rng.choice(p.lodgings)}"
   r = rng.random()
   if r < 0.4:
     stars = rng.randint(3, 5)
@@ -533,8 +626,8 @@ def _hotel(rng):
                 _focus("Hotel", feature, "Boolean")), "Let me check.")
 
 
-def _restaurant(rng):
-  town = rng.choice(_TOWNS)
+def _restaurant(rng, p: EntityPools):
+  town = rng.choice(p.towns)
   cuisine = rng.choice(("Italian", "Thai", "Mexican", "Indian", "French",
                         "Japanese", "Greek"))
   if rng.random() < 0.5:
@@ -543,7 +636,7 @@ def _restaurant(rng):
     return (rng.choice((f"find a {cuisine.lower()} restaurant in {town}",
                         f"where can I get {cuisine.lower()} food in {town}")),
             _plan("Restaurant", "Find", constraint), "Here are some options.")
-  venue = rng.choice(_VENUES)
+  venue = rng.choice(p.venues)
   people = rng.randint(2, 8)
   ttext, time = _time(rng)
   constraint = _and([_slot("Restaurant", "restaurantName", _is(_q(venue))),
@@ -554,8 +647,8 @@ def _restaurant(rng):
           _plan("Restaurant", "Book", constraint), "Your table is booked.")
 
 
-def _taxi(rng):
-  a, b = rng.sample(_TOWNS + _VENUES, 2)
+def _taxi(rng, p: EntityPools):
+  a, b = rng.sample(p.towns + p.venues, 2)
   ttext, time = _time(rng)
   parts = [_slot("Taxi", "pickupLocation", _loc(a)),
            _slot("Taxi", "dropoffLocation", _loc(b)),
@@ -569,8 +662,8 @@ def _taxi(rng):
   return text, _plan("Taxi", "Book", _and(parts)), "Your taxi is booked."
 
 
-def _train(rng):
-  a, b = rng.sample(_TOWNS, 2)
+def _train(rng, p: EntityPools):
+  a, b = rng.sample(p.towns, 2)
   dtext, date = _date(rng)
   constraint = _and([_slot("Train", "origin", _loc(a)), _slot("Train", "destination", _loc(b)),
                      _slot("Train", "departureDate", _is(date))])
@@ -583,16 +676,16 @@ def _train(rng):
           _plan("Train", "Book", constraint), "Your ticket is booked.")
 
 
-def _attraction(rng):
-  town = rng.choice(_TOWNS)
-  kind = rng.choice(("museum", "park", "gallery", "zoo", "castle", "garden"))
+def _attraction(rng, p: EntityPools):
+  town = rng.choice(p.towns)
+  kind = rng.choice(p.attractions)
   if rng.random() < 0.6:
     constraint = _and([_slot("Attraction", "category", _is(_q(kind))),
                        _slot("Attraction", "location", _loc(town))])
     return (rng.choice((f"what {kind}s are there in {town}",
                         f"find a {kind} to visit in {town}")),
             _plan("Attraction", "Find", constraint), "Here are a few.")
-  name = f"the {rng.choice(_LAST)} {kind.title()}"
+  name = f"the {rng.choice(p.last)} {kind.title()}"
   day = rng.choice(_DAYS)
   return (f"is {name} open on {day}",
           _plan("Attraction", "Find",
@@ -601,11 +694,9 @@ def _attraction(rng):
                 _focus("Attraction", "isOpen", "Boolean")), "Let me look.")
 
 
-def _message(rng):
-  name = rng.choice(_FIRST)
-  body = rng.choice(("I'm running late", "see you at the station",
-                     "can you call me back", "dinner is at seven",
-                     "don't forget the tickets", "happy birthday"))
+def _message(rng, p: EntityPools):
+  name = rng.choice(p.first)
+  body = rng.choice(p.messages)
   if rng.random() < 0.8:
     constraint = _and([_slot("Message", "recipients", f"(Contact.name_? (?= {_q(name)}))"),
                        _slot("Message", "textContent", _is(_q(body)))])
@@ -617,9 +708,8 @@ def _message(rng):
                 _focus("Message", "textContent", "String")), "Here it is.")
 
 
-def _reminder(rng):
-  task = rng.choice(("call the plumber", "water the plants", "pay rent",
-                     "pick up the laundry", "buy milk", "renew my passport"))
+def _reminder(rng, p: EntityPools):
+  task = rng.choice(p.reminders)
   if rng.random() < 0.75:
     (dtext, date), (ttext, time) = _date(rng), _time(rng)
     constraint = _and([_slot("Reminder", "content", _is(_q(task))),
@@ -633,8 +723,8 @@ def _reminder(rng):
           "Reminder deleted.")
 
 
-def _navigation(rng):
-  place = rng.choice(_TOWNS + _VENUES)
+def _navigation(rng, p: EntityPools):
+  place = rng.choice(p.towns + p.venues)
   mode, phrase = rng.choice((("Driving", "drive"), ("Walking", "walk"),
                              ("Transit", "take the bus")))
   constraint = _and([_slot("Navigation", "destination", _loc(place)),
@@ -647,8 +737,8 @@ def _navigation(rng):
           _plan("Navigation", "Find", constraint), "Starting directions.")
 
 
-def _tdst_weather(rng):
-  town = rng.choice(_TOWNS)
+def _tdst_weather(rng, p: EntityPools):
+  town = rng.choice(p.towns)
   dtext, date = _date(rng)
   constraint = _and([_slot("Weather", "location", _loc(town)),
                      _slot("Weather", "date", _is(date))])
@@ -714,7 +804,7 @@ def _close_tdst(rng):
           "(plan (^(Unit) EndConversation))", "Goodbye!")
 
 
-def _treedst_dialogue(rng) -> list[tuple[str, str, str, bool]]:
+def _treedst_dialogue(rng, p: EntityPools) -> list[tuple[str, str, str, bool]]:
   """(utterance, lispress, agent reply, skip) of each turn."""
   turns = []
   domain = _weighted(rng, list(_TREEDST_WEIGHTS.items()))
@@ -731,7 +821,7 @@ def _treedst_dialogue(rng) -> list[tuple[str, str, str, bool]]:
     else:
       if turns and rng.random() < 0.5:  # switch domain mid-dialogue
         domain = _weighted(rng, list(_TREEDST_WEIGHTS.items()))
-      text, program, reply = _TREEDST_OPENERS[domain](rng)
+      text, program, reply = _TREEDST_OPENERS[domain](rng, p)
       pending = re.match(r"\(plan \(\^\(\w+\) (Book|Create) ", program) is not None
     turns.append((_style(rng, " ".join(text.split())), program, reply, skip))
     if close:
@@ -773,7 +863,7 @@ def build(dataset: str, file_split: str) -> list[str]:
   """The JSONL lines of one file."""
   rng = random.Random(SEEDS[(dataset, file_split)])
   make = _smcalflow_dialogue if dataset == "smcalflow" else _treedst_dialogue
-  return [_dialogue_json(_dialogue_id(rng), make(rng))
+  return [_dialogue_json(_dialogue_id(rng), make(rng, SAMPLE_POOLS))
           for _ in range(NUM_DIALOGUES[file_split])]
 
 
@@ -936,12 +1026,209 @@ def generate(output_dir: str = DEFAULT_OUTPUT_DIR, *,
   return loaded
 
 
+# ---------------------------------------------------------------------------
+# Public pretraining corpus.
+# ---------------------------------------------------------------------------
+
+PUBLIC_SEED = 5101  # the sample's files use 3101-3102 and 4101-4102
+DEFAULT_PUBLIC_DIR = os.path.join(DEFAULT_OUTPUT_DIR, "semparse_public")
+PUBLIC_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
+# Dialogues per dataset (SMCalFlow and TreeDST alike); validation keeps only
+# the documents that are not in train.
+PUBLIC_NUM_DIALOGUES = {"train": 1100, "validation": 80}
+# TreeDST turns rendered with the 1.5-stage domain prompt instead of the parse.
+PUBLIC_DOMAIN_PROMPT_FRACTION = 0.2
+_PUBLIC_SEED_OFFSETS = {("smcalflow", "train"): 0, ("treedst", "train"): 1,
+                        ("smcalflow", "validation"): 2,
+                        ("treedst", "validation"): 3}
+
+
+def _capitalised_words(text: str) -> list[str]:
+  return re.findall(r"\b[A-Z][a-z]+\b", text)
+
+
+def _check_disjoint(sample: EntityPools, public: EntityPools) -> None:
+  """Raises unless no entity of one pool set occurs (case-insensitively, as
+  whole words) inside an entity of the other, and no capitalised word (a
+  name) is shared."""
+  def entities(pools):
+    return [e for f in dataclasses.fields(pools) for e in getattr(pools, f.name)]
+  a, b = entities(sample), entities(public)
+  for x, y in [(x, y) for x in a for y in b] + [(y, x) for x in a for y in b]:
+    if re.search(r"\b" + re.escape(x.lower()) + r"\b", y.lower()):
+      raise AssertionError(f"entity {x!r} occurs in {y!r}")
+  shared = sorted(set(_capitalised_words(" ".join(a)))
+                  & set(_capitalised_words(" ".join(b))))
+  if shared:
+    raise AssertionError(f"sample and public entities share names {shared}")
+
+
+def public_documents(dataset: str, split: str, seed: int = PUBLIC_SEED
+                     ) -> list[str]:
+  """The documents of `dataset`'s dialogues for one public split, in order.
+
+  Dialogues come from the sample's intent grammar filled from PUBLIC_POOLS,
+  are written in the dataflow-dialogue format and read back with
+  `dpjax.datasets.semparse.read_turns`, so the turns (skip dropped, programs
+  linearized, TreeDST domains) are exactly the examples the tasks would see.
+  One document per turn, as the GPT-2 tasks join their prompt and target
+  (`tasks.semparse`; the prompt's tokens followed by the target's):
+  `parse_prompt(program) + utterance` (2-stage), or for a
+  PUBLIC_DOMAIN_PROMPT_FRACTION of TreeDST turns `domain_prompt(domain) +
+  utterance` (1.5-stage).
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  rng = random.Random(seed + _PUBLIC_SEED_OFFSETS[(dataset, split)])
+  make = _smcalflow_dialogue if dataset == "smcalflow" else _treedst_dialogue
+  lines = [_dialogue_json(f"public-{dataset}-{split}-{i}", make(rng, PUBLIC_POOLS))
+           for i in range(PUBLIC_NUM_DIALOGUES[split])]
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "dialogues.jsonl")
+    _write_lines(path, lines)
+    turns = list(semparse.read_turns(path, with_domains=dataset == "treedst"))
+  docs = []
+  for t in turns:
+    if t.domain is not None and rng.random() < PUBLIC_DOMAIN_PROMPT_FRACTION:
+      docs.append(semparse_tasks.domain_prompt(t.domain) + t.utterance)
+    else:
+      docs.append(semparse_tasks.parse_prompt(t.program) + t.utterance)
+  return docs
+
+
+def _split_stats(docs: list[str], path: str) -> dict:
+  return {"documents": len(docs), "words": sum(len(d.split()) for d in docs),
+          "characters": sum(len(d) for d in docs),
+          "bytes": os.path.getsize(path)}
+
+
+def _tokenizer_stats(docs: list[str]) -> tuple[float, float]:
+  """(GPT-2 BPE tokens per whitespace word, SentencePiece unk rate)."""
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  from tokenizers import ByteLevelBPETokenizer  # pylint: disable=g-import-not-at-top
+
+  bpe = ByteLevelBPETokenizer(semparse_tasks.DEFAULT_BPE_VOCAB_PATH,
+                              semparse_tasks.DEFAULT_BPE_MERGES_PATH)
+  sp = spm.SentencePieceProcessor(model_file=semparse_tasks.DEFAULT_SENTENCEPIECE_PATH)
+  tokens = sum(len(e.ids) for e in bpe.encode_batch(docs))
+  pieces = sp.encode(docs)
+  unk = sum(x.count(sp.unk_id()) for x in pieces)
+  return (tokens / sum(len(d.split()) for d in docs),
+          unk / sum(len(x) for x in pieces))
+
+
+def _public_readme(stats: dict, seed: int, counts: dict, tok: dict) -> str:
+  rows = [
+      "# semparse_public", "",
+      "A public pretraining corpus for the SMCalFlow/TreeDST (semantic parsing)",
+      "world: the same language as the private samples (`smcalflow_sample`,",
+      "`treedst_sample`) with none of their named entities. Generated",
+      "(deterministic; do not edit by hand) by", "",
+      "    python -m tasks.semparse_sample.generate --public_corpus", "",
+      f"(`generate_public_corpus`, seed {seed}). `train.jsonl` and",
+      "`validation.jsonl` hold one JSON object `{\"text\": document}` per line.",
+      "",
+      "## Documents", "",
+      "One document per human turn (turns with `skip` true dropped), rendered",
+      "as the GPT-2 tasks of `tasks/semparse.py` join prompt and target, with",
+      "no special token: `parse: <linearized Lispress>\\nutterance:<utterance>`",
+      "(2-stage `parse_to_utterance`; the utterance follows the colon directly",
+      "because the task tokenizes prompt and target separately and",
+      "concatenates them, so byte-level BPE gives the document exactly the",
+      "task's token ids), or, for "
+      f"{PUBLIC_DOMAIN_PROMPT_FRACTION:.0%} of TreeDST turns,",
+      "`domain: <domain>\\nutterance:<utterance>` (1.5-stage). Every document",
+      "of the first kind pairs an utterance with its parse, which the T5",
+      "parser (utterance -> program) also needs to learn both languages from",
+      "span corruption. Dialogues alternate SMCalFlow and TreeDST; a",
+      "validation document that also occurs in train is dropped.", "",
+      "| statistic | train | validation |", "| --- | --- | --- |"]
+  for key in ("documents", "words", "characters", "bytes"):
+    rows.append(f"| {key} | {stats['train'][key]} | {stats['validation'][key]} |")
+  for key, label in (("smcalflow", "SMCalFlow turns"), ("treedst", "TreeDST turns"),
+                     ("domain", "domain-prompt documents")):
+    rows.append(f"| {label} | {counts['train'][key]} | {counts['validation'][key]} |")
+  rows += [
+      "", "Tokenizers (`semparse_vocab`, unchanged): GPT-2 BPE tokens per",
+      f"whitespace word {tok['public'][0]:.3f} on public train vs "
+      f"{tok['private'][0]:.3f} on the private",
+      "train turns rendered the same way; SentencePiece unk rate "
+      f"{tok['public'][1]:.4f} vs {tok['private'][1]:.4f}.", "",
+      "## Disjointness from the private sample", "",
+      "The intents and templates (the language, including the Lispress",
+      "function names, dates, times, numbers, cuisines, cabin classes and",
+      "TreeDST domains) are the sample generator's; every named entity comes",
+      "from `PUBLIC_POOLS` instead of `SAMPLE_POOLS`: person first and last",
+      "names, towns, venues, rooms, event subjects, message bodies, reminder",
+      "contents, attraction categories and hotel-name suffixes (so hotel and",
+      "attraction names too). The generator refuses to run unless the two pool",
+      "sets share no entity (as whole words, case-insensitively) and no",
+      "capitalised word (`_check_disjoint`). Independently,",
+      "`tests/semparse/test_semparse_public_corpus.py` reads the committed",
+      "private files and checks that no string literal of a private program",
+      "(except `Path.apply` paths) occurs as whole words in any public",
+      "document, and that no capitalised word of a private literal or of a",
+      "private utterance (after its first word) occurs as a word, unless it",
+      "is part of a private program's function or constructor names (days,",
+      "months, `Hotel`, ...)."]
+  return "\n".join(rows) + "\n"
+
+
+def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
+                           seed: int = PUBLIC_SEED) -> dict:
+  """Writes the public pretraining corpus (train/validation JSONL, README).
+
+  Returns {split: {"documents", "words", "characters", "bytes"}}.
+  """
+  _check_disjoint(SAMPLE_POOLS, PUBLIC_POOLS)
+  docs, counts = {}, {}
+  for split in PUBLIC_FILES:
+    per_dataset = {d: public_documents(d, split, seed) for d in semparse.DATASETS}
+    # Alternate the two datasets in blocks of about a dialogue's length.
+    merged = []
+    n = max(len(x) for x in per_dataset.values())
+    for i in range(0, n, 2):
+      for d in semparse.DATASETS:
+        merged += per_dataset[d][i:i + 2]
+    counts[split] = {d: len(x) for d, x in per_dataset.items()}
+    if split == "validation":
+      train = set(docs["train"])
+      merged = [d for d in merged if d not in train]
+      counts[split] = {d: sum(1 for x in per_dataset[d] if x not in train)
+                       for d in per_dataset}
+    counts[split]["domain"] = sum(1 for x in merged if x.startswith("domain: "))
+    docs[split] = merged
+  os.makedirs(output_dir, exist_ok=True)
+  stats = {}
+  for split, name in PUBLIC_FILES.items():
+    path = os.path.join(output_dir, name)
+    _write_lines(path, (json.dumps({"text": d}, ensure_ascii=False)
+                        for d in docs[split]))
+    stats[split] = _split_stats(docs[split], path)
+  private = [semparse_tasks.parse_prompt(t.program) + t.utterance
+             for d in semparse.DATASETS for t in semparse.load_turns(d, "train")]
+  tok = {"public": _tokenizer_stats(docs["train"]),
+         "private": _tokenizer_stats(private)}
+  with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8",
+            newline="\n") as f:
+    f.write(_public_readme(stats, seed, counts, tok))
+  return stats
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
   parser.add_argument("--no_vocab", action="store_true",
                       help="skip training the BPE and SentencePiece vocabularies")
+  parser.add_argument("--public_corpus", action="store_true",
+                      help="write the public pretraining corpus (to "
+                      "DEFAULT_PUBLIC_DIR unless --output_dir) instead")
   args = parser.parse_args(argv)
+  if args.public_corpus:
+    output_dir = (DEFAULT_PUBLIC_DIR if args.output_dir == DEFAULT_OUTPUT_DIR
+                  else args.output_dir)
+    print(json.dumps(generate_public_corpus(output_dir), indent=1))
+    return
   generate(args.output_dir, train_vocabularies=not args.no_vocab)
   for name in DIRS.values():
     path = os.path.join(args.output_dir, name, "README.md")

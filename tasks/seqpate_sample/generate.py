@@ -19,6 +19,11 @@ to (re)create, under ``tasks/data/seqpate_sample/``:
   samples' train sentences;
 * a ``README.md`` with statistics in each directory.
 
+``python -m tasks.seqpate_sample.generate --public_corpus`` (optionally
+``--output_dir``) writes instead the public pretraining corpus under
+``tasks/data/seqpate_public/`` (`generate_public_corpus`): sentences in the
+samples' language about other customers, airports and topics.
+
 All names are invented; airport codes, months and airline names are the
 kind the real AirDialogue uses. Determinism: one ``random.Random`` per file
 from fixed seeds and only ordered containers; BPE is trained on a fixed
@@ -73,8 +78,9 @@ def _users(rng: random.Random) -> list[str]:
   return rng.sample(names, NUM_USERS)
 
 
-def _intent(rng: random.Random, name: str, goal: str) -> dict:
-  origin, dest = rng.sample(_AIRPORTS, 2)
+def _intent(rng: random.Random, name: str, goal: str,
+            airports: tuple[str, ...] = _AIRPORTS) -> dict:
+  origin, dest = rng.sample(airports, 2)
   month = rng.randrange(12)
   day = rng.randint(1, 25)
   return {
@@ -187,9 +193,11 @@ def _change_or_cancel(rng, name: str, it: dict, goal: str) -> tuple[list, dict]:
   return turns, action
 
 
-def _dialogue(rng: random.Random, name: str) -> str:
+def _dialogue_record(rng: random.Random, name: str,
+                     airports: tuple[str, ...] = _AIRPORTS) -> dict:
+  """One dialogue as an AirDialogue release record (a dict)."""
   goal = rng.choices(("book", "change", "cancel"), (0.7, 0.15, 0.15))[0]
-  it = _intent(rng, name, goal)
+  it = _intent(rng, name, goal, airports)
   if goal == "book":
     turns, action = _book(rng, name, it)
   else:
@@ -203,13 +211,17 @@ def _dialogue(rng: random.Random, name: str) -> str:
       merged.append((speaker, text))
   turns = merged
   start = 1_500_000_000 + rng.randrange(10**7)
-  record = {
+  return {
       "intent": it, "action": action, "expected_action": action,
       "timestamps": [start + 7 * k for k in range(len(turns))],
       "search_info": [], "correct_sample": True,
       "dialogue": [f"{speaker}: {text}" for speaker, text in turns],
   }
-  return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+
+
+def _dialogue(rng: random.Random, name: str) -> str:
+  return json.dumps(_dialogue_record(rng, name), ensure_ascii=False,
+                    separators=(",", ":"))
 
 
 def build_airdialogue(split: str) -> list[str]:
@@ -243,10 +255,11 @@ _SHORT = ("The debate is closed.", "(Applause)", "The vote will take place "
           "The minutes were approved.", "We must act now.")
 
 
-def _europarl_sentence(rng: random.Random) -> str:
+def _europarl_sentence(rng: random.Random,
+                       topics: tuple[str, ...] = _TOPICS) -> str:
   if rng.random() < 0.08:
     return rng.choice(_SHORT)
-  topic, other = rng.sample(_TOPICS, 2)
+  topic, other = rng.sample(topics, 2)
   actor = rng.choice(_ACTORS)
   year = rng.choice(_YEARS)
   clause = rng.choice((
@@ -381,14 +394,270 @@ def generate(output_dir: str = DEFAULT_OUTPUT_DIR) -> dict:
   return {"airdialogue": air, "europarl": euro}
 
 
+# --- Public pretraining corpus ----------------------------------------------
+#
+# The same language as the samples (the same dialogue and parliament
+# templates, rendered as the model reads the private sentences) with entity
+# pools disjoint from the samples': other invented customer names, other
+# airports, other parliamentary topics. See `generate_public_corpus`.
+
+PUBLIC_SEED = 6300
+DEFAULT_PUBLIC_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+    "seqpate_public")
+PUBLIC_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
+PUBLIC_DIALOGUES = 1000
+PUBLIC_EUROPARL = 4800
+# Units (dialogues, Europarl sentences) drawn into validation; validation
+# documents whose text also occurs in train (template utterances) are then
+# dropped, leaving about 5% of the documents.
+PUBLIC_VALIDATION_UNITS = 0.1
+
+_PUBLIC_FIRST = ("Abelard", "Brielle", "Cassius", "Dorian", "Elowen",
+                 "Faustin", "Greer", "Hollis", "Imogen", "Jasper", "Kerensa",
+                 "Leander", "Maelis", "Niamh", "Osric", "Perpetua", "Quinlan",
+                 "Rowena", "Sylvan", "Thea", "Ulla", "Valentin", "Wilhelmina",
+                 "Xanthe", "Yorick", "Zephyr", "Anselm", "Bettina",
+                 "Cordelia", "Desmond", "Evander", "Florian", "Gwendolyn",
+                 "Horatio", "Ingrid", "Juniper")
+_PUBLIC_LAST = ("Ashcombe", "Blackwood", "Cresswell", "Dunstable", "Eversley",
+                "Fairbrook", "Glenister", "Holloway", "Inchbald", "Jarrow",
+                "Kingsmill", "Lockwood", "Marchbanks", "Netherby", "Ormsby",
+                "Penhallow", "Quarrington", "Redfern", "Stanhope",
+                "Tregarthen", "Upfield", "Wexcombe", "Yelverton", "Ashdown")
+_PUBLIC_AIRPORTS = ("SAN", "SLC", "PDX", "MIA", "TPA", "STL", "BNA", "AUS",
+                    "MSY", "RDU", "SJC", "SMF", "MCI", "CLE", "PIT", "IND",
+                    "CMH", "SAT", "BWI", "MDW", "FLL", "HNL", "ABQ", "BUR",
+                    "MKE")
+_PUBLIC_TOPICS = ("the common agricultural policy", "asylum and migration",
+                  "the protection of the environment", "competition policy",
+                  "the European arrest warrant", "nuclear safety",
+                  "the fight against poverty",
+                  "equal opportunities for women and men",
+                  "air passenger rights", "the trans-European networks",
+                  "cohesion policy", "development aid",
+                  "human rights in third countries", "the Lisbon strategy",
+                  "small and medium-sized enterprises",
+                  "the common foreign and security policy",
+                  "the protection of minors", "organised crime",
+                  "the working time directive", "renewable energy sources",
+                  "water quality", "the Schengen area", "road safety",
+                  "the postal services", "waste management",
+                  "the pharmaceutical industry")
+
+
+def _check_public_pools() -> None:
+  """Raises ValueError if a public entity pool meets the samples' pools."""
+  sample_names = set(_FIRST) | set(_LAST)
+  public_names = set(_PUBLIC_FIRST) | set(_PUBLIC_LAST)
+  clashes = {
+      "names": sample_names & public_names,
+      "airports": set(_AIRPORTS) & set(_PUBLIC_AIRPORTS),
+      "topics": set(_TOPICS) & set(_PUBLIC_TOPICS),
+      # A public name must not be any other word of the samples' pools.
+      "names vs. other pools": public_names & set(
+          " ".join(_AIRPORTS + _AIRLINES + _MONTHS + _TOPICS + _ACTORS
+                   + _OPENERS + _SHORT).replace(",", " ").split()),
+  }
+  clashes = {k: sorted(v) for k, v in clashes.items() if v}
+  if clashes:
+    raise ValueError(f"public pools overlap the sample's: {clashes}")
+
+
+def _public_documents(texts: list[str]) -> list[str]:
+  """The texts as the private LM reads them: `completion_examples`' rule
+  (>= MIN_WORDS words, cut at MAX_WORDS, single-spaced)."""
+  return [c.text for c in seqpate.completion_examples(
+      seqpate.Sentence(t, None, "public") for t in texts)]
+
+
+def _sample_sentence_users() -> dict[str, int]:
+  """{text: number of customers}: the sample's sentences (as
+  `_public_documents` renders them) with the number of distinct customers
+  whose dialogues contain them (0 for Europarl's)."""
+  users = collections.defaultdict(set)
+  for split in NUM_DIALOGUES:
+    for line in build_airdialogue(split):
+      record = json.loads(line)
+      texts = [t.partition(":")[2].strip() for t in record["dialogue"]]
+      for doc in _public_documents(texts):
+        users[doc].add(record["intent"]["name"])
+  for doc in _public_documents(build_europarl()):
+    users.setdefault(doc, set())
+  return {doc: len(names) for doc, names in users.items()}
+
+
+def build_public_units(seed: int = PUBLIC_SEED
+                       ) -> tuple[list[list[str]], int]:
+  """(units, dropped): the public corpus' units in order, each a dialogue's
+  documents (its utterances without speaker tags) or one Europarl
+  sentence's. A document equal to a sample sentence is kept only if that
+  sentence is a template shared by at least two sample customers (e.g. "Do
+  you have any connection limit or class preference?"); `dropped` counts
+  the others: chance equalities such as one customer's "My travel dates are
+  <month> <day> and <month> <day>." (and any Europarl sentence of the sample)."""
+  _check_public_pools()
+  sample = _sample_sentence_users()
+  rng = random.Random(seed)
+  names = [f"{f} {l}" for f in _PUBLIC_FIRST for l in _PUBLIC_LAST]
+  units = []
+  for _ in range(PUBLIC_DIALOGUES):
+    record = _dialogue_record(rng, rng.choice(names), _PUBLIC_AIRPORTS)
+    units.append(_public_documents(
+        [turn.partition(":")[2].strip() for turn in record["dialogue"]]))
+  for _ in range(PUBLIC_EUROPARL):
+    units.append(_public_documents([_europarl_sentence(rng,
+                                                       _PUBLIC_TOPICS)]))
+  kept = [[d for d in u if sample.get(d, 2) >= 2] for u in units]
+  dropped = sum(map(len, units)) - sum(map(len, kept))
+  units = [u for u in kept if u]
+  rng.shuffle(units)
+  return units, dropped
+
+
+def public_splits(seed: int = PUBLIC_SEED
+                  ) -> tuple[dict[str, list[str]], int]:
+  """({"train", "validation"}: documents, dropped); a validation document's
+  text never occurs in train; `dropped` as in `build_public_units`."""
+  rng = random.Random(seed + 1)
+  train, validation = [], []
+  units, dropped = build_public_units(seed)
+  for unit in units:
+    (validation if rng.random() < PUBLIC_VALIDATION_UNITS else train).extend(
+        unit)
+  in_train = set(train)
+  return {"train": train,
+          "validation": [d for d in validation if d not in in_train]}, dropped
+
+
+def _public_readme(splits: dict[str, list[str]], sizes: dict[str, int],
+                   dropped: int) -> str:
+  from tokenizers import ByteLevelBPETokenizer  # pylint: disable=g-import-not-at-top
+
+  bpe = ByteLevelBPETokenizer(
+      os.path.join(seqpate.DEFAULT_VOCAB_DIR, "vocab.json"),
+      os.path.join(seqpate.DEFAULT_VOCAB_DIR, "merges.txt"))
+
+  def per_word(docs):
+    tokens = [len(e.ids) for e in bpe.encode_batch(docs)]
+    return (sum(tokens) / sum(len(d.split()) for d in docs), max(tokens))
+
+  private = [c.text for c in seqpate.completion_examples(
+      seqpate.load_airdialogue("train") + seqpate.load_europarl())]
+  rows = ["| split | documents | unique | words | characters | file bytes |",
+          "| --- | --- | --- | --- | --- | --- |"]
+  for split, docs in splits.items():
+    rows.append(f"| {split} | {len(docs)} | {len(set(docs))} | "
+                f"{sum(len(d.split()) for d in docs)} | "
+                f"{sum(len(d) for d in docs)} | {sizes[split]} |")
+  pub_tpw, pub_max = per_word(splits["train"])
+  pri_tpw, pri_max = per_word(private)
+  return "\n".join([
+      "# seqpate_public", "",
+      "A public pretraining corpus for the SeqPATE world: fictional "
+      "flight-booking", "utterances (AirDialogue-like) and "
+      "parliament-style sentences (Europarl-like),", "in the language of "
+      "`tasks/data/seqpate_sample/` but about other entities, for",
+      "pretraining a tiny GPT-2 non-privately before DP fine-tuning on the "
+      "private", "sample. Generated deterministically (seed "
+      f"{PUBLIC_SEED}; do not edit by hand) by", "",
+      "    python -m tasks.seqpate_sample.generate --public_corpus", "",
+      "## Format", "",
+      "`train.jsonl`, `validation.jsonl`: one `{\"text\": doc}` per line "
+      "(UTF-8). A", "document is one sentence, rendered exactly as the "
+      "private LM rows read", "theirs (`dpjax.datasets.seqpate`, "
+      "`tasks.seqpate`): an AirDialogue utterance", "without its "
+      "`customer:`/`agent:` tag (consecutive utterances of one speaker",
+      "merged, as in the sample), or a Europarl sentence; only sentences of "
+      f">= {seqpate.MIN_WORDS}", f"words, cut at {seqpate.MAX_WORDS} words, "
+      "single-spaced (`completion_examples`). No", "special tokens (the "
+      "model's BOS/EOS `<|endoftext|>` is added by the reader).",
+      f"Units: {PUBLIC_DIALOGUES} dialogues and {PUBLIC_EUROPARL} Europarl "
+      "sentences, shuffled;", "a unit goes to validation with probability "
+      f"{PUBLIC_VALIDATION_UNITS}, and validation documents whose", "text "
+      "also occurs in train (entity-free template utterances) are dropped, "
+      "so no", "document is in both splits. Train keeps the natural "
+      "frequencies of template", "utterances (repeated texts), as the "
+      "private sample has them.", "",
+      "## Statistics", "", *rows, "",
+      "Tokenizer: the sample's GPT-2 byte-level BPE "
+      "(`tasks/data/seqpate_sample/vocab/`),", "so every text encodes "
+      "without unknown tokens. BPE tokens per word: public train",
+      f"{pub_tpw:.2f} (max {pub_max} tokens per document), private sample "
+      f"completion texts", f"{pri_tpw:.2f} (max {pri_max}): the public "
+      "names, airports and topics were not seen", "when the BPE was "
+      "trained, so they split into more pieces.", "",
+      "## Disjointness from the private sample", "",
+      "* Customer names: first and last names from pools disjoint from the "
+      "sample's", "  (`_PUBLIC_FIRST`, `_PUBLIC_LAST` vs. `_FIRST`, `_LAST`), "
+      "so no private customer's", "  first or last name occurs; the "
+      "name-leakage evaluation looks for those.",
+      "* Airports: other US airport codes (`_PUBLIC_AIRPORTS` vs. "
+      "`_AIRPORTS`).", "* Europarl topics: other policy topics "
+      "(`_PUBLIC_TOPICS` vs. `_TOPICS`), so no", "  public sentence equals "
+      "a private, public-split or test Europarl sentence.",
+      "* Shared on purpose (the world's language, not entities): the "
+      "templates, months,", "  days, prices, flight numbers, airline names, "
+      "years, openers and actors. A", "  public document equal to a sample "
+      "sentence is an entity-free AirDialogue", "  template utterance that "
+      "occurs in the dialogues of at least two sample", "  customers; "
+      "chance equalities with one customer's sentence (\"My travel dates",
+      f"  are <month> <day> and <month> <day>.\") are dropped: {dropped} "
+      "documents.", "",
+      "The sample's `public` split (SeqPATE's public prefixes, "
+      "`completion_splits`) and", "its test sets (`dev_data.json`, "
+      "Europarl's test split) are part of the sample,", "so this corpus "
+      "is disjoint from them in the same way: pretraining on it gives",
+      "the model neither a private customer nor an evaluation sentence.",
+      "`_check_public_pools` enforces the pool disjointness at generation "
+      "time;", "`tests/seqpate/test_seqpate_public_corpus.py` checks it "
+      "against the committed", "sample files (names and airports read from "
+      "their `intent` fields, Europarl", "sentences) independently of the "
+      "generator."]) + "\n"
+
+
+def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
+                           seed: int = PUBLIC_SEED) -> dict:
+  """Writes `train.jsonl`, `validation.jsonl` and `README.md` of the public
+  corpus under `output_dir`; returns {split: {"documents", "words",
+  "characters", "bytes"}}."""
+  splits, dropped = public_splits(seed)
+  os.makedirs(output_dir, exist_ok=True)
+  stats, sizes = {}, {}
+  for split, docs in splits.items():
+    path = os.path.join(output_dir, PUBLIC_FILES[split])
+    _write_text(path, "".join(json.dumps({"text": d}, ensure_ascii=False)
+                              + "\n" for d in docs))
+    sizes[split] = os.path.getsize(path)
+    stats[split] = {"documents": len(docs),
+                    "words": sum(len(d.split()) for d in docs),
+                    "characters": sum(len(d) for d in docs),
+                    "bytes": sizes[split]}
+  _write_text(os.path.join(output_dir, "README.md"),
+              _public_readme(splits, sizes, dropped))
+  return stats
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
+  parser.add_argument("--output_dir", default=None,
+                      help=f"default: {DEFAULT_OUTPUT_DIR}, or "
+                      f"{DEFAULT_PUBLIC_DIR} with --public_corpus")
+  parser.add_argument("--public_corpus", action="store_true",
+                      help="write the public pretraining corpus instead of "
+                      "the sample")
   args = parser.parse_args(argv)
-  generate(args.output_dir)
-  for name in DIRS.values():
-    with open(os.path.join(args.output_dir, name, "README.md"),
-              encoding="utf-8") as f:
+  if args.public_corpus:
+    output_dir = args.output_dir or DEFAULT_PUBLIC_DIR
+    generate_public_corpus(output_dir)
+    readmes = [os.path.join(output_dir, "README.md")]
+  else:
+    output_dir = args.output_dir or DEFAULT_OUTPUT_DIR
+    generate(output_dir)
+    readmes = [os.path.join(output_dir, name, "README.md")
+               for name in DIRS.values()]
+  for path in readmes:
+    with open(path, encoding="utf-8") as f:
       print(f.read())
 
 
