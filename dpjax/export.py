@@ -278,7 +278,7 @@ def copy_tokenizer(files: dict, out: str) -> list[str]:
   return sorted(TOKENIZER_NAMES[k] for k in files)
 
 
-def _install(tmp: str, output_dir: str) -> None:
+def install(tmp: str, output_dir: str) -> None:
   """Renames the finished `tmp` to `output_dir`, replacing what was there."""
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     old = tempfile.mkdtemp(dir=os.path.dirname(output_dir),
@@ -317,7 +317,7 @@ def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False,
         (STATEMENT_MD, privacy_markdown(statement))):
       fileio.write_atomic(os.path.join(tmp, name), text)
       files.append(name)
-    _install(tmp, output_dir)
+    install(tmp, output_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

@@ -47,9 +47,12 @@ class Progress:
     filled = int(width * step / max(self.total, 1))
     bar = "#" * filled + "." * (width - filled)
     target = "∞" if math.isinf(eps_target) else f"{eps_target:.2f}"
-    line = (f"[{bar}] step {step}/{self.total} | loss {loss:.4f} | "
-            f"ε {eps_spent:.3f}/{target} | {tokens_per_s:,.0f} tok/s | "
-            f"clipped {100 * clipped:.1f}% | ETA {_duration(eta)}")
+    no_dp = bool(mixed) and math.isnan(loss)  # a window of public steps only
+    line = (f"[{bar}] step {step}/{self.total} | "
+            + ("" if no_dp else f"loss {loss:.4f} | ")
+            + f"ε {eps_spent:.3f}/{target} | {tokens_per_s:,.0f} tok/s | "
+            + ("" if no_dp else f"clipped {100 * clipped:.1f}% | ")
+            + f"ETA {_duration(eta)}")
     if mixed:
       line += (f" | DP {mixed[0]} / public {mixed[1]} steps, public loss "
                f"{mixed[2]:.4f}")

@@ -6,7 +6,8 @@ tasks built on them.
 Importing this package registers nothing: it only makes the gin configurables
 available (`register_tasks`, `register_msmarco_query_generation`,
 `register_msmarco_dual_encoder`, `register_semparse_tasks`,
-`register_multidogo_tasks`, `register_textcls_tasks`) and does not import
+`register_multidogo_tasks`, `register_textcls_tasks`,
+`register_pretraining_task`) and does not import
 TensorFlow. The trainer calls
 `register_tasks()` after parsing its gin files, e.g.::
 
@@ -26,6 +27,7 @@ from dpjax.datasets.msmarco import (  # noqa: F401  (tests/test_trainer.py)
 )
 from tasks import msmarco
 from tasks import multidogo
+from tasks import pretraining
 from tasks import semparse
 from tasks import textcls
 from tasks.msmarco import (  # noqa: F401  (re-exported)
@@ -46,6 +48,7 @@ def register_tasks(msmarco_query_generation: bool = True,
                    semparse_tasks: bool = True,
                    multidogo_tasks: bool = True,
                    textcls_tasks: bool = True,
+                   pretraining_task: bool = True,
                    tokenizer_files: dict | None = None) -> list[str]:
   """Registers the project's seqio tasks; returns their names.
 
@@ -72,4 +75,7 @@ def register_tasks(msmarco_query_generation: bool = True,
   if textcls_tasks:  # label-conditioned SST-2 / AG News (see tasks.textcls)
     names += [t.name for t in textcls.register_textcls_tasks(
         checkpoint_tokenizer_files=files)]
+  if pretraining_task:  # the one `register_pretraining_task.name` names
+    task = pretraining.register_pretraining_task()
+    names += [task.name] if task else []
   return names

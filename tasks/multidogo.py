@@ -73,12 +73,11 @@ def dialog_vocabulary(vocab_path: str = DEFAULT_BPE_VOCAB_PATH,
 def _chunks_dataset(chunks: list[np.ndarray], domains: list[str],
                     users: list[str] | None):
   import tensorflow as tf  # lazy: TensorFlow
+  from dpjax.data import arrays  # lazy: TensorFlow
 
-  lengths = np.array([len(c) for c in chunks], np.int64)
-  values = np.concatenate(chunks).astype(np.int32) if chunks else np.zeros([0], np.int32)
   features = {
       "inputs": tf.zeros([len(chunks), 0], tf.int32),
-      "targets": tf.RaggedTensor.from_row_lengths(values, lengths),
+      "targets": arrays.ragged_rows(chunks),
       "domain": tf.constant(domains, tf.string, shape=[len(chunks)]),
   }
   if users is not None:

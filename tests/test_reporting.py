@@ -45,3 +45,13 @@ def test_progress_line_of_a_mixed_run_counts_both_kinds_of_step():
       4, loss=0.5, eps_spent=1.0, eps_target=8.0, tokens_per_s=10.0,
       clipped=0.0, mixed=(1, 3, 0.25))
   assert line.endswith("| DP 1 / public 3 steps, public loss 0.2500")
+
+
+def test_progress_line_of_public_steps_only_has_no_dp_fields():
+  """A window without a DP step (pretraining, a public stretch of a
+  redaction schedule) has no DP loss or clipped fraction to show."""
+  line = reporting.Progress(10, 0, stream=io.StringIO()).report(
+      4, loss=math.nan, eps_spent=0.0, eps_target=math.inf,
+      tokens_per_s=10.0, clipped=math.nan, mixed=(0, 4, 3.25))
+  assert "nan" not in line and "loss" not in line.split("| DP")[0]
+  assert line.endswith("| DP 0 / public 4 steps, public loss 3.2500")

@@ -50,6 +50,15 @@ def _to_numpy(ds: tf.data.Dataset, keys) -> dict[str, np.ndarray]:
   return out
 
 
+def ragged_rows(rows) -> tf.RaggedTensor:
+  """Variable-length token rows as one int32 ragged tensor: a task source's
+  feature (no rows: an empty tensor)."""
+  lengths = np.array([len(r) for r in rows], np.int64)
+  values = (np.concatenate(rows).astype(np.int32) if len(rows)
+            else np.zeros([0], np.int32))
+  return tf.RaggedTensor.from_row_lengths(values, lengths)
+
+
 def registered_names() -> list[str]:
   """The registered seqio tasks and mixtures, sorted."""
   return sorted({*seqio.TaskRegistry.names(), *seqio.MixtureRegistry.names()})
