@@ -23,6 +23,8 @@ from dpjax.models import trainable
 from dpjax.privacy import ledger as ledger_lib, noise, sampling, secret
 
 RUN = [
+    # From random weights: the outsider rebuilds the first update from init.
+    "INITIAL_CHECKPOINT_PATH = None", "T5Config.vocab_size = 2000",
     "TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 16}",
     "BATCH_SIZE = 16", "MICROBATCH_SIZE = 8", "OPTIMIZER = 'sgd'",
     "LEARNING_RATE = 1e-2", "TARGET_EPSILON = 1.0",

@@ -311,6 +311,7 @@ TINY = [
     "MIXTURE_OR_TASK_NAME = 'treedst_utterance_lm'",
     "TASK_FEATURE_LENGTHS = {'inputs': 1, 'targets': 32}",
     "GPT2Config.num_layers = 1",
+    "INITIAL_CHECKPOINT_PATH = None",  # (the sample's start has 2 layers)
     "BATCH_SIZE = 16",
     "MICROBATCH_SIZE = 8",
     "train.noise_multiplier = 1.0",

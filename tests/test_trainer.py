@@ -25,6 +25,8 @@ from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [
+    # From random weights: these tests compare params against their init.
+    "INITIAL_CHECKPOINT_PATH = None", "T5Config.vocab_size = 2000",
     "TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 16}",
     "BATCH_SIZE = 16",
     "MICROBATCH_SIZE = 8",
@@ -530,6 +532,7 @@ def test_infer_without_a_trained_model_writes_nothing(infer_without_model):
 
 GPT2_ON_SAMPLE = [  # a tiny GPT-2 as a prompted LM: passage -> query
     "train.model_config = @GPT2Config()",
+    "INITIAL_CHECKPOINT_PATH = None",  # the quickstart's start is a T5
     "GPT2Config.vocab_size = 2000",
     "GPT2Config.dropout_rate = 0.0",
     "TASK_FEATURE_LENGTHS = {'inputs': 48, 'targets': 16}",

@@ -4,8 +4,8 @@ user-level against example-level DP, on the embedded samples.
   python -m dpjax.bench.mechanism_comparison --work_dir=/tmp/cmp
       [--steps=300] [--only=bandmf|user_level]
 
-BandMF vs DP-SGD: from `sample_comparison`'s pretrained start (made once in
-WORK_DIR: the tiny T5 trained without privacy on a public world), DP
+BandMF vs DP-SGD: from the quickstart's pretrained start (the shipped tiny
+T5 pretrained on the public world, tasks/data/pretrained/msmarco_t5), DP
 fine-tuning on the MSMARCO-format sample at ε = 3 and 8 for the same
 `--steps` steps of expected batch 64 (several epochs: the regime correlated
 noise is for), clip 0.1, Adam at 1e-3 (and at ε = 3 plain SGD at 3.0): DP-SGD
@@ -13,8 +13,8 @@ with Poisson sampling against BandMF with its cyclic Poisson sampling and
 the band count the plan chooses. Reported: the eval loss on the sample's
 validation split.
 
-User-level vs example-level: the tiny GPT-2 of gin/dialog_sample.gin trained
-from scratch on MultiDoGo conversations cut into 63-token chunks
+User-level vs example-level: the tiny GPT-2 of gin/dialog_sample.gin (from
+its pretrained start) trained on MultiDoGo conversations cut into 63-token chunks
 (gin/dialog_sample_user_level.gin), ε = 8, 3 epochs: the conversation as the
 unit (64 expected conversations a step, at most 4 chunks each, averaged)
 against the chunk as the unit (Poisson sampling of as many chunks a step as
@@ -29,13 +29,13 @@ import math
 import os
 import sys
 
-from dpjax.bench.sample_comparison import pretrained_start, table, train
+from dpjax.bench.sample_comparison import PAPER_LR, table, train
 
 DIALOG = "gin/dialog_sample_user_level.gin"
 
 
 def bandmf_rows(work_dir: str, steps: int) -> list[list[str]]:
-  private = pretrained_start(work_dir, 150) + [
+  private = PAPER_LR + [
       "BATCH_SIZE = 64", "CLIP_NORM = 0.1"]
   runs = [(eps, "Adam 1e-3", "") for eps in (3, 8)]
   # The paper's analysis is of SGD-type updates (prefix sums of the noisy

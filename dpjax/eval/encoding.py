@@ -35,7 +35,8 @@ PAD_ID, EOS_ID = 0, 1  # T5's ids, those of every seqio task here
 
 
 class Tokenizer:
-  """A SentencePiece model turning texts into padded `int32[n, length]` rows."""
+  """A SentencePiece model turning texts into padded `int32[n, length]` rows,
+  and generated rows back into texts."""
 
   def __init__(self, model_path: str):
     if not os.path.isfile(model_path):
@@ -53,6 +54,17 @@ class Tokenizer:
     tokens[np.arange(length) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(rows), np.int32, count=int(lengths.sum()))
     return tokens
+
+  def decode(self, tokens: np.ndarray) -> list[str]:
+    """Each row's text up to its first EOS. Ids the model has but the
+    SentencePiece model lacks (a pretrained T5's sentinel rows) read as
+    unknown pieces, as seqio decodes them."""
+    size, unk = self._sp.get_piece_size(), self._sp.unk_id()
+    out = []
+    for row in np.asarray(tokens).tolist():
+      row = row[:row.index(EOS_ID)] if EOS_ID in row else row
+      out.append(self._sp.decode([t if t < size else unk for t in row]))
+    return out
 
 
 def device_encode_fn(encode: Callable[[Any, jax.Array], jax.Array], params,

@@ -56,7 +56,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sentencepiece as spm
 from scipy import optimize, stats
 
 from dpjax import decoding, fileio, inference
@@ -344,16 +343,7 @@ def audit(model_dir: str, canaries: Sequence[Canary], *,
     rows.append({**dataclasses.asdict(canary), "qids": len(canary.qids),
                  "score": float(scores[0]),
                  **exposure(scores[0], scores[1:])})
-  vocab = spm.SentencePieceProcessor(model_file=vocabulary_path)
-
-  def texts(tokens):
-    out = []
-    for row in np.asarray(tokens):
-      ids = [int(t) for t in row]
-      out.append(vocab.decode(ids[:ids.index(encoding.EOS_ID)]
-                              if encoding.EOS_ID in ids else ids))
-    return out
-
+  texts = tokenizer.decode
   key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
   sampled = texts(decoding.generate(config, params, inputs,
                                     max_length=lengths["targets"], rng=key,

@@ -3,7 +3,7 @@
   python -m dpjax.seqpate table1 --output_dir=runs/seqpate \\
       [--dataset=airdialogue|europarl] [--epsilon=3] [--seeds=0,1,2] \\
       [--partition=sample|user] [--num_teachers=64] [--max_queries=500] \\
-      [--rows=SeqPATE,Pub-GPT,...] \\
+      [--rows=SeqPATE,Pub-GPT,...] [--initial_checkpoint=DIR|none] \\
       [--gin_file=seqpate_noisysgd.gin] [--gin.NAME=VALUE ...]
 
 Gin flags configure the NoisySGD rows' trainer runs (default gin file
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from dpjax import harness
 from dpjax.seqpate import experiment
@@ -36,6 +37,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--max_queries", type=int, default=None)
   p.add_argument("--rows", default=None, type=lambda s: s.split(","),
                  help="comma-separated row names (default: all)")
+  p.add_argument("--initial_checkpoint", default=None,
+                 help="Hugging Face GPT-2 directory Pub-GPT starts from "
+                 "(default: the shipped tasks/data/pretrained/seqpate_gpt2; "
+                 "'none': random weights)")
 
 
 def _run(args, gin_files, bindings) -> dict:
@@ -44,6 +49,10 @@ def _run(args, gin_files, bindings) -> dict:
       settings, epsilon=args.epsilon, partition=args.partition,
       num_teachers=args.num_teachers or settings.num_teachers,
       max_queries=args.max_queries or settings.max_queries,
+      initial_checkpoint=(settings.initial_checkpoint
+                          if args.initial_checkpoint is None else
+                          None if args.initial_checkpoint.lower() == "none"
+                          else os.path.abspath(args.initial_checkpoint)),
       noisysgd_gin_files=tuple(gin_files or settings.noisysgd_gin_files),
       # Binding strings, as tables made with --noisysgd_binding saved them.
       noisysgd_bindings=tuple(str(b) for b in bindings))

@@ -79,13 +79,14 @@ import jax
 import numpy as np
 import tokenizers
 
-from dpjax import fileio, harness
+from dpjax import fileio, harness, pretrained
 from dpjax.models import gpt2
 from dpjax.privacy import secret as secret_lib
 from dpjax.seqpate import (accounting, aggregation, cache, evaluation,
                            noisysgd, partition, pseudo_data, student,
                            teachers)
 from dpjax.datasets import seqpate as data
+from tasks import pretraining
 
 DATASETS = data.DATASETS
 
@@ -97,6 +98,12 @@ class Settings:
   model: gpt2.GPT2Config = gpt2.GPT2Config(
       vocab_size=1255, n_positions=64, d_model=64, num_layers=2, num_heads=4,
       dropout_rate=0.0)
+  # Where Pub-GPT's fine-tuning starts (the paper: GPT-2): a Hugging Face
+  # GPT-2 of `model`'s shape; the default is the shipped one pretrained on
+  # the public world's sentences (python -m dpjax.pretrain
+  # --gin_file=gin/pretrain/seqpate_gpt2.gin). None: random weights.
+  initial_checkpoint: str | None = pretraining.PATHS_ABS[
+      "PRETRAINED_SEQPATE_GPT2"]
   length: int = 40
   public_fraction: float = 0.2
   test_fraction: float = 0.1  # Europarl only
@@ -251,7 +258,9 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
         log(f"[{dataset} seed {seed}] {name}: {time.time() - t:.0f}s")
       return load_params(path, config, length)
 
-    init = gpt2.init_params(config, jax.random.key(seed), max_length=length)[0]
+    init = (pretrained.load_pretrained(settings.initial_checkpoint, config)
+            if settings.initial_checkpoint else
+            gpt2.init_params(config, jax.random.key(seed), max_length=length)[0])
     public = model("pub_gpt", lambda: train_lm(
         config, init, arrays["public"], epochs=settings.public_epochs,
         learning_rate=settings.public_learning_rate,

@@ -23,10 +23,8 @@ from dpjax.text import redaction
 LENGTHS = {"inputs": 1, "targets": 63}
 FAST = ["register_multidogo_tasks.domains = ['AIRLINE', 'MEDIA']",
         "EPOCHS = None", "TRAIN_STEPS = 1", f"TASK_FEATURE_LENGTHS = {LENGTHS!r}",
-        "register_multidogo_tasks.chunk_length = 63",
-        "GPT2Config.n_positions = 64", "GPT2Config.d_model = 16",
-        "GPT2Config.num_layers = 1", "GPT2Config.num_heads = 2",
-        "BATCH_SIZE = 64", "MICROBATCH_SIZE = 64"]
+        "register_multidogo_tasks.chunk_length = 63",  # the sample's model,
+        "BATCH_SIZE = 64", "MICROBATCH_SIZE = 64"]  # from its pretrained start
 ARGS = dict(modes=("domain_only", "private"), policies=("keyword",), bindings=FAST,
             num_conversations=2, prompts_per_conversation=1, num_samples=2,
             max_new_tokens=8, batch_size=8)

@@ -26,6 +26,19 @@ def tokenizer():
   return encoding.Tokenizer(msmarco_tasks.DEFAULT_VOCABULARY_PATH)
 
 
+def test_tokenizer_decode_reads_generated_rows_as_seqio_does(tokenizer):
+  import seqio
+  vocab = seqio.SentencePieceVocabulary(msmarco_tasks.DEFAULT_VOCABULARY_PATH)
+  texts = ["what is the capital of the region", "how tall is a giraffe"]
+  rows = tokenizer(texts, 16)
+  assert tokenizer.decode(rows) == texts
+  # A pretrained T5's sentinel rows (ids past the pieces) and text after EOS.
+  generated = np.array([[2099, 214, 131, 1, 55, 0], [7, 2000, 88, 9, 0, 0]])
+  expected = [vocab.decode(row) for row in generated.tolist()]
+  assert tokenizer.decode(generated) == expected
+  assert "⁇" in expected[0] and "⁇" in expected[1]
+
+
 def _table(vocab=2000):
   return np.random.default_rng(0).normal(size=(vocab, DIM)).astype(np.float32)
 

@@ -171,6 +171,7 @@ def test_dp_run_ledger_is_the_pair_level_replace_one_guarantee(tmp_path):
       ["dual_encoder_msmarco_dp.gin", "dual_encoder_msmarco_sample.gin"],
       [f"MODEL_DIR = '{tmp_path}'", "TRAIN_STEPS = 2", "TARGET_EPSILON = 8.0",
        "TASK_FEATURE_LENGTHS = {'queries': 8, 'documents': 24}",
+       "INITIAL_CHECKPOINT_PATH = None", "T5Config.vocab_size = 2000",
        "T5Config.num_encoder_layers = 1", "T5Config.d_model = 16",
        "T5Config.d_ff = 32", "T5Config.num_heads = 2", "T5Config.d_kv = 8",
        "train.log_period = 1", "train.eval_period = 0",

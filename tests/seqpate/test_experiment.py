@@ -15,15 +15,12 @@ import numpy as np
 import pytest
 
 from dpjax import trainer
-from dpjax.models import gpt2
 from dpjax.privacy import accounting as privacy_accounting
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.seqpate import (accounting, evaluation, experiment, partition,
                            student, teachers)
 
-SETTINGS = experiment.Settings(
-    model=gpt2.GPT2Config(vocab_size=1255, n_positions=48, d_model=16,
-                          num_layers=1, num_heads=2, dropout_rate=0.0),
+SETTINGS = experiment.Settings(  # the default model and its pretrained start
     # One learning rate: the LM steps of Pub-GPT, warm-up and Pri-GPT share
     # one compilation.
     length=24, batch_size=16, public_epochs=1, private_epochs=1,

@@ -19,8 +19,9 @@ from dpjax.models import gpt2_disc, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.textcls import __main__ as cli, experiment
 
+# Few steps and a small head; the GPT-2 is the sample's, from its pretrained
+# start (gin/textcls_sample.gin).
 SHRUNK = ["EPOCHS = None", "TRAIN_STEPS = 2", "BATCH_SIZE = 32", "MICROBATCH_SIZE = 64",
-          "GPT2Config.d_model = 16", "GPT2Config.num_layers = 1", "GPT2Config.num_heads = 2",
           "GPT2DiscConfig.head_hidden = 8", "train.log_period = 2"]
 SETTINGS = experiment.Settings(samples_per_class=6, generation_batch=12, max_new_tokens=6,
                                classifier_layers=1, classifier_width=16,
