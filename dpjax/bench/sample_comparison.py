@@ -6,7 +6,7 @@ embedded MSMARCO-format sample, from one pretrained start.
 
 The start: the quickstart's, the shipped tiny T5 pretrained with span
 corruption on the public world (tasks/data/pretrained/msmarco_t5). Every
-run DP fine-stepss it on the sample's train split (the private data) with
+run DP fine-tunes it on the sample's train split (the private data) with
 the quickstart's settings (q = 256/2998, `--steps` steps, PLD) but the
 paper's fine-tuning learning rate (Adam at 1e-3, not the quickstart's 1e-2)
 and reports the eval loss on its validation split (dev queries about
@@ -100,12 +100,13 @@ def run(work_dir: str, steps: int) -> str:
   for c in (0.01, 0.1, 1.0):
     if c == 0.1:
       continue  # the full ε = 3 run above
-    summary = train(os.path.join(work_dir, f"full_eps3_c{c}_{steps}"), steps,
-                     PAPER_LR + ["TARGET_EPSILON = 3.0", f"CLIP_NORM = {c}"])
+    summary = train(os.path.join(work_dir, f"full_eps3_c{c}_{steps}"),
+                    steps, PAPER_LR + ["TARGET_EPSILON = 3.0",
+                                       f"CLIP_NORM = {c}"])
     rows.append(_row("full, ε = 3", summary, str(c)))
-  summary = train(os.path.join(work_dir, f"full_eps3_adaptive_{steps}"), steps,
-                   PAPER_LR + ["TARGET_EPSILON = 3.0",
-                              "train.clip_norm = 'adaptive'"])
+  summary = train(os.path.join(work_dir, f"full_eps3_adaptive_{steps}"),
+                  steps, PAPER_LR + ["TARGET_EPSILON = 3.0",
+                                     "train.clip_norm = 'adaptive'"])
   rows.append(_row("full, ε = 3, adaptive (from 0.1, median)", summary, ""))
   text = table(["run", "eval loss", "ε spent", "σ", "C"], rows)
   with open(os.path.join(work_dir, "comparison.md"), "w") as f:
