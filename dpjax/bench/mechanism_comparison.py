@@ -14,8 +14,8 @@ the band count the plan chooses. Reported: the eval loss on the sample's
 validation split.
 
 User-level vs example-level: the tiny GPT-2 of gin/dialog_sample.gin (from
-its pretrained start) trained on MultiDoGo conversations cut into 63-token chunks
-(gin/dialog_sample_user_level.gin), ε = 8, 3 epochs: the conversation as the
+its pretrained start) trained on MultiDoGo conversations cut into 63-token
+chunks (gin/dialog_sample_user_level.gin), ε = 8, 3 epochs: the conversation as the
 unit (64 expected conversations a step, at most 4 chunks each, averaged)
 against the chunk as the unit (Poisson sampling of as many chunks a step as
 the user-level run takes on average). Reported: validation perplexity

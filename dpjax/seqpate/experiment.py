@@ -258,9 +258,11 @@ def table1(output_dir: str, *, dataset: str = "airdialogue",
         log(f"[{dataset} seed {seed}] {name}: {time.time() - t:.0f}s")
       return load_params(path, config, length)
 
-    init = (pretrained.load_pretrained(settings.initial_checkpoint, config)
-            if settings.initial_checkpoint else
-            gpt2.init_params(config, jax.random.key(seed), max_length=length)[0])
+    if settings.initial_checkpoint:
+      init = pretrained.load_pretrained(settings.initial_checkpoint, config)
+    else:
+      init = gpt2.init_params(config, jax.random.key(seed),
+                              max_length=length)[0]
     public = model("pub_gpt", lambda: train_lm(
         config, init, arrays["public"], epochs=settings.public_epochs,
         learning_rate=settings.public_learning_rate,
