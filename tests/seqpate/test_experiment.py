@@ -163,3 +163,33 @@ def test_a_table_refuses_other_settings(first_run):
   other = dataclasses.replace(SETTINGS, epsilon=SETTINGS.epsilon + 1)
   with pytest.raises(checkpoints.CheckpointMismatchError, match="epsilon"):
     experiment.table1(out, seeds=(0,), settings=other, rows=ROWS, log=lambda _: None)
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ([], experiment.Settings().initial_checkpoint),
+    (["--initial_checkpoint=none"], None),
+    (["--initial_checkpoint=some/gpt2"], os.path.abspath("some/gpt2"))])
+def test_initial_checkpoint_flag_sets_pub_gpts_start(monkeypatch, tmp_path,
+                                                     flag, expected):
+  from dpjax.seqpate import __main__ as cli
+  seen = {}
+
+  def table1(output_dir, *, settings, **_):
+    seen["settings"] = settings
+    (tmp_path / "table1.md").write_text("")
+    return {"table_md": str(tmp_path / "table1.md")}
+
+  monkeypatch.setattr(experiment, "table1", table1)
+  cli.main(["table1", f"--output_dir={tmp_path}", *flag])
+  assert seen["settings"].initial_checkpoint == expected
+
+
+def test_default_start_is_the_shipped_seqpate_gpt2_of_the_default_model():
+  path = experiment.Settings().initial_checkpoint
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  model = experiment.Settings().model
+  assert path.endswith(os.path.join("pretrained", "seqpate_gpt2"))
+  assert (config["vocab_size"], config["n_positions"], config["n_embd"],
+          config["n_layer"]) == (model.vocab_size, model.n_positions,
+                                 model.d_model, model.num_layers)
