@@ -10,8 +10,10 @@ device mesh. Writes MSMARCO-format files, so the output is a drop-in training
 set for a retriever:
   queries.synthetic.tsv   qid \\t query
   qrels.synthetic.tsv     qid \\t 0 \\t pid \\t 1
-  synthetic.jsonl         one record per query with provenance (model dir,
-                          step, ε spent, δ, decoding settings)
+  synthetic.jsonl         one record per document's sample with provenance
+                          (model dir, step, ε spent, δ, decoding settings)
+A sample that is empty (EOS first) is recorded in synthetic.jsonl only: an
+MSMARCO query has text, and the readers refuse an empty one.
 Generation is post-processing of a DP model: it spends no privacy budget.
 """
 from __future__ import annotations
@@ -152,18 +154,21 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
     ids = [int(t) for t in tokens]
     ids = ids[:ids.index(1)] if 1 in ids else ids
     text = " ".join(vocab.decode(ids).split())  # TSV-safe: no tabs/newlines
-    queries.append(f"{qid}\t{text}\n")
-    qrels.append(f"{qid}\t0\t{row['pid']}\t1\n")
     records.append(json.dumps({"qid": qid, "pid": row["pid"], "query": text,
                                **provenance}) + "\n")
+    if text:  # an empty sample (EOS first) is no query: MSMARCO has none
+      queries.append(f"{qid}\t{text}\n")
+      qrels.append(f"{qid}\t0\t{row['pid']}\t1\n")
+  empty = len(records) - len(queries)
   paths = {name: os.path.join(out, name) for name in
            ("queries.synthetic.tsv", "qrels.synthetic.tsv", "synthetic.jsonl")}
   fileio.write_atomic(paths["queries.synthetic.tsv"], "".join(queries))
   fileio.write_atomic(paths["qrels.synthetic.tsv"], "".join(qrels))
   fileio.write_atomic(paths["synthetic.jsonl"], "".join(records))
   seconds = time.perf_counter() - start
+  dropped = f", {empty} empty samples left out" if empty else ""
   print(f"dpjax: wrote {len(queries)} synthetic queries to {out} "
         f"({seconds:.1f}s; model ε spent {provenance['epsilon']:.4f}, "
-        f"δ={ledger.delta:.3g})", flush=True)
-  return {"output_dir": out, "num_queries": len(queries), "seconds": seconds,
-          **paths}
+        f"δ={ledger.delta:.3g}{dropped})", flush=True)
+  return {"output_dir": out, "num_queries": len(queries), "empty": empty,
+          "seconds": seconds, **paths}

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax import (checkpoints, gin_cli, loop, sizing, steps as steps_lib,
-                   train_step, trainer)
+from dpjax import (checkpoints, gin_cli, inference, loop, sizing,
+                   steps as steps_lib, train_step, trainer)
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
@@ -271,7 +271,34 @@ def test_quickstart_writes_40_queries_with_40_qrels(quickstart):
   model_dir, _ = quickstart
   queries = synthetic_lines(model_dir, "queries.synthetic.tsv")
   qrels = synthetic_lines(model_dir, "qrels.synthetic.tsv")
-  assert len(queries) == len(qrels) == 40
+  records = [json.loads(r) for r in synthetic_lines(model_dir, "synthetic.jsonl")]
+  assert len(records) == 40
+  written = [f"{r['qid']}\t{r['query']}" for r in records if r["query"]]
+  assert queries == written and len(qrels) == len(written) >= 30
+
+
+def test_empty_samples_are_recorded_but_written_as_no_query(quickstart, tmp_path,
+                                                            monkeypatch):
+  from dpjax import decoding
+  model_dir, _ = quickstart
+  generate = decoding.generate
+
+  def eos_first_in_rows_0_and_3(*args, **kwargs):
+    return generate(*args, **kwargs).at[np.array([0, 3]), 0].set(1)  # EOS
+
+  monkeypatch.setattr(decoding, "generate", eos_first_in_rows_0_and_3)
+  result = inference.generate_synthetic(model_dir=str(model_dir),
+                                        output_dir=str(tmp_path), limit=6)
+  queries = (tmp_path / "queries.synthetic.tsv").read_text().splitlines()
+  qrels = (tmp_path / "qrels.synthetic.tsv").read_text().splitlines()
+  records = [json.loads(r) for r in
+             (tmp_path / "synthetic.jsonl").read_text().splitlines()]
+  assert [r["query"] for r in records if r["qid"] in (0, 3)] == ["", ""]
+  assert [q.split("\t")[0] for q in queries] == [
+      str(r["qid"]) for r in records if r["query"]]
+  assert "0" not in [q.split("\t")[0] for q in qrels]
+  assert len(records) == 6 and result["empty"] >= 2
+  assert result["num_queries"] == len(queries) == len(qrels) == 6 - result["empty"]
 
 
 def test_quickstart_qrels_pair_each_query_with_a_train_passage(quickstart):
