@@ -287,6 +287,7 @@ def test_empty_samples_are_recorded_but_written_as_no_query(quickstart, tmp_path
     return generate(*args, **kwargs).at[np.array([0, 3]), 0].set(1)  # EOS
 
   monkeypatch.setattr(decoding, "generate", eos_first_in_rows_0_and_3)
+  gin.clear_config()  # no decoding binding left by an earlier test
   result = inference.generate_synthetic(model_dir=str(model_dir),
                                         output_dir=str(tmp_path), limit=6)
   queries = (tmp_path / "queries.synthetic.tsv").read_text().splitlines()
