@@ -9,6 +9,7 @@ brings.
 """
 from __future__ import annotations
 
+import json
 import os
 
 from dpjax.datasets import malformed
@@ -20,6 +21,14 @@ def split_path(corpus_dir: str, split: str) -> str:
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; a corpus has {SPLITS}")
   return os.path.join(corpus_dir, f"{split}.jsonl")
+
+
+def write_documents(path: str, documents) -> None:
+  """Writes `documents` to `path`, one `{"text": ...}` per line (UTF-8,
+  `\n` line ends, non-ASCII kept as is): what `read_documents` reads."""
+  with open(path, "w", encoding="utf-8", newline="\n") as f:
+    for text in documents:
+      f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
 
 
 def read_documents(path: str, on_malformed: str = "fail") -> list[str]:

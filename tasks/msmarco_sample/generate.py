@@ -37,12 +37,13 @@ TensorFlow).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
 import string
 from typing import Callable
+
+from dpjax.datasets import text_corpus
 
 SEED = 20240517
 
@@ -1302,9 +1303,7 @@ def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
   stats = {"seed": seed}
   os.makedirs(output_dir, exist_ok=True)
   for split, name in zip(("train", "validation"), PUBLIC_FILES):
-    _write_lines(os.path.join(output_dir, name),
-                 (json.dumps({"text": d}, ensure_ascii=False)
-                  for d in docs[split]))
+    text_corpus.write_documents(os.path.join(output_dir, name), docs[split])
     n_q = sum(d in queries for d in docs[split])
     stats[split] = dict(
         documents=len(docs[split]), passages=len(docs[split]) - n_q,

@@ -52,7 +52,7 @@ import os
 import random
 import re
 
-from dpjax.datasets import multidogo
+from dpjax.datasets import multidogo, text_corpus
 from dpjax.text import redaction
 from tasks.semparse_sample.generate import train_bpe
 
@@ -945,10 +945,8 @@ def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
             "validation": [d for i, d in enumerate(docs) if i in valid_ids]}
   os.makedirs(output_dir, exist_ok=True)
   for split, split_docs in splits.items():
-    with open(os.path.join(output_dir, f"{split}.jsonl"), "w", encoding="utf-8",
-              newline="\n") as f:
-      for doc in split_docs:
-        f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    text_corpus.write_documents(os.path.join(output_dir, f"{split}.jsonl"),
+                                split_docs)
   stats = {"seed": seed, "redrawn": redrawn, "duplicates": duplicates,
            **{split: _split_stats(d) for split, d in splits.items()}}
   with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8",

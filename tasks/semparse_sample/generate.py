@@ -49,7 +49,7 @@ import random
 import re
 import string
 
-from dpjax.datasets import semparse
+from dpjax.datasets import semparse, text_corpus
 from dpjax.text import lispress
 from tasks import semparse as semparse_tasks
 
@@ -1202,8 +1202,7 @@ def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
   stats = {}
   for split, name in PUBLIC_FILES.items():
     path = os.path.join(output_dir, name)
-    _write_lines(path, (json.dumps({"text": d}, ensure_ascii=False)
-                        for d in docs[split]))
+    text_corpus.write_documents(path, docs[split])
     stats[split] = _split_stats(docs[split], path)
   private = [semparse_tasks.parse_prompt(t.program) + t.utterance
              for d in semparse.DATASETS for t in semparse.load_turns(d, "train")]

@@ -41,7 +41,7 @@ import json
 import os
 import random
 
-from dpjax.datasets import seqpate
+from dpjax.datasets import seqpate, text_corpus
 
 SEEDS = {"users": 6100, "train": 6101, "dev": 6102, "europarl": 6201}
 NUM_USERS = 120
@@ -626,8 +626,7 @@ def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *,
   stats, sizes = {}, {}
   for split, docs in splits.items():
     path = os.path.join(output_dir, PUBLIC_FILES[split])
-    _write_text(path, "".join(json.dumps({"text": d}, ensure_ascii=False)
-                              + "\n" for d in docs))
+    text_corpus.write_documents(path, docs)
     sizes[split] = os.path.getsize(path)
     stats[split] = {"documents": len(docs),
                     "words": sum(len(d.split()) for d in docs),

@@ -39,12 +39,11 @@ import collections
 import csv
 import dataclasses
 import io
-import json
 import os
 import random
 import re
 
-from dpjax.datasets import textcls
+from dpjax.datasets import text_corpus, textcls
 from tasks.semparse_sample.generate import train_bpe
 
 SEEDS = {("sst2", "train"): 9201, ("sst2", "test"): 9202,
@@ -515,10 +514,8 @@ def generate_public_corpus(output_dir: str = DEFAULT_PUBLIC_DIR, *, seed: int = 
     splits["validation" if i % PUBLIC_VALIDATION_EVERY == 0 else "train"].append(doc)
   os.makedirs(output_dir, exist_ok=True)
   for split, split_docs in splits.items():
-    with open(os.path.join(output_dir, f"{split}.jsonl"), "w", encoding="utf-8",
-              newline="\n") as f:
-      for _, _, text in split_docs:
-        f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    text_corpus.write_documents(os.path.join(output_dir, f"{split}.jsonl"),
+                                [text for _, _, text in split_docs])
   tok = tokenizers.ByteLevelBPETokenizer(textcls.DEFAULT_BPE_VOCAB_PATH,
                                          textcls.DEFAULT_BPE_MERGES_PATH)
   private_train = [render(d, item) for d in textcls.DATASETS
