@@ -34,7 +34,7 @@ import tempfile
 import gin
 import jax
 
-from dpjax import export, fileio, reporting, run_config, trainer
+from dpjax import export, fileio, harness, reporting, run_config, trainer
 from dpjax.datasets import SAMPLE_DATA_DIR
 from tasks import pretraining  # also the gin configurables and constants
 
@@ -87,15 +87,6 @@ def write_release(model_dir: str, out: str, tokenizer: dict[str, str],
   return sums
 
 
-def _summary(model_dir: str) -> dict:
-  path = os.path.join(os.path.abspath(os.path.expanduser(model_dir)),
-                      "train_summary.json")
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
-
-
 @gin.configurable(denylist=["verify"])
 def pretrain(output_dir: str = gin.REQUIRED, verify: bool = False) -> dict:
   """Trains the configured public run and writes (or, with `verify`,
@@ -107,8 +98,10 @@ def pretrain(output_dir: str = gin.REQUIRED, verify: bool = False) -> dict:
     if work:  # from scratch, never resuming a run of the release's
       config = dataclasses.replace(config, model_dir=os.path.join(work, "run"))
       expected = read_checksums(output_dir)
-    previous = _summary(config.model_dir)  # a finished run resumes at its
-    summary = trainer.train(config)         # end and evaluates nothing
+    # A finished run resumes at its end and evaluates nothing.
+    previous = harness.finished_summary(
+        os.path.abspath(os.path.expanduser(config.model_dir))) or {}
+    summary = trainer.train(config)
     summary.setdefault("eval_loss", previous.get("eval_loss"))
     source = pretraining.SOURCES[config.mixture_or_task_name]
     provenance = {
