@@ -456,8 +456,13 @@ SGD_STEPS = ("TRAIN_STEPS = 4", "OPTIMIZER = 'sgd'", "LEARNING_RATE = 1.0")
 
 def test_data_parallel_over_two_devices_matches_one_device(four_sgd_steps,
                                                            tmp_path):
-  """The same run on a 2-device mesh ('data' axis) gives the same params, up
-  to the order of float32 sums across devices."""
+  """The same run on a 2-device mesh ('data' axis) makes the same update, up
+  to the order of float32 sums across devices.
+
+  Compared per leaf as ||Δ₂ - Δ₁|| / ||Δ₁||, Δ the update from the init:
+  elementwise tolerances fail on the few coordinates where rounding of
+  near-cancelling sums lands (CI saw 1.6e-6 at rtol 1e-5). Measured: the mesh
+  gives ≤ 2.4e-7, a 0.1% change of learning rate ≥ 9.9e-4 in every leaf."""
   reference_dir, _ = four_sgd_steps
   model_dir = tmp_path / "two_devices"
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
@@ -470,9 +475,18 @@ def test_data_parallel_over_two_devices_matches_one_device(four_sgd_steps,
        "--gin.make_mesh.mesh_shape={'data': 2}"],
       capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-6),
-               restored_params(model_dir), restored_params(reference_dir))
+  configure(tmp_path / "unused")
+  init, _ = t5.init_params(t5.T5Config(), jax.random.PRNGKey(0),
+                           input_length=64, target_length=16)
+  one = jax.tree.map(lambda x: np.asarray(x, np.float64),
+                     restored_params(reference_dir))
+  update = jax.tree.map(lambda a, b: np.linalg.norm(a - b), one, init)
+  # The init is the run's (train.seed 0): 4 steps move each leaf a little.
+  assert all(0 < u < 0.2 * np.linalg.norm(a) for u, a in
+             zip(jax.tree.leaves(update), jax.tree.leaves(one))), update
+  differences = jax.tree.map(lambda two, a, u: np.linalg.norm(two - a) / u,
+                             restored_params(model_dir), one, update)
+  assert max(jax.tree.leaves(differences)) < 1e-5, differences
 
 
 @pytest.fixture(scope="module")
