@@ -3,9 +3,9 @@ BPE), and GPT-2 + discriminator head from a plain GPT-2 checkpoint.
 
 A random tiny `transformers` GPT-2 (vocab 101) is saved as a Hugging Face
 directory and loaded with vocab_size 101 + 4. References: the checkpoint's
-own tensors (safetensors), the row mean in numpy (float64), the logits of
-the same checkpoint loaded without growth, and transformers loading the
-export.
+own tensors (safetensors), the rows' mean and covariance in numpy (float64),
+the logits of the same checkpoint loaded without growth, and transformers
+loading the export.
 """
 import json
 
@@ -47,18 +47,21 @@ def _logits(cfg, params):
       {"params": p}, TOKENS, attention_mask=MASK))(params))
 
 
-def test_grown_import_keeps_checkpoint_rows_and_appends_their_mean(checkpoint, loaded, capsys):
+def test_grown_import_keeps_checkpoint_rows_and_appends_distinct_rows(checkpoint, loaded,
+                                                                      capsys):
   directory, _, cfg, grown = checkpoint
   plain, params = loaded
-  hf.load_hf(directory, grown)
+  again = hf.load_hf(directory, grown)
   assert "4 embedding rows added" in capsys.readouterr().out
   wte = load_file(directory / "model.safetensors")["transformer.wte.weight"]
   table = np.asarray(params["token_embedder"]["embedding"])
   assert table.shape == (VOCAB + NEW, cfg.d_model)
   np.testing.assert_array_equal(table[:VOCAB], wte)
-  mean = wte.astype(np.float64).sum(0) / VOCAB
-  np.testing.assert_allclose(table[VOCAB:], np.broadcast_to(mean, (NEW, cfg.d_model)),
-                             rtol=1e-6, atol=1e-7)
+  # Reproducible, and the new tokens are as far apart as pretrained ones.
+  np.testing.assert_array_equal(np.asarray(again["token_embedder"]["embedding"]), table)
+  distances = lambda x: [np.linalg.norm(x[i] - x[j]) for i in range(len(x))
+                         for j in range(i)]
+  assert min(distances(table[VOCAB:])) > 0.3 * np.median(distances(wte[:20]))
   # Everything but the embedding is the ungrown import's.
   flat = lambda p: {k: v for k, v in jax.tree_util.tree_leaves_with_path(p)
                     if hf._keystr(k) != "/".join(WTE)}
@@ -66,16 +69,35 @@ def test_grown_import_keeps_checkpoint_rows_and_appends_their_mean(checkpoint, l
     np.testing.assert_array_equal(a, b, err_msg=hf._keystr(k))
 
 
+def test_grown_rows_have_the_tables_mean_and_covariance():
+  """20,000 new rows against numpy's float64 mean and covariance of a
+  correlated, off-centre table (sampling error ~ 1/√20,000)."""
+  rng = np.random.default_rng(0)
+  table = (rng.standard_normal((50, 6)) @ rng.standard_normal((6, 6)) + 2.0).astype(np.float32)
+  new = hf.grow_rows(table, 50 + 20_000)[50:].astype(np.float64)
+  old = table.astype(np.float64)
+  scale = np.sqrt(np.diag(np.cov(old.T, bias=True)))
+  np.testing.assert_allclose(new.mean(0), old.mean(0), atol=0.03 * scale.max())
+  np.testing.assert_allclose(np.cov(new.T, bias=True) / np.outer(scale, scale),
+                             np.cov(old.T, bias=True) / np.outer(scale, scale), atol=0.05)
+  np.testing.assert_array_equal(hf.grow_rows(table, 52)[:50], table)
+
+
 def test_grown_logits(checkpoint, loaded):
-  """Old tokens keep their logits; a new token's is their mean (tied head:
-  h . mean(E) = mean(h . E))."""
-  _, _, cfg, grown = checkpoint
+  """Old tokens keep their logits; a new token's logit at each position is
+  Gaussian with the mean and variance of the old tokens' (tied head: h . x,
+  x ~ N(μ, Σ)), so it starts as likely as a typical token: z-scores of 400
+  new tokens over all positions are N(0, 1)."""
+  directory, _, cfg, grown = checkpoint
   plain, params = loaded
   before, after = _logits(cfg, plain), _logits(grown, params)
   assert after.shape == (*TOKENS.shape, VOCAB + NEW)
   np.testing.assert_allclose(after[..., :VOCAB], before, rtol=1e-5, atol=1e-5)
-  mean = before.astype(np.float64).mean(-1, keepdims=True)
-  np.testing.assert_allclose(after[..., VOCAB:], np.repeat(mean, NEW, -1), rtol=1e-4, atol=1e-4)
+  many = gpt2.GPT2Config(**{**cfg.to_json(), "vocab_size": VOCAB + 400})
+  new = _logits(many, hf.load_hf(directory, many))[..., VOCAB:].astype(np.float64)
+  old = before.astype(np.float64)
+  z = (new - old.mean(-1, keepdims=True)) / old.std(-1, keepdims=True)
+  assert abs(z.mean()) < 0.15 and 0.85 < z.std() < 1.15, (z.mean(), z.std())
 
 
 def test_smaller_gin_vocabulary_is_refused_before_reading(checkpoint):
