@@ -20,9 +20,9 @@ to the checkpoint's tokenizer (e.g. the label or control tokens of a task),
 as with Hugging Face's `resize_token_embeddings`. Rows `0..V_ckpt-1` of those
 params are the checkpoint's, the new rows drawn from the Gaussian of their
 mean and covariance (`grow_rows` says why), and one line reports how many
-rows were added. Every check above
-then runs against the checkpoint's vocabulary. A smaller gin `vocab_size` is
-an error: it would drop pretrained rows.
+rows were added. Every check above then runs against the checkpoint's
+vocabulary. A smaller gin `vocab_size` is an error: it would drop pretrained
+rows.
 
 Host memory: tensors are read one at a time, each straight from its file
 and upcast to float32 (`tensor_files` says how), transformed (transposes and
@@ -265,16 +265,19 @@ def grow_rows(table: np.ndarray, rows: int) -> np.ndarray:
   Drawn as μ + (E - μ)ᵀ g / √V with g ~ N(0, I_V), whose covariance is Σ
   exactly (no factorisation; a singular Σ is fine), from a fixed stream
   seeded by (V, rows): the import is a function of the checkpoint alone,
-  reproducible and keyless. Host cost: one `[V, d]` product per new row, in
-  float64.
+  reproducible and keyless. Host cost: a `[rows - V, V]` draw and its product
+  with the table; no centred or float64 copy of the table, so the import's
+  peak stays the table and its grown copy.
   """
+  v = len(table)
   grown = np.empty((rows, *table.shape[1:]), table.dtype)
-  grown[:len(table)] = table
-  old = table.astype(np.float64)
-  mean = old.mean(axis=0)
-  g = np.random.default_rng([_GROW_STREAM, len(table), rows]).standard_normal(
-      (rows - len(table), len(table)))
-  grown[len(table):] = mean + g @ (old - mean) / np.sqrt(len(table))
+  grown[:v] = table
+  mean = table.mean(axis=0, dtype=np.float64)
+  g = np.random.default_rng([_GROW_STREAM, v, rows]).standard_normal((rows - v, v))
+  # (E - μ)ᵀ g = Eᵀ g - μ Σg; g in the table's float32 for the product, so
+  # numpy makes no float64 copy of the table.
+  centred = g.astype(table.dtype) @ table - np.outer(g.sum(axis=1), mean)
+  grown[v:] = mean + centred / np.sqrt(v)
   return grown
 
 
