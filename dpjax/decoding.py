@@ -36,11 +36,40 @@ def _filter_sorted(logits: Array, keep_sorted_fn) -> Array:
   return jnp.where(keep, logits, -jnp.inf)
 
 
+def _ordered_bits(x: Array) -> Array:
+  """float32 -> uint32 with the same order (-inf lowest; -0 = 0, as `<` has
+  it; NaN not expected)."""
+  x = x.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+  sign = jnp.uint32(1 << 31)
+  return jnp.where(bits >= sign, ~bits, bits | sign)
+
+
 def top_k_filter(logits: Array, k: int | Array) -> Array:
   """Keeps exactly the `k` largest logits per row (ties: lowest index first);
   the rest become -inf. `k` may be traced (no recompilation per k).
+
+  No sort: the k-th largest value of each row is found bit by bit on the
+  float's order-preserving uint32 key (32 counting passes over the row), so
+  a `[rows, vocab]` filter costs O(32 x rows x vocab) elementwise work. On 2
+  CPU cores a [320, 1979] row block takes ~5 ms this way and ~130 ms by a
+  stable argsort, which dominated every beam-search step with top_k = 50.
   """
-  return _filter_sorted(logits, lambda s: jnp.arange(s.shape[-1]) < k)
+  keys = _ordered_bits(logits)
+  k = jnp.asarray(k, jnp.int32)
+
+  def next_bit(i, threshold):  # largest key T with #(keys >= T) >= k so far
+    candidate = threshold | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+    enough = jnp.sum(keys >= candidate[..., None], axis=-1) >= k
+    return jnp.where(enough, candidate, threshold)
+
+  kth = jax.lax.fori_loop(0, 32, next_bit,
+                          jnp.zeros(logits.shape[:-1], jnp.uint32))[..., None]
+  above = keys > kth
+  ties = keys == kth  # the first k - #above of them, by index
+  room = k - jnp.sum(above, axis=-1, keepdims=True)
+  keep = above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+  return jnp.where(keep, logits, -jnp.inf)
 
 
 def top_p_filter(logits: Array, p: float | Array, min_keep: int = 1) -> Array:

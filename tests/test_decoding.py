@@ -104,6 +104,23 @@ def test_top_k_filter():
   assert kept(5) == [1, 1, 1, 1, 1]
 
 
+def test_top_k_filter_matches_a_stable_sort():
+  """Against the definition by a stable sort (numpy), on rows with many
+  ties, -inf entries and signed zeros, for every k, traced or not."""
+  rng = np.random.default_rng(0)
+  logits = rng.integers(-4, 5, size=(6, 37)).astype(np.float32) * 0.5
+  logits[1, ::3] = -np.inf
+  logits[2] = rng.normal(size=37) * 1e3
+  logits[3, :5] = [0.0, -0.0, 0.0, -0.0, 1e-30]
+  traced = jax.jit(decoding.top_k_filter)
+  for k in range(1, 40):
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    want = np.full_like(logits, -np.inf)
+    np.put_along_axis(want, order, np.take_along_axis(logits, order, -1), -1)
+    np.testing.assert_array_equal(decoding.top_k_filter(logits, k), want)
+    np.testing.assert_array_equal(traced(logits, jnp.int32(k)), want)
+
+
 def test_generate_is_jittable(model):
   """generate traces under an outer jit (lowering only; compiling is slow)."""
   cfg, params = model
