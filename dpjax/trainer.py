@@ -56,7 +56,8 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
+from dpjax import (checkpoints, distributed, fileio, gin_cli, inference,
+                   length_grouping, loop,
                    partitioning, plan as plan_lib, prefetch, pretrained,
                    reporting, run_config, sizing as sizing_lib, steps as steps_lib,
                    train_step)
@@ -140,7 +141,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
         secret_source=run_secret.source, clip_norms=bounds,
         public_n=(None if splits.public is None
                   else len(splits.public_tokens)),
-        saved=saved, user_ids=splits.users)
+        saved=saved, user_ids=splits.users, lengths=splits.tokens)
 
   plan = plan_for(resume[1] if resume else None)
   if resume:
@@ -322,6 +323,9 @@ class _Splits(NamedTuple):
   public: dict | None = None
   public_tokens: np.ndarray | None = None
   public_sampler: sampling.ShuffleSampler | None = None
+  # Length-grouped batches: the training rows of a batch's indices, cut to
+  # a few bucket widths (`length_grouping.Trimmer`).
+  trim: length_grouping.Trimmer | None = None
 
 
 def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
@@ -349,6 +353,15 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
     plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
   reporting.say(f"{task} train split: {len(tokens)} examples, feature "
                 f"lengths {lengths}")
+  if config.sampling_method == length_grouping.METHOD:
+    try:
+      trim = length_grouping.Trimmer(data, config.length_buckets)
+    except ValueError as e:
+      raise gin_cli.UsageError(
+          f"train.sampling_method = 'length_grouped': {e}") from None
+    reporting.say(f"length-grouped batches, token axes cut to the widths "
+                  f"{ {a: w.tolist() for a, w in trim.widths.items()} }")
+    return _Splits(data, tokens, users, trim=trim)
   if not config.redaction_schedule:
     return _Splits(data, tokens, users)
   public = data_arrays.load_task_arrays(
@@ -395,6 +408,7 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+  trim = splits.trim or (lambda idx: splits.train)
 
   def inputs(step: int):
     """The step's host work, done a step ahead (`prefetch.Ahead`): its
@@ -408,7 +422,8 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
                       distributed.global_array(mask, mask_sh))], int(
                           splits.public_tokens[idx[mask > 0]].sum())
     idx, mask = plan.sampler.microbatches(index, m)
-    return index, [(distributed.global_rows(splits.train, i, batch_sh),
+    rows = trim(idx[mask > 0])
+    return index, [(distributed.global_rows(rows, i, batch_sh),
                     distributed.global_array(mk, mask_sh))
                    for i, mk in steps_lib.microbatch_groups(idx, mask, k)], int(
                        splits.tokens[idx[mask > 0]].sum())
