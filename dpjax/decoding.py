@@ -23,19 +23,6 @@ from dpjax.models.t5 import T5Config, T5Transformer
 Array = jax.Array
 
 
-def _filter_sorted(logits: Array, keep_sorted_fn) -> Array:
-  """Keeps the tokens whose rank passes `keep_sorted_fn`; the rest become -inf.
-
-  `keep_sorted_fn` maps logits sorted in decreasing order (stable, so ties
-  keep index order) to a boolean mask in that order.
-  """
-  order = jnp.argsort(-logits, axis=-1, stable=True)
-  keep_sorted = keep_sorted_fn(jnp.take_along_axis(logits, order, axis=-1))
-  keep = jnp.put_along_axis(jnp.zeros(logits.shape, bool), order, keep_sorted, axis=-1,
-                            inplace=False)
-  return jnp.where(keep, logits, -jnp.inf)
-
-
 def _ordered_bits(x: Array) -> Array:
   """float32 -> uint32 with the same order (-inf lowest; -0 = 0, as `<` has
   it; NaN not expected)."""
@@ -75,15 +62,38 @@ def top_k_filter(logits: Array, k: int | Array) -> Array:
 def top_p_filter(logits: Array, p: float | Array, min_keep: int = 1) -> Array:
   """Nucleus filter: keeps the smallest set of most likely tokens whose
   probabilities sum to at least `p` (always at least the `min_keep` most
-  likely); the rest become -inf. `p` may be traced.
-  """
-  def keep(sorted_logits):
-    probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
-    # A token is kept iff the mass strictly before it has not yet reached p.
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    return (mass_before < p) | (jnp.arange(probs.shape[-1]) < min_keep)
+  likely; ties: lowest index first); the rest become -inf. `p` may be
+  traced.
 
-  return _filter_sorted(logits, keep)
+  No sort, as `top_k_filter`: the logit of the nucleus's last token is the
+  largest key T whose tokens at or above it hold mass >= p, found bit by bit
+  (32 masked sums over the row); tokens above it are kept, and tokens tied
+  with it by index while the mass before them is < p.
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  keys = _ordered_bits(logits)
+
+  def mass(selected):
+    return jnp.sum(jnp.where(selected, probs, 0.0), axis=-1, keepdims=True)
+
+  p = jnp.broadcast_to(jnp.asarray(p, jnp.float32),
+                       jnp.broadcast_shapes(jnp.shape(p), logits.shape[:-1] + (1,)))
+
+  def next_bit(i, threshold):  # largest key T with mass(keys >= T) >= p so far
+    candidate = threshold | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+    return jnp.where(mass(keys >= candidate) >= p, candidate, threshold)
+
+  last = jax.lax.fori_loop(0, 32, next_bit,  # [..., 1]
+                           jnp.zeros(p.shape, jnp.uint32))
+  above, ties = keys > last, keys == last
+  mass_before_tie = mass(above) + (jnp.cumsum(ties, axis=-1) - 1) * probs
+  keep = above | (ties & (mass_before_tie < p))
+  if min_keep == 1:  # p <= 0 keeps no tie: the top token still stays
+    keep |= jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1],
+                           dtype=bool)
+  else:
+    keep |= jnp.isfinite(top_k_filter(logits, min_keep))
+  return jnp.where(keep, logits, -jnp.inf)
 
 
 def _warp(scores: Array, *, temperature: float | Array, top_k: int | Array,

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dpjax import checkpoints, gin_cli, length_grouping, run_config
+from dpjax import checkpoints, gin_cli, run_config
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import adaptive_clipping as adaptive_lib
 from dpjax.privacy import bandmf as bandmf_lib
@@ -34,7 +34,7 @@ _PUBLIC_SAMPLER_STREAM = 0x70756273  # "pubs"
 
 
 def calibrate(target_epsilon: float, delta: float,
-              scheme: sampling.Scheme,
+              scheme: sampling.PoissonScheme | sampling.ShuffleScheme,
               stage_steps: Sequence[int], *, releases_per_step: int = 1,
               accountant: str = "pld",
               prior_events: Sequence[accounting.Event] = (),
@@ -118,13 +118,10 @@ def steps_for(train_steps, epochs, n, batch_size) -> int:
 def make_sampler(kind: str, n: int, batch_size: int, seed: int,
                  overflow_probability: float, *,
                  user_ids: np.ndarray | None = None,
-                 max_examples_per_user: int | None = None,
-                 lengths: np.ndarray | None = None):
+                 max_examples_per_user: int | None = None):
   """The DP sampler; `seed` must be secret (`RunSecret.sampling_seed()`).
   With `user_ids` (user-level DP): Poisson sampling of `batch_size`
-  expected users, at most `max_examples_per_user` examples each.
-  'length_grouped' (ε = ∞ only, `check_run_inputs`) groups the n examples
-  by their `lengths`."""
+  expected users, at most `max_examples_per_user` examples each."""
   if user_ids is not None:
     return sampling.UserPoissonSampler(
         user_ids, batch_size, seed=seed,
@@ -135,14 +132,8 @@ def make_sampler(kind: str, n: int, batch_size: int, seed: int,
                                    overflow_probability=overflow_probability)
   if kind == "shuffle":
     return sampling.ShuffleSampler(n, batch_size, seed=seed)
-  if kind == length_grouping.METHOD:
-    if lengths is None or len(lengths) != n:
-      raise ValueError("length-grouped batches need each of the n examples' "
-                       "lengths")
-    return length_grouping.LengthGroupedSampler(lengths, batch_size,
-                                                seed=seed)
-  raise gin_cli.UsageError(f"train.sampling_method must be one of "
-                           f"{SAMPLING_METHODS}, got {kind!r}")
+  raise gin_cli.UsageError(f"train.sampling_method must be 'poisson' or 'shuffle', "
+                           f"got {kind!r}")
 
 
 def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
@@ -325,7 +316,6 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
 
 ADAPTIVE = "adaptive"  # train.clip_norm of adaptive clipping
 PRIVACY_UNITS = ("example", "user")  # train.privacy_unit
-SAMPLING_METHODS = ("poisson", "shuffle", length_grouping.METHOD)
 
 
 def adaptive_settings(config: run_config.RunConfig
@@ -372,6 +362,10 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
     raise gin_cli.UsageError(
         "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer, "
         f"'auto' or None, got {microbatch_size!r}")
+  buckets = config.length_buckets
+  if not gin_cli.is_int(buckets) or buckets < 1:
+    raise gin_cli.UsageError("train.length_buckets must be a positive "
+                             f"integer, got {buckets!r}")
   headroom = config.memory_headroom
   if not gin_cli.is_number(headroom) or not 0 < headroom <= 1:
     raise gin_cli.UsageError("train.memory_headroom must be in (0, 1], got "
@@ -384,12 +378,6 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
                              or not 0 < epochs < math.inf):
     raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
-  if config.sampling_method not in SAMPLING_METHODS:
-    raise gin_cli.UsageError(f"train.sampling_method must be one of "
-                             f"{SAMPLING_METHODS}, got "
-                             f"{config.sampling_method!r}")
-  if config.sampling_method == length_grouping.METHOD:
-    _check_length_grouping(config, eps)
   if config.mechanism not in bandmf_lib.MECHANISMS:
     raise gin_cli.UsageError(f"train.mechanism must be one of "
                              f"{bandmf_lib.MECHANISMS}, got "
@@ -457,26 +445,6 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
         "train.public_task_name and train.redaction_schedule go together: "
         f"got {config.public_task_name!r} and {config.redaction_schedule!r}")
   return eps
-
-
-def _check_length_grouping(config: run_config.RunConfig, eps: float) -> None:
-  """Length-grouped batches have no privacy guarantee: ε = ∞ runs only."""
-  what = "train.sampling_method = 'length_grouped'"
-  if not math.isinf(eps):
-    raise gin_cli.UsageError(
-        f"{what} groups examples by length, so one example can move others "
-        "between batches and no DP bound holds: it is for non-private runs "
-        f"(TARGET_EPSILON = 'inf'), got {config.target_epsilon!r}")
-  buckets = config.length_buckets
-  if not gin_cli.is_int(buckets) or buckets < 1:
-    raise gin_cli.UsageError("train.length_buckets must be a positive "
-                             f"integer, got {buckets!r}")
-  for setting, clash in {
-      "train.privacy_unit = 'user'": config.privacy_unit != "example",
-      "a redaction schedule": config.redaction_schedule is not None,
-      "train.mechanism = 'bandmf'": config.mechanism == "bandmf"}.items():
-    if clash:
-      raise gin_cli.UsageError(f"{what} does not combine with {setting}")
 
 
 def check_batch_size(batch_size: int, n: int, delta=None,
@@ -557,7 +525,7 @@ class RunPlan:
     """The expected batch the noisy sum is divided by: the Poisson
     samplers' expected batch (q·n; users; q·(n // b) cyclic), else the
     batch size."""
-    if isinstance(self.sampler, sampling.ShuffleSampler):  # length-grouped too
+    if isinstance(self.sampler, sampling.ShuffleSampler):
       return self.privacy.batch_size
     return self.sampler.expected_batch_size
 
@@ -567,6 +535,10 @@ class RunPlan:
   def summary(self) -> str:
     """The plan in one console line."""
     plan, redaction = self.privacy, self.privacy.redaction
+    if math.isinf(self.target_epsilon) and redaction is None:
+      return (f"{self.steps} steps without noise (TARGET_EPSILON = inf: "
+              f"not private), {self._sampling_summary()}, "
+              f"C={self._clip_summary()}")
     steps = (f"{self.steps} DP steps" if redaction is None else
              f"{self.steps} steps ({redaction['schedule']} redaction "
              f"schedule): {plan.dp_steps} DP steps and "
@@ -646,12 +618,10 @@ def make_plan(config: run_config.RunConfig, *, n: int,
               clip_norms: Mapping[str, float] | None = None,
               public_n: int | None = None,
               saved: checkpoints.RunMeta | None = None,
-              user_ids: np.ndarray | None = None,
-              lengths: np.ndarray | None = None) -> RunPlan:
+              user_ids: np.ndarray | None = None) -> RunPlan:
   """The run's plan from its settings and the data: `n` training examples
   (and `public_n` public ones with a redaction schedule; `user_ids`, each
-  example's user, with `train.privacy_unit = 'user'`; `lengths`, each
-  example's real tokens, with length-grouped batches), the secret
+  example's user, with `train.privacy_unit = 'user'`), the secret
   `sampling_seed`, a multi-loss model's per-loss bounds (`clip_norms`,
   from `steps.loss_clip_norms`), and on resume the checkpoint's meta, whose
   plan must be this one and whose ledger is taken over. `secret_source`
@@ -687,8 +657,7 @@ def make_plan(config: run_config.RunConfig, *, n: int,
     sampler = make_sampler(config.sampling_method, n, config.batch_size,
                            sampling_seed, config.overflow_probability,
                            user_ids=user_ids,
-                           max_examples_per_user=config.max_examples_per_user,
-                           lengths=lengths)
+                           max_examples_per_user=config.max_examples_per_user)
   adaptive = adaptive_settings(config)
   if adaptive is not None:  # the count's default noise: expected batch / 20
     adaptive = adaptive.resolved(

@@ -40,12 +40,12 @@ class RunConfig:
   `remat = 'auto'`), `device_memory` (bytes or '80GiB' per device for
   'auto'; None: read from the backend) and `memory_headroom` (the fraction
   of it a step may use),
-  `sampling_method` ('poisson' | 'shuffle', or 'length_grouped': shuffled
-  batches of examples of like length, each cut to the smallest of
-  `length_buckets` widths per token axis that holds it; less padding, no
-  privacy guarantee, so TARGET_EPSILON = 'inf' only, `dpjax.length_grouping`),
-  `overflow_probability` (sizes the padded Poisson batch: a larger sample
-  costs one more accumulate call, nothing is dropped).
+  `sampling_method` ('poisson' | 'shuffle'), `overflow_probability` (sizes
+  the padded Poisson batch: a larger sample costs one more accumulate call,
+  nothing is dropped), `trim_padding` (each step's sample ordered by length
+  and each microbatch one call cut to the smallest of `length_buckets`
+  widths per token axis that holds it: less padding computed, the same
+  examples, losses and guarantee, `dpjax.padding`).
 
   Privacy: `privacy_unit` ('example', or 'user': Poisson sampling of users,
   each sampled user's examples clipped one by one and averaged, at most
@@ -101,8 +101,9 @@ class RunConfig:
   bands: int | None = None
   accountant: str = "pld"
   sampling_method: str = "poisson"
-  length_buckets: int = 4
   overflow_probability: float = 0.01
+  trim_padding: bool = False
+  length_buckets: int = 4
   optimizer: str = "adam"
   clipping_method: str = "vmap"
   learning_rate: optax.ScalarOrSchedule | None = None

@@ -56,9 +56,8 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import (checkpoints, distributed, fileio, gin_cli, inference,
-                   length_grouping, loop,
-                   partitioning, plan as plan_lib, prefetch, pretrained,
+from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
+                   padding, partitioning, plan as plan_lib, prefetch, pretrained,
                    reporting, run_config, sizing as sizing_lib, steps as steps_lib,
                    train_step)
 from dpjax.models import trainable as trainable_lib
@@ -141,7 +140,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
         secret_source=run_secret.source, clip_norms=bounds,
         public_n=(None if splits.public is None
                   else len(splits.public_tokens)),
-        saved=saved, user_ids=splits.users, lengths=splits.tokens)
+        saved=saved, user_ids=splits.users)
 
   plan = plan_for(resume[1] if resume else None)
   if resume:
@@ -323,9 +322,9 @@ class _Splits(NamedTuple):
   public: dict | None = None
   public_tokens: np.ndarray | None = None
   public_sampler: sampling.ShuffleSampler | None = None
-  # Length-grouped batches: the training rows of a batch's indices, cut to
-  # a few bucket widths (`length_grouping.Trimmer`).
-  trim: length_grouping.Trimmer | None = None
+  # train.trim_padding: the training rows of a microbatch, cut to a few
+  # bucket widths (`padding.Trimmer`).
+  trim: padding.Trimmer | None = None
 
 
 def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
@@ -353,17 +352,16 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
     plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
   reporting.say(f"{task} train split: {len(tokens)} examples, feature "
                 f"lengths {lengths}")
-  if config.sampling_method == length_grouping.METHOD:
+  trim = None
+  if config.trim_padding:
     try:
-      trim = length_grouping.Trimmer(data, config.length_buckets)
+      trim = padding.Trimmer(data, config.length_buckets)
     except ValueError as e:
-      raise gin_cli.UsageError(
-          f"train.sampling_method = 'length_grouped': {e}") from None
-    reporting.say(f"length-grouped batches, token axes cut to the widths "
+      raise gin_cli.UsageError(f"train.trim_padding: {e}") from None
+    reporting.say("microbatches of like-length examples, token axes cut to "
                   f"{ {a: w.tolist() for a, w in trim.widths.items()} }")
-    return _Splits(data, tokens, users, trim=trim)
   if not config.redaction_schedule:
-    return _Splits(data, tokens, users)
+    return _Splits(data, tokens, users, trim=trim)
   public = data_arrays.load_task_arrays(
       config.public_task_name, "train", lengths, converter=model.converter)
   public_tokens = data_arrays.real_token_counts(public)
@@ -371,7 +369,7 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
                 f"{len(public_tokens)} examples")
   return _Splits(data, tokens, users, public, public_tokens,
                  plan_lib.public_sampler(len(public_tokens), config.batch_size,
-                                         config.seed))
+                                         config.seed), trim)
 
 
 def _user_ids(config: RunConfig, model: trainable_lib.Trainable, task: str,
@@ -400,15 +398,16 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
                    splits: _Splits, *, mesh, rules, m: int, k: int,
                    noise_secret):
   """`step_fn(state, step) -> (state, loop.StepOutput)`: the plan's step t,
-  a DP step (sample, clip per group of k microbatches of m, one noisy
-  release, recorded in the ledger) or a public step of the redaction
+  a DP step (sample, clip per group of k microbatches of m, or with
+  `train.trim_padding` per microbatch of like-length rows cut to its
+  widths; one noisy release, recorded in the ledger) or a public step of
+  the redaction
   schedule. Step t + 1's batches are sampled and placed while the devices
   run step t (`prefetch.Ahead`)."""
   # Batches [K, m, ...] split over the example axis m: each process reads
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
-  trim = splits.trim or (lambda idx: splits.train)
 
   def inputs(step: int):
     """The step's host work, done a step ahead (`prefetch.Ahead`): its
@@ -422,11 +421,17 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
                       distributed.global_array(mask, mask_sh))], int(
                           splits.public_tokens[idx[mask > 0]].sum())
     idx, mask = plan.sampler.microbatches(index, m)
-    rows = trim(idx[mask > 0])
-    return index, [(distributed.global_rows(rows, i, batch_sh),
+    tokens = int(splits.tokens[idx[mask > 0]].sum())
+    if splits.trim is None:
+      groups = steps_lib.microbatch_groups(idx, mask, k)
+      rows = lambda i, mk: splits.train
+    else:  # one call per microbatch of like-length rows, cut to its widths
+      groups = steps_lib.microbatch_groups(
+          *padding.by_length(idx, mask, splits.tokens), 1)
+      rows = lambda i, mk: splits.trim(i[mk > 0])
+    return index, [(distributed.global_rows(rows(i, mk), i, batch_sh),
                     distributed.global_array(mk, mask_sh))
-                   for i, mk in steps_lib.microbatch_groups(idx, mask, k)], int(
-                       splits.tokens[idx[mask > 0]].sum())
+                   for i, mk in groups], tokens
 
   ahead = prefetch.Ahead(inputs, stop=plan.steps)
 

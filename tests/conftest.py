@@ -1,25 +1,42 @@
 """Test setup: CPU only, quiet TensorFlow, and one XLA compilation cache for
-the session: many tests build the same tiny models' steps as new closures,
-which the in-memory jit cache cannot share but the persistent one can."""
+the whole run: many tests build the same tiny models' steps as new closures,
+which the in-memory jit cache cannot share but the persistent one can. The
+pytest-xdist workers and the commands the tests start as subprocesses (they
+inherit the environment) share the one directory; a size limit turns on the
+cache's file lock, so two processes never read an entry half written."""
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
-from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_WORKER_KEY = "dpjax_xla_cache"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _session_compilation_cache():
-  if jax.config.jax_compilation_cache_dir:  # the user's own cache wins
-    yield
-    return
-  with tempfile.TemporaryDirectory(prefix="dpjax-xla-cache-") as path:
-    jax.config.update("jax_compilation_cache_dir", path)
-    compilation_cache.reset_cache()  # in case something compiled already
-    yield
-    jax.config.update("jax_compilation_cache_dir", None)
-    compilation_cache.reset_cache()
+def pytest_configure(config):
+  if hasattr(config, "workerinput"):  # an xdist worker: the controller's
+    os.environ.setdefault(_CACHE_ENV, config.workerinput[_WORKER_KEY])
+  elif _CACHE_ENV not in os.environ:  # the user's own cache wins
+    config.dpjax_xla_cache = tempfile.mkdtemp(prefix="dpjax-xla-cache-")
+    os.environ[_CACHE_ENV] = config.dpjax_xla_cache
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+  import jax  # reads the environment if not imported before
+  from jax.experimental.compilation_cache import compilation_cache
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_compilation_cache_max_size",
+                    int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+  compilation_cache.reset_cache()  # in case something compiled already
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # xdist, in the controller
+  node.workerinput[_WORKER_KEY] = os.environ[_CACHE_ENV]
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "dpjax_xla_cache", None):
+    shutil.rmtree(config.dpjax_xla_cache, ignore_errors=True)

@@ -121,6 +121,31 @@ def test_top_k_filter_matches_a_stable_sort():
     np.testing.assert_array_equal(traced(logits, jnp.int32(k)), want)
 
 
+def test_top_p_filter_matches_a_stable_sort():
+  """Against the definition by a stable sort (float64 cumulative mass): the
+  nucleus of each row for p between every two of its cumulative masses (so
+  float32 rounding cannot decide), with ties, -inf entries and min_keep."""
+  rng = np.random.default_rng(1)
+  logits = rng.integers(-4, 5, size=(5, 29)).astype(np.float32) * 0.7
+  logits[1, ::3] = -np.inf
+  logits[2] = rng.normal(size=29) * 3
+  logits[3, :6] = 2.0  # six tied leaders
+  traced = jax.jit(decoding.top_p_filter, static_argnames="min_keep")
+  for row in logits:
+    order = np.argsort(-row, kind="stable")
+    probs = np.exp(row[order].astype(np.float64) - row.max())
+    cum = np.cumsum(probs / probs.sum())
+    ends = np.unique(np.round(cum, 6))
+    for p in (ends[:-1] + ends[1:]) / 2:
+      for min_keep in (1, 3):
+        kept = max(min_keep, int(np.sum(cum - probs / probs.sum() < p)))
+        want = np.full_like(row, -np.inf)
+        want[order[:kept]] = row[order[:kept]]
+        for got in (decoding.top_p_filter(row[None], p, min_keep),
+                    traced(row[None], jnp.float32(p), min_keep=min_keep)):
+          np.testing.assert_array_equal(got[0], want, err_msg=f"p={p}")
+
+
 def test_generate_is_jittable(model):
   """generate traces under an outer jit (lowering only; compiling is slow)."""
   cfg, params = model

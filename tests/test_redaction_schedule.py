@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from dpjax import checkpoints, gin_cli, plan as plan_lib, train_step, trainer
 from dpjax.data import arrays as data_arrays
@@ -320,19 +319,6 @@ TINY = [
 ]
 REDACTED = ["train.public_task_name = 'smcalflow_utterance_lm'"]
 LINEAR6 = [*REDACTED, "train.redaction_schedule = 'linear'", "TRAIN_STEPS = 6"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_once(tmp_path_factory):
-  """The runs below compile the same steps (a new closure per run): keep
-  XLA's executables in a persistent cache for this module only."""
-  previous = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir",
-                    str(tmp_path_factory.mktemp("xla_cache")))
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", previous)
-  compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,9 +31,6 @@ Formal guarantees
   mechanism with effective noise multiplier `sigma / 2`; no amplification by
   shuffling is claimed. Epochs compose; a partial epoch counts as a full one.
   Accounted by `accounting.shuffle_epochs_event`.
-* `NonPrivateScheme`: none. `dpjax.length_grouping`'s batches (ε = ∞ runs
-  only) depend on the examples' lengths; every step counts as a release
-  without noise.
 
 Poisson amplification assumes the adversary never learns which examples (or
 users) were sampled: the seed must be secret (the trainer passes the run
@@ -125,24 +122,7 @@ class ShuffleScheme:
         accounting.effective_noise_multiplier(noise_multipliers), epochs)]
 
 
-@dataclasses.dataclass(frozen=True)
-class NonPrivateScheme:
-  """Batches that depend on the data (`dpjax.length_grouping`): no batch sum
-  has a sensitivity bound, so every DP step is recorded as a release with
-  noise multiplier 0 whatever σ is, and ε is infinite."""
-  unit: str = "example"
-  neighbouring: ClassVar[Neighbouring] = Neighbouring.REPLACE_ONE
-
-  def events(self, noise_multipliers: Sequence[float], stop: int,
-             start: int = 0) -> list[accounting.Event]:
-    del noise_multipliers  # no bound for them to scale
-    return [accounting.Gaussian(0.0, stop - start)] if stop > start else []
-
-
-Scheme = PoissonScheme | ShuffleScheme | NonPrivateScheme
-
-
-def scheme_from_description(description: dict) -> Scheme:
+def scheme_from_description(description: dict) -> PoissonScheme | ShuffleScheme:
   """The scheme of a sampler's `describe()` record (a ledger's `sampling`)."""
   method = description.get("method")
   if method == "poisson":
@@ -154,8 +134,6 @@ def scheme_from_description(description: dict) -> Scheme:
                          cycle_length=description["cycle_length"])
   if method == "shuffle":
     return ShuffleScheme(description["steps_per_epoch"])
-  if method == "length_grouped":
-    return NonPrivateScheme()
   raise ValueError(f"Unknown sampling method {method!r}.")
 
 

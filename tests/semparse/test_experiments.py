@@ -15,7 +15,7 @@ from dpjax.privacy import ledger as ledger_lib
 from dpjax.semparse import experiments, pipeline
 
 FAST = ["BATCH_SIZE = 256", "MICROBATCH_SIZE = 128"]
-# One bucket: the parsers' length-grouped batches keep one shape (6 steps of
+# One bucket: the parsers' trimmed microbatches keep one shape (6 steps of
 # a few widths would each compile).
 FAST_PARSER = ["EPOCHS = None", "TRAIN_STEPS = 6", "BATCH_SIZE = 128",
                "train.length_buckets = 1"]
