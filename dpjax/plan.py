@@ -17,6 +17,7 @@ Nothing here imports TensorFlow or builds a model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Mapping, Sequence
@@ -45,7 +46,20 @@ def calibrate(target_epsilon: float, delta: float,
   or no step at all. Stages are separate runs on the same data (e.g. the LM and
   then a head on it frozen): a shuffled stage starts its own epochs.
   `fixed_multipliers`: more Gaussians of each step, on the same sample, whose
-  noise is set (adaptive clipping's counts): calibrated together with σ."""
+  noise is set (adaptive clipping's counts): calibrated together with σ.
+  A pure function of its arguments, remembered: a pipeline (or a test
+  suite) that plans the same runs again does not search again."""
+  return _calibrate(float(target_epsilon), float(delta), scheme,
+                    tuple(int(t) for t in stage_steps), int(releases_per_step),
+                    accountant, tuple(prior_events),
+                    tuple(float(s) for s in fixed_multipliers))
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(target_epsilon: float, delta: float, scheme,
+               stage_steps: tuple[int, ...], releases_per_step: int,
+               accountant: str, prior_events: tuple[accounting.Event, ...],
+               fixed_multipliers: tuple[float, ...]) -> float:
   if math.isinf(target_epsilon) or not any(stage_steps):
     return 0.0
 
@@ -53,7 +67,7 @@ def calibrate(target_epsilon: float, delta: float,
     return list(prior_events) + [
         e for steps in stage_steps
         for e in scheme.events((s,) * releases_per_step
-                               + tuple(fixed_multipliers), steps)]
+                               + fixed_multipliers, steps)]
 
   return accounting.calibrate_noise_multiplier(target_epsilon, delta, events,
                                                accountant=accountant)

@@ -48,6 +48,7 @@ checkpoints all of them at one step boundary.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Callable, NamedTuple
@@ -295,10 +296,12 @@ def train(config: RunConfig | None = None) -> dict:
             "dp_steps": ledger.steps, "public_steps": done - ledger.steps}
   if evaluator and evaluator.last_loss is not None:
     result["eval_loss"] = evaluator.last_loss
+  spent = (f"({ledger.steps} DP steps): ε spent {eps:.4f} of "
+           f"{target_epsilon} (δ={plan.delta:.3g})"
+           if math.isfinite(target_epsilon) else "without noise (ε = ∞)")
   reporting.say(
       f"{'trained' if done == plan.steps else 'stopped'} {model_dir} at "
-      f"step {done}/{plan.steps} ({ledger.steps} DP steps): ε spent "
-      f"{eps:.4f} of {target_epsilon} (δ={plan.delta:.3g}); checkpoints in "
+      f"step {done}/{plan.steps} {spent}; checkpoints in "
       f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
       f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}")
   if config.generate_after_training and done == plan.steps:

@@ -136,14 +136,15 @@ def test_top_p_filter_matches_a_stable_sort():
     probs = np.exp(row[order].astype(np.float64) - row.max())
     cum = np.cumsum(probs / probs.sum())
     ends = np.unique(np.round(cum, 6))
-    for p in (ends[:-1] + ends[1:]) / 2:
+    for i, p in enumerate((ends[:-1] + ends[1:]) / 2):
       for min_keep in (1, 3):
         kept = max(min_keep, int(np.sum(cum - probs / probs.sum() < p)))
         want = np.full_like(row, -np.inf)
         want[order[:kept]] = row[order[:kept]]
-        for got in (decoding.top_p_filter(row[None], p, min_keep),
-                    traced(row[None], jnp.float32(p), min_keep=min_keep)):
-          np.testing.assert_array_equal(got[0], want, err_msg=f"p={p}")
+        got = traced(row[None], jnp.float32(p), min_keep=min_keep)
+        if i == 3:  # and once untraced (each concrete p compiles anew)
+          got = decoding.top_p_filter(row[None], p, min_keep)
+        np.testing.assert_array_equal(got[0], want, err_msg=f"p={p}")
 
 
 def test_generate_is_jittable(model):
