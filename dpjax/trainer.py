@@ -404,9 +404,8 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
   a DP step (sample, clip per group of k microbatches of m, or with
   `train.trim_padding` per microbatch of like-length rows cut to its
   widths; one noisy release, recorded in the ledger) or a public step of
-  the redaction
-  schedule. Step t + 1's batches are sampled and placed while the devices
-  run step t (`prefetch.Ahead`)."""
+  the redaction schedule. Step t + 1's batches are sampled and placed while
+  the devices run step t (`prefetch.Ahead`)."""
   # Batches [K, m, ...] split over the example axis m: each process reads
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
@@ -426,15 +425,15 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
     idx, mask = plan.sampler.microbatches(index, m)
     tokens = int(splits.tokens[idx[mask > 0]].sum())
     if splits.trim is None:
-      groups = steps_lib.microbatch_groups(idx, mask, k)
-      rows = lambda i, mk: splits.train
+      calls = [(splits.train, i, mk)
+               for i, mk in steps_lib.microbatch_groups(idx, mask, k)]
     else:  # one call per microbatch of like-length rows, cut to its widths
-      groups = steps_lib.microbatch_groups(
-          *padding.by_length(idx, mask, splits.tokens), 1)
-      rows = lambda i, mk: splits.trim(i[mk > 0])
-    return index, [(distributed.global_rows(rows(i, mk), i, batch_sh),
+      calls = [(splits.trim(i[mk > 0]), i, mk)
+               for i, mk in steps_lib.microbatch_groups(
+                   *padding.by_length(idx, mask, splits.tokens), 1)]
+    return index, [(distributed.global_rows(rows, i, batch_sh),
                     distributed.global_array(mk, mask_sh))
-                   for i, mk in groups], tokens
+                   for rows, i, mk in calls], tokens
 
   ahead = prefetch.Ahead(inputs, stop=plan.steps)
 
