@@ -22,6 +22,15 @@ ledger file are written by process 0 alone.
 A checkpoint that no longer reads back (truncated or missing files) is skipped
 on resume for the newest one that does, and said so (`restore_newest`).
 
+The meta is authenticated: it is saved with an HMAC-SHA256 (`MAC_FIELD`)
+keyed by the run secret's `meta_key()`, and every read checks it before
+using a field, so a meta edited (or copied from another run) by anything
+that does not hold MODEL_DIR/secret_key.json is refused
+(`TamperedCheckpointError`), never skipped for an older checkpoint. The MAC
+does not protect against whoever can read the secret file: they can sign
+any meta. What the meta says is checked against itself and the state by
+`dpjax.verify`.
+
 The meta is a typed record (`RunMeta`); what a run may resume from, or start
 from, is decided here too: the model must be the saved one up to settings
 that change only how a step computes (`check_model`), or one that extends it
@@ -31,22 +40,32 @@ freshly initialised).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
+import re
 import shutil
 from typing import Any, Mapping, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dpjax import distributed, fileio, reporting
 from dpjax.privacy import ledger as ledger_lib
 
 CORRUPT_DIRNAME = "corrupt_checkpoints"
+MAC_FIELD = "mac"  # the meta's HMAC-SHA256, hex, over the other fields
 
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint in a model directory belongs to a different run setup."""
+
+
+class TamperedCheckpointError(CheckpointMismatchError):
+  """A checkpoint's meta does not carry its run's MAC: edited, copied from
+  another run, or written before dpjax authenticated checkpoints."""
 
 
 class UnreadableCheckpointError(ValueError):
@@ -101,12 +120,14 @@ class RunMeta:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_json(cls, meta: Any, step: int) -> "RunMeta":
-    """The meta of checkpoint `step`; checkpoints from before a field was
-    saved read back with its old meaning (no class: T5; no split of the
-    steps: all DP; no tokenizer files: the task's own)."""
+  def from_json(cls, meta: Any, step: int, key: bytes) -> "RunMeta":
+    """The meta of checkpoint `step`, after checking its MAC with `key`
+    (`RunSecret.meta_key()`); checkpoints from before a field was saved
+    read back with its old meaning (no split of the steps: all DP; no
+    tokenizer files: the task's own)."""
     if not isinstance(meta, dict) or "ledger" not in meta:
       raise UnreadableCheckpointError(f"checkpoint {step} has no run metadata")
+    check_mac(meta, key, step)
     position = dict(meta["data_position"])
     position.setdefault("dp_steps", position["step"])
     return cls(
@@ -118,6 +139,34 @@ class RunMeta:
         task_feature_lengths=meta["task_feature_lengths"],
         initial_checkpoint_path=meta.get("initial_checkpoint_path"),
         tokenizer_files=meta.get("tokenizer_files") or {})
+
+
+def _mac(meta_json: dict, key: bytes) -> str:
+  body = {k: v for k, v in meta_json.items() if k != MAC_FIELD}
+  text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+  return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def signed(meta_json: dict, key: bytes) -> dict:
+  """`meta_json` with its MAC under `key` (`RunSecret.meta_key()`)."""
+  return {**meta_json, MAC_FIELD: _mac(meta_json, key)}
+
+
+def check_mac(meta_json: dict, key: bytes, step: int) -> None:
+  """Raises TamperedCheckpointError unless `meta_json` carries its MAC under
+  `key`: one changed byte in any field (or a meta of another run) fails."""
+  mac = meta_json.get(MAC_FIELD)
+  if not isinstance(mac, str):
+    raise TamperedCheckpointError(
+        f"checkpoint {step}'s meta carries no MAC (written before dpjax "
+        "authenticated its checkpoints, or stripped): its ledger cannot be "
+        "trusted. Use a fresh MODEL_DIR")
+  if not hmac.compare_digest(mac, _mac(meta_json, key)):
+    raise TamperedCheckpointError(
+        f"checkpoint {step}'s meta (ledger, plan, data position) is not what "
+        "its run wrote: its MAC does not verify under the run's secret. "
+        "Refusing a run whose ledger may have been edited; restore the "
+        "checkpoint or use a fresh MODEL_DIR")
 
 
 def manager(model_dir: str, *, max_to_keep: int | None = 3,
@@ -133,8 +182,9 @@ def manager(model_dir: str, *, max_to_keep: int | None = 3,
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, meta: RunMeta,
-         model_dir: str) -> None:
-  """Saves checkpoint `step`, then the ledger file from its meta.
+         model_dir: str, key: bytes) -> None:
+  """Saves checkpoint `step` with its meta signed by `key` (`RunSecret.
+  meta_key()`), then the ledger file from its meta.
 
   A save that did not happen is an error: orbax declining to save
   (`save` returning False, e.g. a step directory already there) raises
@@ -144,13 +194,14 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: RunMeta,
   try:
     saved = mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_saved_layout(state, legacy=False)),
-        meta=ocp.args.JsonSave(meta.to_json())))
+        meta=ocp.args.JsonSave(signed(meta.to_json(), key))))
     mngr.wait_until_finished()
   except Exception as e:
     _remove_temporaries(mngr.directory)
     raise CheckpointSaveError(
         f"saving the checkpoint at step {step} in {mngr.directory} failed: "
-        f"{first_line(e)}") from e
+        f"{first_line(e)}. Nothing after the last checkpoint was saved; "
+        "once the cause is fixed, rerun the same command to resume") from e
   mngr.reload()
   if not saved or step not in mngr.all_steps():
     raise CheckpointSaveError(
@@ -178,10 +229,20 @@ def write_ledger(model_dir: str, ledger_json: dict) -> bool:
 
 
 def first_line(e: BaseException) -> str:
-  """An exception in one line (a full disk's cause first)."""
+  """An exception in one line: the operating system's error where there is
+  one (a full disk as 'No space left on device [Errno 28]', whether raised
+  as an OSError or reported inside tensorstore's message), else the type
+  and first line of the message."""
+  cause: BaseException | None = e
+  while cause is not None:
+    if isinstance(cause, OSError) and cause.strerror:
+      return f"{cause.strerror} [Errno {cause.errno}]"
+    cause = cause.__cause__ or cause.__context__
+  code = re.search(r"os_error_code='(\d+)'", str(e))
+  if code:
+    return f"{os.strerror(int(code.group(1)))} [Errno {code.group(1)}]"
   lines = [l for l in str(e).splitlines() if l.strip()]
-  no_space = [l for l in lines if "No space left" in l]
-  return f"{type(e).__name__}: {(no_space or lines or [''])[0].strip()[:300]}"
+  return f"{type(e).__name__}: {(lines or [''])[0].strip()[:300]}"
 
 
 def _remove_temporaries(directory) -> None:
@@ -194,32 +255,19 @@ def _remove_temporaries(directory) -> None:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def read_meta(mngr: ocp.CheckpointManager, step: int) -> RunMeta:
-  """The meta of checkpoint `step` (raises if it does not read back)."""
-  return RunMeta.from_json(mngr.restore(step, args=ocp.args.Composite(
-      meta=ocp.args.JsonRestore()))["meta"], step)
+def read_meta(mngr: ocp.CheckpointManager, step: int, key: bytes) -> RunMeta:
+  """The authenticated meta of checkpoint `step` (raises if it does not
+  read back, TamperedCheckpointError if its MAC does not verify)."""
+  return RunMeta.from_json(_meta_json(mngr, step), step, key)
 
 
-def latest_meta(mngr: ocp.CheckpointManager) -> tuple[int, RunMeta] | None:
-  """(step, meta) of the newest checkpoint whose meta reads back; None if
-  there is no checkpoint. Checkpoints none of whose metas reads back raise
-  UnreadableCheckpointError: a run is never silently started over them."""
-  unreadable = []
-  for step in sorted(mngr.all_steps(), reverse=True):
-    try:
-      return step, read_meta(mngr, step)
-    except Exception as e:  # unreadable: `restore_newest` reports it
-      unreadable.append(f"step {step}: {first_line(e)}")
-  if unreadable:
-    raise UnreadableCheckpointError(
-        f"no checkpoint in {mngr.directory} reads back ("
-        + "; ".join(unreadable) + "). Move that directory aside to start "
-        "over, or use a fresh MODEL_DIR")
-  return None
+def _meta_json(mngr: ocp.CheckpointManager, step: int) -> Any:
+  return mngr.restore(step, args=ocp.args.Composite(
+      meta=ocp.args.JsonRestore()))["meta"]
 
 
 def restore_newest(mngr: ocp.CheckpointManager, target_state,
-                   model_dir: str) -> tuple[int, Any, RunMeta]:
+                   model_dir: str, key: bytes) -> tuple[int, Any, RunMeta]:
   """(step, state, meta) of the newest checkpoint that reads back whole.
 
   The state is restored into `target_state`'s shapes and shardings (any
@@ -229,7 +277,8 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
   are trained and saved again; their batches and noise are the same pure
   functions of (secret, step), so the ledger saved with the restored
   checkpoint stays exact. If none reads back, raises
-  UnreadableCheckpointError and moves nothing.
+  UnreadableCheckpointError and moves nothing; a meta whose MAC under
+  `key` fails raises TamperedCheckpointError.
   """
   unreadable: list[tuple[int, str]] = []
   for step in sorted(mngr.all_steps(), reverse=True):
@@ -240,7 +289,9 @@ def restore_newest(mngr: ocp.CheckpointManager, target_state,
           state=ocp.args.StandardRestore(jax_abstract(
               _saved_layout(target_state, legacy))),
           meta=ocp.args.JsonRestore()))
-      meta = RunMeta.from_json(restored["meta"], step)
+      meta = RunMeta.from_json(restored["meta"], step, key)
+    except TamperedCheckpointError:
+      raise
     except Exception as e:  # any unreadable file: try the previous checkpoint
       restored = None
       reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
@@ -333,29 +384,22 @@ def restore_params(mngr: ocp.CheckpointManager, step: int,
             partial_restore=True)))["state"]["params"]
 
 
-def run_ledger(model_dir: str) -> ledger_lib.PrivacyLedger:
-  """The privacy ledger of a run: its newest readable checkpoint's (the one
-  source of truth; `privacy_ledger.json` is a copy), ε recomputed from its
-  events."""
-  found = read_run(model_dir)
-  if found is None:
-    raise UnreadableCheckpointError(f"{model_dir} holds no checkpoints/")
-  found[0].close()
-  return found[2].privacy_ledger()
-
-
-def read_run(path: str) -> tuple[ocp.CheckpointManager, int, RunMeta] | None:
-  """(manager, step, meta) of the newest readable checkpoint of the dpjax run
-  directory `path`, or None if `path` holds no `checkpoints/` (e.g. a
-  Hugging Face directory); the caller closes the manager. A run directory
-  none of whose checkpoints reads back raises UnreadableCheckpointError."""
-  if not os.path.isdir(os.path.join(path, "checkpoints")):
-    return None
-  mngr = manager(path, create=False)
-  found = latest_meta(mngr)
-  if found is None:
-    raise UnreadableCheckpointError(f"{path}/checkpoints holds no checkpoint")
-  return mngr, *found
+def read_noise_count(mngr: ocp.CheckpointManager, step: int) -> int:
+  """The optimizer's noise counter in checkpoint `step` (its DP releases),
+  read alone."""
+  if _legacy_layout(mngr, step):
+    raise TamperedCheckpointError(
+        f"checkpoint {step} was written before dpjax authenticated its "
+        "checkpoints (its noise counter is in the optimizer state)")
+  with ocp.CheckpointManager(  # the saved format, read as a plain pytree
+      mngr.directory, options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as reader:
+    restored = reader.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(  # a host array: on every process
+            {"noise_count": 0},
+            {"noise_count": ocp.RestoreArgs(restore_type=np.ndarray)},
+            partial_restore=True)))
+  return int(restored["state"]["noise_count"])
 
 
 def jax_abstract(tree):

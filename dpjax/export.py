@@ -34,10 +34,13 @@ seed (train.seed, a pinned secret seed, group seeds), anything else in
 MODEL_DIR.
 
 Refused with exit status 2 and one line, before anything is written: D holds
-no readable checkpoint, R exists and is not empty (without --overwrite), R is
-D or lies inside it (or holds it). The release is written into a temporary
-directory beside R and renamed into place at the end: R is either the whole
-release or untouched.
+no readable checkpoint, or its newest fails verification (`dpjax.verify`: an
+edited or unauthenticated ledger, plan or data position, or one that does
+not account for the releases its state made); R exists and is not empty
+(without --overwrite), or is not an earlier dpjax release (with it: a run
+directory, anything else); R is D or lies inside it (or holds it). The
+release is written into a temporary directory beside R and renamed into
+place at the end: R is either the whole release or untouched.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ from flax import traverse_util
 
 from dpjax import checkpoints, fileio, gin_cli, inference, pretrained
 from dpjax.models import dual_encoder
-from dpjax.privacy import ledger as ledger_lib
+from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
 
 STATEMENT_FILE = "privacy_statement.json"
 STATEMENT_MD = "PRIVACY.md"
@@ -70,6 +73,12 @@ _SAMPLING_KEYS = ("method", "sampling_rate", "expected_batch_size",
                   "max_batch_size", "batch_size", "steps_per_epoch",
                   "max_examples_per_user")
 NOISE_KEY_ORIGINS = ("os_entropy", "pinned")
+# Every file a release may hold: what --overwrite may replace.
+RELEASE_FILES = frozenset({
+    STATEMENT_FILE, STATEMENT_MD, CONFIG_FILE, FLAT_PARAMS_FILE,
+    pretrained.hf.CONFIG_FILE, pretrained.hf.SAFETENSORS_FILE,
+    pretrained.peft.ADAPTER_CONFIG, pretrained.peft.ADAPTER_WEIGHTS,
+    *TOKENIZER_NAMES.values()})
 
 
 def _float(x: float) -> float | str:
@@ -88,16 +97,32 @@ def check_paths(model_dir: str, output_dir: str, overwrite: bool) -> None:
                              f"--model_dir {model_dir} (and not hold it)")
   if os.path.exists(r) and not os.path.isdir(r):
     raise gin_cli.UsageError(f"--output_dir {output_dir} is a file")
-  if os.path.isdir(r) and os.listdir(r) and not overwrite:
+  if not os.path.isdir(r) or not os.listdir(r):
+    return
+  if not overwrite:
     raise gin_cli.UsageError(f"--output_dir {output_dir} is not empty; pass "
                              "--overwrite to replace it")
+  names = sorted(os.listdir(r))
+  if "checkpoints" in names or secret_lib.SECRET_FILENAME in names:
+    raise gin_cli.UsageError(
+        f"--output_dir {output_dir} holds a dpjax run (checkpoints/ or "
+        f"{secret_lib.SECRET_FILENAME}); --overwrite replaces only an earlier "
+        "release")
+  foreign = [n for n in names if n not in RELEASE_FILES
+             or not os.path.isfile(os.path.join(r, n))]
+  if foreign or STATEMENT_FILE not in names:
+    raise gin_cli.UsageError(
+        f"--output_dir {output_dir} is not an earlier dpjax release (it holds "
+        f"{', '.join(foreign[:5]) or f'no {STATEMENT_FILE}'}); --overwrite "
+        "replaces only a release")
 
 
 def load_run(model_dir: str):
   """(config, params as numpy, meta) of D's newest readable checkpoint."""
   try:
     config, params, meta = inference.load_trained(model_dir)
-  except (FileNotFoundError, checkpoints.UnreadableCheckpointError) as e:
+  except (FileNotFoundError, checkpoints.UnreadableCheckpointError,
+          checkpoints.CheckpointMismatchError) as e:
     raise gin_cli.UsageError(" ".join(str(e).split())) from None
   return config, jax.device_get(params), meta
 
@@ -350,4 +375,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  gin_cli.exit_on_user_error(main)
+  gin_cli.run_command(main)

@@ -205,11 +205,20 @@ def error_message(e: BaseException) -> str:
   return text or type(e).__name__
 
 
+def run_command(fn, user_errors=(UsageError,)):
+  """A command's `__main__`: libraries' log records and teardown tracebacks
+  kept off the console (`reporting.keep_libraries_off_the_console`), then
+  `exit_on_user_error(fn, user_errors)`."""
+  from dpjax import reporting  # imports jax: not before the flags are read
+  reporting.keep_libraries_off_the_console()
+  return exit_on_user_error(fn, user_errors)
+
+
 def exit_on_user_error(fn, user_errors=(UsageError,)):
-  """Runs fn(); a user error (bad flag, file, line, budget) prints a clear
-  message and exits with status 2 instead of a traceback. A fault of the
-  system (an OSError: permission denied, no space left on device) prints
-  one line and exits with status 1; any other exception is a bug and keeps
+  """Runs fn(); a user error (bad flag, file, line, budget, a run that fails
+  verification) and a fault of the system (an OSError: a save on a full
+  disk, permission denied, a quota) print one `error:` line and exit with
+  status 2 instead of a traceback; any other exception is a bug and keeps
   its traceback."""
   try:
     return fn()
@@ -223,4 +232,4 @@ def exit_on_user_error(fn, user_errors=(UsageError,)):
     sys.exit(2)
   except OSError as e:
     print(f"error: {' '.join(error_message(e).split())}", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(2)

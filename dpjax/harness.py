@@ -242,4 +242,4 @@ def run_command(argv: Sequence[str] | None, description: str,
 
 def command_main(main: Callable[[], Any]) -> None:
   """`main()` as a command: a user error is one line and exit status 2."""
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  gin_cli.run_command(main, train.user_errors())

@@ -53,4 +53,4 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 if __name__ == "__main__":
-  gin_cli.exit_on_user_error(main, user_errors())
+  gin_cli.run_command(main, user_errors())

@@ -26,44 +26,32 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import (checkpoints, decoding, fileio, gin_cli, partitioning,
-                   reporting)
+from dpjax import checkpoints, decoding, fileio, gin_cli, partitioning, verify
 from dpjax.models import t5, trainable
-from dpjax.privacy import ledger as ledger_lib
 import tasks
 
 
 def load_trained(model_dir: str):
   """(config, params, `checkpoints.RunMeta`) of the newest checkpoint in
-  model_dir that reads back whole; newer ones that do not are named on the console and skipped,
-  as training skips them."""
-  steps = []
-  if os.path.isdir(os.path.join(model_dir, "checkpoints")):
-    mngr = checkpoints.manager(model_dir, create=False)
-    steps = sorted(mngr.all_steps(), reverse=True)
-  if not steps:
+  model_dir that reads back whole, authenticated and verified
+  (`verify.newest`: a run whose ledger fails a check is refused); newer ones
+  that do not read back are named on the console and skipped, as training
+  skips them."""
+  if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
     raise FileNotFoundError(f"no checkpoint under {model_dir}/checkpoints: "
                             "train a model there first (python -m dpjax.train)")
-  unreadable = []
+  mngr = checkpoints.manager(model_dir, create=False)
   try:
-    for step in steps:
-      try:
-        meta = checkpoints.read_meta(mngr, step)
-        config = trainable.config_from_json(meta.model_class,
-                                            meta.model_config)
-        params = checkpoints.restore_params(mngr, step)
-      except Exception as e:  # any unreadable file: the previous checkpoint
-        unreadable.append(f"step {step} ({checkpoints.first_line(e)})")
-        continue
-      if unreadable:
-        reporting.say(f"{model_dir}: checkpoint {', '.join(unreadable)} does "
-                      f"not read back; using the previous one, step {step}")
-      return config, params, meta
+    if not mngr.all_steps():
+      raise FileNotFoundError(
+          f"no checkpoint under {model_dir}/checkpoints: train a model there "
+          "first (python -m dpjax.train)")
+    _, meta, params = verify.newest(mngr, verify.meta_key(model_dir),
+                                    params=True)
   finally:
     mngr.close()
-  raise checkpoints.UnreadableCheckpointError(
-      f"no checkpoint in {model_dir}/checkpoints reads back: "
-      + "; ".join(unreadable))
+  return trainable.config_from_json(meta.model_class,
+                                    meta.model_config), params, meta
 
 
 def check_decoding_args(*, top_p, top_k, temperature, greedy, batch_size,

@@ -125,15 +125,16 @@ class Checkpointer:
   `meta(step)` (`checkpoints.RunMeta`), then the ledger file."""
 
   def __init__(self, *, period: int, manager, model_dir: str,
-               meta: Callable[[int], checkpoints.RunMeta]):
+               meta: Callable[[int], checkpoints.RunMeta], key: bytes):
     self.period, self.manager, self.model_dir, self.meta = (period, manager,
                                                             model_dir, meta)
+    self.key = key  # the run secret's `meta_key()`: the meta's MAC
 
   def __call__(self, step: int, state, output: StepOutput, final: bool):
     del output
     if step % self.period == 0 or final:
       checkpoints.save(self.manager, step, state, self.meta(step),
-                       self.model_dir)
+                       self.model_dir, self.key)
 
 
 def window_metrics(dp: list[dict], public: list[dict], dp_steps: int,

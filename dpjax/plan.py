@@ -8,9 +8,8 @@ calibrated with dp-accounting for the target (ε, δ) over every planned
 release (`calibrate`: the one place σ is derived, for the trainer and the
 pipelines that plan several runs under one budget); a plan that would
 exceed its target is refused before anything is written. A resumed run
-takes its plan and ledger from the checkpoint instead, after checking that
-the ledger accounts for every release the checkpoint holds
-(`check_recorded_events`, `check_release_counts`).
+takes its plan and ledger from the checkpoint instead, which the trainer
+has verified first (`dpjax.verify.check_run`), and that must be this plan.
 
 Nothing here imports TensorFlow or builds a model.
 """
@@ -24,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dpjax import checkpoints, gin_cli, run_config
+from dpjax import checkpoints, gin_cli, run_config, verify
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import adaptive_clipping as adaptive_lib
 from dpjax.privacy import bandmf as bandmf_lib
@@ -101,6 +100,9 @@ class Plan:
   # `train.mechanism = 'bandmf'`: {"bands", "coefs" (the strategy, kept so
   # a resumed run uses the very same one), "candidates" (the band choice)}.
   bandmf: dict | None = None
+  # σ came from `train.noise_multiplier` (e.g. a pipeline's budget split
+  # over several runs), not calibrated for this plan's target alone.
+  noise_multiplier_given: bool = False
 
   @property
   def releases_per_step(self) -> int:
@@ -201,15 +203,17 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
           f"clipping's counts alone (noise stddev "
           f"{adaptive.count_stddev:g} examples) spend the budget: raise "
           f"adaptive_clipping.count_stddev ({e})") from None
+  given = (not math.isinf(target_epsilon) and releases > 0
+           and noise_multiplier is not None)
   plan = Plan(sampler.dataset_size, batch_size, steps, sampling_method,
               clip_norm, delta, target_epsilon, float(sigma), accountant, seed,
               redaction, dict(clip_norms) if clip_norms else None,
               dataclasses.asdict(adaptive) if adaptive else None,
-              user_level, bandmf_record)
+              user_level, bandmf_record, given)
   if saved_meta:
     checkpoints.check_compatible(saved_meta["plan"], plan.guarantee(),
                                  "privacy plan")
-    check_recorded_events(ledger, plan, prior)
+    _check_prior(ledger, prior)
   else:
     ledger = ledger_lib.PrivacyLedger(
         accountant=accountant, sampling=sampler.describe(),
@@ -234,12 +238,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
 def plan_multipliers(plan: Plan) -> tuple[float, ...]:
   """The noise multipliers of one DP step's releases: one σ for every
   gradient sum, then adaptive clipping's counts (one per loss)."""
-  sums = (plan.noise_multiplier,) * plan.releases_per_step
-  if plan.adaptive_clipping is None:
-    return sums
-  count = adaptive_lib.AdaptiveClipping(
-      **plan.adaptive_clipping).count_noise_multiplier
-  return sums + (count,) * plan.releases_per_step
+  return verify.dp_step_multipliers(plan.guarantee(), plan.noise_multiplier)
 
 
 def resolve_delta(delta: float | str | None, n: int) -> float:
@@ -262,7 +261,7 @@ def read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
     return None
   path = os.path.expanduser(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
-    return checkpoints.run_ledger(path)
+    return verify.run_ledger(path)
   if os.path.isdir(path):
     path = os.path.join(path, ledger_lib.LEDGER_FILENAME)
   if not os.path.isfile(path):
@@ -270,41 +269,16 @@ def read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
   return ledger_lib.PrivacyLedger.load(path)
 
 
-def _unaccounted(why: str) -> checkpoints.CheckpointMismatchError:
-  return checkpoints.CheckpointMismatchError(
-      f"the checkpoint's ledger does not account for its releases: {why}. "
-      "Refusing to resume a run whose ledger could understate ε; restore the "
-      "checkpoint or use a fresh MODEL_DIR")
-
-
-def check_recorded_events(ledger: ledger_lib.PrivacyLedger, plan: Plan,
-                          prior: ledger_lib.PrivacyLedger | None) -> None:
-  """Refuses a checkpoint's ledger whose events are not exactly those of
-  its steps under the plan, or whose prior releases are not those of
+def _check_prior(ledger: ledger_lib.PrivacyLedger,
+                 prior: ledger_lib.PrivacyLedger | None) -> None:
+  """Refuses a checkpoint whose prior releases are not those of
   `train.prior_ledger`."""
-  recorded = [e.to_json() for e in ledger.events]
-  expected = [e.to_json() for e in ledger.events_for(
-      ledger.steps, plan_multipliers(plan))]
-  if recorded != expected:
-    raise _unaccounted(f"its events are {recorded}, {ledger.steps} DP steps "
-                       f"are {expected}")
   prior_events = [e.to_json() for e in (prior.all_events if prior else [])]
   if [e.to_json() for e in ledger.prior_events] != prior_events:
-    raise _unaccounted(f"it composes with {len(ledger.prior_events)} prior "
-                       f"events, train.prior_ledger gives {len(prior_events)}")
-
-
-def check_release_counts(ledger: ledger_lib.PrivacyLedger, *,
-                         checkpoint_step: int, dp_steps: int,
-                         noise_count: int) -> None:
-  """Refuses a restored checkpoint unless the DP steps the schedule takes
-  before `checkpoint_step`, the ledger's steps and the optimizer's noise
-  counter agree."""
-  counts = {f"the schedule's DP steps before step {checkpoint_step}": dp_steps,
-            "the ledger's steps": ledger.steps,
-            "the optimizer's noise counter": noise_count}
-  if len(set(counts.values())) > 1:
-    raise _unaccounted(", ".join(f"{k} {v}" for k, v in counts.items()))
+    raise verify.UnverifiedRunError(
+        f"the checkpoint's ledger composes with {len(ledger.prior_events)} "
+        f"prior events, train.prior_ledger gives {len(prior_events)}: "
+        "resume with the train.prior_ledger the run started with")
 
 
 def plan_redaction(schedule: str, *, total_steps: int, eta: float,

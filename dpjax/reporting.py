@@ -5,6 +5,7 @@ logs and event files are written once.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -12,11 +13,66 @@ import time
 
 import jax
 
+LIBRARY_LOG_FILENAME = "library.log"
+
 
 def say(message: str) -> None:
   """One console line from the run (process 0 only)."""
   if jax.process_index() == 0:
     print(f"dpjax: {message}", flush=True)
+
+
+class _LibraryLog(logging.Handler):
+  """Where libraries' log records and teardown tracebacks go instead of the
+  console: a file once `log_libraries_to` names one, else nowhere. A write
+  that fails (the disk that failed a save) is dropped, never reported."""
+
+  def __init__(self):
+    super().__init__()
+    self.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    self.path: str | None = None
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.write(self.format(record))
+
+  def write(self, text: str) -> None:
+    if self.path is None:
+      return
+    try:
+      with open(self.path, "a") as f:
+        f.write(text.rstrip("\n") + "\n")
+    except (OSError, ValueError):
+      pass
+
+
+_LIBRARY_LOG = _LibraryLog()
+
+
+def keep_libraries_off_the_console() -> None:
+  """For a command's process: Python logging records (absl, orbax,
+  TensorFlow's Python side) and exceptions Python cannot raise anywhere
+  (orbax's asyncio callbacks on a closed event loop after a failed save) go
+  to the library log, so that dpjax's own lines, and its one `error:` line,
+  are what the console shows."""
+  logging.root.handlers = [_LIBRARY_LOG]
+  logging.lastResort = _LIBRARY_LOG
+
+  def unraisable(u) -> None:
+    import traceback
+    _LIBRARY_LOG.write(
+        f"unraisable exception in {u.object!r}: " + "".join(
+            traceback.format_exception(u.exc_type, u.exc_value,
+                                       u.exc_traceback)))
+
+  sys.unraisablehook = unraisable
+
+
+def log_libraries_to(model_dir: str) -> None:
+  """Appends the library log to MODEL_DIR/library.log from now on (process
+  0; whatever `keep_libraries_off_the_console` keeps off the console)."""
+  if jax.process_index() == 0:
+    _LIBRARY_LOG.path = os.path.join(model_dir, LIBRARY_LOG_FILENAME)
 
 
 def _duration(seconds: float) -> str:

@@ -60,7 +60,7 @@ import numpy as np
 from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
                    padding, partitioning, plan as plan_lib, prefetch, pretrained,
                    reporting, run_config, sizing as sizing_lib, steps as steps_lib,
-                   train_step)
+                   train_step, verify)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
@@ -102,8 +102,20 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
   model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
   target_epsilon = plan_lib.check_run_inputs(config)
 
+  # --- The run already here: its secret, its state verified. ---------------
+  mngr = _existing_manager(model_dir, config.keep_checkpoints)
+  resuming = bool(mngr and mngr.all_steps())
+  if dry_run and not secret_lib.exists(model_dir):
+    run_secret = (secret_lib.RunSecret.pinned(config.pinned_secret_seed)
+                  if config.pinned_secret_seed is not None
+                  else secret_lib.RunSecret.draw())
+  else:
+    run_secret = _run_secret(model_dir, resuming=resuming,
+                             pinned_seed=config.pinned_secret_seed)
+  resume = _verified_resume(mngr, run_secret, model_dir) if resuming else None
+
   # --- Data: validated before anything is written. -------------------------
-  init_run = (checkpoints.read_run(os.path.expanduser(
+  init_run = (verify.read_run(os.path.expanduser(
       config.initial_checkpoint_path)) if config.initial_checkpoint_path
               else None)
   tokenizer = initial_tokenizer_files(config.initial_checkpoint_path)
@@ -122,14 +134,6 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
   n = len(splits.tokens)
 
   # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
-  mngr, resume = _existing_run(model_dir, config.keep_checkpoints)
-  if dry_run:
-    run_secret = (secret_lib.RunSecret.pinned(config.pinned_secret_seed)
-                  if config.pinned_secret_seed is not None
-                  else secret_lib.RunSecret.draw())
-  else:
-    run_secret = _run_secret(model_dir, resuming=resume is not None,
-                             pinned_seed=config.pinned_secret_seed)
   adaptive = plan_lib.adaptive_settings(config)
   bounds = steps_lib.loss_clip_norms(  # adaptive: the losses' first bounds
       model, adaptive.initial_clip_norm if adaptive else config.clip_norm,
@@ -217,13 +221,11 @@ def train(config: RunConfig | None = None) -> dict:
   start_step = 0
   if resume:  # restored straight into place (any saved mesh: re-sharded)
     start_step, state, saved = checkpoints.restore_newest(
-        mngr, placed.abstract_state, model_dir)
+        mngr, placed.abstract_state, model_dir, run_secret.meta_key())
     if start_step != resume[0]:  # newer ones unreadable: this one's ledger
+      verify.check_run(saved, checkpoint_step=start_step,
+                       noise_count=int(state.noise_count))
       plan = built.plan_for(saved)
-    plan_lib.check_release_counts(
-        plan.ledger, checkpoint_step=start_step,
-        dp_steps=plan.dp_steps_before(start_step),
-        noise_count=int(state.noise_count))
     reporting.say(f"resumed {model_dir} at step {start_step}, "
                   f"ε spent {plan.ledger.epsilon_spent():.4f}")
   else:  # built in place on the mesh, the same on every process
@@ -236,6 +238,7 @@ def train(config: RunConfig | None = None) -> dict:
   if init_run:  # read; orbax's threads need not live through the run
     init_run[0].close()
   _write_run_files(model_dir, run_secret, plan.ledger)
+  reporting.log_libraries_to(model_dir)
   if built.sizing_key and distributed.is_primary():
     sizing_lib.save(model_dir, built.sizing_key, built.sizing)
 
@@ -277,7 +280,7 @@ def train(config: RunConfig | None = None) -> dict:
     callbacks.append(evaluator)
   callbacks.append(loop.Checkpointer(period=config.checkpoint_period,
                                      manager=mngr, model_dir=model_dir,
-                                     meta=meta))
+                                     meta=meta, key=run_secret.meta_key()))
   with distributed.preemption_watch() as preempted:
     state, done = loop.fit(state, step_fn, start_step=start_step,
                            end_step=plan.steps, callbacks=callbacks,
@@ -454,20 +457,25 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
   return step_fn
 
 
-def _existing_run(model_dir: str, keep_checkpoints: int):
-  """(manager, (step, meta) of the newest checkpoint whose meta reads back)
-  of the run already in `model_dir`: (None, None) if there is none, (manager,
-  None) if it saved nothing yet. Checkpoints none of which reads back are
-  refused (`checkpoints.latest_meta`): never silently trained over."""
+def _existing_manager(model_dir: str, keep_checkpoints: int):
+  """The checkpoint manager of the run already in `model_dir`, None if
+  there is none."""
   if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
-    return None, None
-  mngr = checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
-  resume = checkpoints.latest_meta(mngr)
-  if len(set(distributed.all_processes(resume[0] if resume else -1))) > 1:
+    return None
+  return checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
+
+
+def _verified_resume(mngr, run_secret: secret_lib.RunSecret, model_dir: str
+                     ) -> tuple[int, checkpoints.RunMeta]:
+  """(step, meta) of the newest checkpoint that reads back, authenticated
+  and verified (`verify.newest`): a run is never silently trained over
+  unreadable checkpoints, nor resumed from one that fails a check."""
+  step, meta, _ = verify.newest(mngr, run_secret.meta_key(), say=False)
+  if len(set(distributed.all_processes(step))) > 1:
     raise gin_cli.UsageError(
         f"the processes see different checkpoints in {model_dir}: MODEL_DIR "
         "must be on a filesystem all hosts share (e.g. GCS or NFS)")
-  return mngr, resume
+  return step, meta
 
 
 def _run_secret(model_dir: str, *, resuming: bool,
@@ -562,7 +570,7 @@ def initial_tokenizer_files(initial_checkpoint_path: str | None
   checkpoint's (`pretrained.tokenizer_files`); None without a checkpoint."""
   if not initial_checkpoint_path:
     return None
-  run = checkpoints.read_run(os.path.expanduser(initial_checkpoint_path))
+  run = verify.read_run(os.path.expanduser(initial_checkpoint_path))
   if run:
     run[0].close()
     return dict(run[2].tokenizer_files)

@@ -241,9 +241,9 @@ def _writes(error):
     (PermissionError(errno.EACCES, "Permission denied", "/ro/run"),
      "error: Permission denied: '/ro/run'"),
 ])
-def test_os_faults_exit_1_in_one_line(capsys, error, message):
+def test_os_faults_exit_2_in_one_line(capsys, error, message):
   # Raised inside a gin configurable: gin appends its call context.
-  line = _exit(capsys, lambda: _writes(error), train.user_errors(), code=1)
+  line = _exit(capsys, lambda: _writes(error), train.user_errors(), code=2)
   assert line == message
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax import checkpoints, export, gin_cli, pretrained
+from dpjax import export, gin_cli, pretrained, verify
 from dpjax.models import dual_encoder, t5
 from dpjax.privacy import accounting, secret as secret_lib
 from tests import test_trainer
@@ -54,10 +54,7 @@ def release(run_dir, tmp_path_factory):
 
 
 def _meta(model_dir):
-  mngr = checkpoints.manager(str(model_dir), create=False)
-  step, meta = checkpoints.latest_meta(mngr)
-  mngr.close()
-  return step, meta
+  return verify.run_meta(str(model_dir))
 
 
 def test_release_round_trips_and_states_the_recomputed_epsilon(run_dir,
@@ -198,11 +195,32 @@ def test_refusals_write_nothing(run_dir, tmp_path, capsys):
   assert os.listdir(taken) == ["mine.txt"]
   assert sorted(os.listdir(tmp_path)) == ["empty_run", "taken"]  # no temp dir
 
-  export.main([f"--model_dir={run_dir}", f"--output_dir={taken}",
-               "--overwrite"])
-  assert "mine.txt" not in os.listdir(taken)
-  assert "model.safetensors" in os.listdir(taken)
+  assert "not an earlier dpjax release (it holds mine.txt)" in _refused(
+      capsys, f"--model_dir={run_dir}", f"--output_dir={taken}",
+      "--overwrite")
+  assert os.listdir(taken) == ["mine.txt"]
   assert sorted(os.listdir(tmp_path)) == ["empty_run", "taken"]
+
+
+def test_overwrite_replaces_a_release_and_refuses_a_run(run_dir, release,
+                                                        tmp_path, capsys):
+  """--overwrite on another run's directory deleted its checkpoints and
+  secret; it now replaces only an earlier release."""
+  other = tmp_path / "other_run"
+  shutil.copytree(run_dir, other)
+  before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+  assert "holds a dpjax run" in _refused(
+      capsys, f"--model_dir={run_dir}", f"--output_dir={other}", "--overwrite")
+  assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+
+  old = tmp_path / "old_release"
+  shutil.copytree(release[0], old)
+  (old / export.STATEMENT_FILE).write_text("{}")
+  export.main([f"--model_dir={run_dir}", f"--output_dir={old}",
+               "--overwrite"])
+  assert json.loads((old / export.STATEMENT_FILE).read_text()) == \
+      release[1]["statement"]
+  assert sorted(os.listdir(tmp_path)) == ["old_release", "other_run"]
 
 
 def test_command_line_refusal_exits_2(tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import checkpoints, gin_cli, plan as plan_lib, train_step, trainer
+from dpjax import checkpoints, gin_cli, plan as plan_lib, train_step, trainer, verify
 from dpjax.data import arrays as data_arrays
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
@@ -385,7 +385,7 @@ def mixed(tmp_path_factory):
 
 
 def mixed_meta(mixed):
-  _, meta = checkpoints.latest_meta(checkpoints.manager(str(mixed[0])))
+  _, meta = verify.run_meta(str(mixed[0]))
   return meta
 
 
@@ -535,7 +535,7 @@ def plain_adam(redacted_only):
   """The all-redacted run's initial params and those of `optax.adam` on
   `jax.grad` of the mean batch loss of the same public batches."""
   model_dir, _ = redacted_only
-  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  _, meta = verify.run_meta(str(model_dir))
   config = trainable.config_from_json(meta.model_class, meta.model_config)
   lengths = meta.task_feature_lengths
   model = trainable.trainable(config, lengths)

@@ -17,7 +17,7 @@ import pytest
 
 import tasks
 from dpjax import (checkpoints, gin_cli, inference, loop, sizing,
-                   steps as steps_lib, train_step, trainer)
+                   steps as steps_lib, train_step, trainer, verify)
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
@@ -173,7 +173,7 @@ def test_resumed_run_ends_with_the_uninterrupted_params(killed, eight_steps):
 
 def test_resumed_run_checkpoints_the_data_position_at_the_end(killed):
   model_dir, _, _ = killed
-  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  _, meta = verify.run_meta(str(model_dir))
   assert meta.data_position.step == 8
 
 
@@ -523,7 +523,7 @@ def test_initial_checkpoint_initialises_the_params(from_pretrained):
 def test_initial_checkpoint_vocabulary_is_recorded_in_the_checkpoint(
     from_pretrained):
   _, ckpt, model_dir, _ = from_pretrained
-  _, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  _, meta = verify.run_meta(str(model_dir))
   assert meta.tokenizer_files["sentencepiece"] == str(ckpt / "spiece.model")
 
 
@@ -592,8 +592,8 @@ def gpt2_run(tmp_path_factory):
                      "TRAIN_STEPS = 30", "LEARNING_RATE = 1e-2",
                      "train.eval_period = 30", "train.eval_examples = 128"])
   result = trainer.train()
-  config = gpt2.GPT2Config.from_json(checkpoints.latest_meta(
-      checkpoints.manager(str(model_dir)))[1].model_config)
+  config = gpt2.GPT2Config.from_json(verify.run_meta(
+      str(model_dir))[1].model_config)
   model = trainable.trainable(config, {"inputs": 48, "targets": 16})
   params, _ = model.init_params(jax.random.PRNGKey(0))
   return model_dir, result, model, params
@@ -746,7 +746,7 @@ def one_sgd_step(tmp_path_factory):
     run(model_dir, "TRAIN_STEPS = 1", "train.optimizer = 'sgd'",
         "LEARNING_RATE = 1.0", "TARGET_EPSILON = 1.0",
         "train.accountant = 'rdp'")  # σ 0.775; PLD's 0.456 is too near the sum
-  ledger = checkpoints.run_ledger(str(model_dir))
+  ledger = verify.run_ledger(str(model_dir))
   update = np.concatenate([
       (np.asarray(a, np.float64) - np.asarray(b, np.float64)).ravel()
       for a, b in zip(jax.tree.leaves(jax.device_get(spy.state.params)),

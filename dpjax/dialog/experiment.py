@@ -50,7 +50,7 @@ import gin
 import numpy as np
 
 import tasks
-from dpjax import checkpoints, fileio, gin_cli, harness, inference, run_config
+from dpjax import fileio, gin_cli, harness, inference, run_config, verify
 from dpjax.datasets import multidogo
 from dpjax.dialog import classifier, lira
 from dpjax.text import redaction
@@ -296,7 +296,7 @@ def _policies(names: Sequence[str], data: multidogo_tasks.MultidogoConfig
 def _epsilon(target: dict, model_dir: str) -> float:
   if not target["private_only"]:
     return math.inf
-  return checkpoints.run_ledger(model_dir).epsilon_spent()
+  return verify.run_ledger(model_dir).epsilon_spent()
 
 
 def _rows(target: dict, summary: dict, model_dir: str, evaluation: dict,

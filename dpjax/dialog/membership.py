@@ -45,7 +45,7 @@ import numpy as np
 from sklearn import metrics as sk_metrics
 
 import tasks
-from dpjax import checkpoints, fileio, gin_cli, harness, inference, run_config
+from dpjax import fileio, gin_cli, harness, inference, run_config, verify
 from dpjax.dialog import lira
 
 FPRS = (0.01, 0.1)
@@ -224,7 +224,7 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
                                          batch_size=batch_size)
         perplexities.append(float(np.exp(v_sums.sum() / v_counts.sum())))
         epsilons.append(math.inf if setting == "nonprivate" else
-                        checkpoints.run_ledger(run_dir).epsilon_spent())
+                        verify.run_ledger(run_dir).epsilon_spent())
       fileio.write_atomic(cached, json.dumps(dict(
           scores=np.asarray(scores).tolist(), perplexity=perplexities,
           epsilon_spent=epsilons)))

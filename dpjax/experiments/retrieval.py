@@ -53,7 +53,7 @@ import gin
 import numpy as np
 
 import tasks  # noqa: F401  (gin configurables of the data layer)
-from dpjax import checkpoints, fileio, gin_cli, harness, inference
+from dpjax import fileio, gin_cli, harness, inference, verify
 from dpjax import trainer  # noqa: F401  (gin configurables)
 from dpjax.datasets import msmarco
 from dpjax.eval import encoding, retrieval
@@ -140,7 +140,7 @@ def text_quality(synthetic_jsonl: str, data_dir: str | None,
 
 
 def _privacy(model_dir: str) -> dict:
-  ledger = checkpoints.run_ledger(model_dir)
+  ledger = verify.run_ledger(model_dir)
   return {"epsilon_spent": ledger.epsilon_spent(), "delta": ledger.delta}
 
 

@@ -34,4 +34,4 @@ def _add_arguments(parser) -> None:
 
 
 if __name__ == "__main__":
-  gin_cli.exit_on_user_error(main, train.user_errors())
+  gin_cli.run_command(main, train.user_errors())

@@ -13,7 +13,8 @@ independent key per purpose (keyed BLAKE2b, so one purpose's key says
 nothing about another's): `noise_key()` (128 bits for `noise.privatizer`:
 two independent 64-bit threefry keys, since threefry's key is 64 bits),
 `sampling_seed()` (Poisson or shuffle sampling) and `purpose_key(name)`
-(e.g. SeqPATE's stored aggregator noise). Randomness the guarantee does not
+(e.g. SeqPATE's stored aggregator noise) and `meta_key()` (the MAC of each
+checkpoint's meta: `dpjax.checkpoints`). Randomness the guarantee does not
 rest on (initialisation, dropout, the public coins of a redaction schedule,
 public batches) keeps the configured `seed`.
 
@@ -88,6 +89,10 @@ class RunSecret:
   def sampling_seed(self, purpose: str = "sampling") -> int:
     """A 256-bit integer for `numpy.random.SeedSequence` (the samplers)."""
     return int.from_bytes(self.purpose_key(purpose), "little")
+
+  def meta_key(self) -> bytes:
+    """The HMAC key that authenticates the run's checkpoint metas."""
+    return self.purpose_key("checkpoint-meta-mac")
 
   # --- The file in MODEL_DIR. ----------------------------------------------
   def save(self, directory: str) -> str:

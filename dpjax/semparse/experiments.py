@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dpjax import checkpoints, fileio, harness, plan as plan_lib, run_config
+from dpjax import fileio, harness, plan as plan_lib, run_config, verify
 from dpjax.datasets import semparse
 from dpjax.semparse import pipeline
 from tasks import semparse as semparse_tasks
@@ -132,7 +132,7 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
                [semparse_tasks.domain_prompt(d) for d in rng.choice(domains, num)])
     utterances = pipeline.generate_texts(final_dir, prompts, num_beams=5,
                                          **gen)
-  ledger = checkpoints.run_ledger(final_dir)
+  ledger = verify.run_ledger(final_dir)
   privacy = {"epsilon_spent": ledger.epsilon_spent(), "delta": ledger.delta,
              "noise_multiplier": ledger.noise_multiplier,
              "dp_steps": t1 + t2}

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import checkpoints, train_step
-from dpjax.privacy import ledger as ledger_lib, sampling
+from dpjax import checkpoints, train_step, verify
+from dpjax.privacy import ledger as ledger_lib, sampling, secret as secret_lib
 
 STEPS = (2, 4, 6)
 
@@ -34,20 +34,31 @@ def ledger_at(step: int) -> ledger_lib.PrivacyLedger:
   return ledger
 
 
+PLAN = {"dataset_size": 1000, "batch_size": 10, "steps": 8,
+        "sampling": "poisson", "clip_norm": 1.0, "delta": 1e-5,
+        "target_epsilon": 10.0, "noise_multiplier": 1.0, "accountant": "rdp",
+        "seed": 0, "noise_multiplier_given": True}
+SECRET = secret_lib.RunSecret.pinned(5)
+KEY = SECRET.meta_key()
+
+
 def meta_at(step: int) -> checkpoints.RunMeta:
+  ledger = ledger_at(step).to_json()
   return checkpoints.RunMeta(
-      ledger=ledger_at(step).to_json(), plan={}, model_class="T5Config",
-      model_config={}, sampler={}, mixture_or_task_name="task",
+      ledger=ledger, plan=PLAN, model_class="T5Config",
+      model_config={}, sampler=ledger["sampling"],
+      mixture_or_task_name="task",
       data_position=checkpoints.DataPosition(step=step, seed=0, dp_steps=step),
       task_feature_lengths={})
 
 
 @pytest.fixture
 def model_dir(tmp_path):
+  SECRET.save(str(tmp_path))
   mngr = checkpoints.manager(str(tmp_path))
   for step in STEPS:
     checkpoints.save(mngr, step, state_at(step),
-                     meta_at(step), str(tmp_path))
+                     meta_at(step), str(tmp_path), KEY)
   mngr.close()
   return tmp_path
 
@@ -78,7 +89,7 @@ def test_unreadable_newest_falls_back_to_the_previous(model_dir, corrupt,
   corrupt(str(model_dir / "checkpoints" / "6"))
   mngr = checkpoints.manager(str(model_dir))
   step, state, meta = checkpoints.restore_newest(mngr, state_at(0),
-                                                 str(model_dir))
+                                                 str(model_dir), KEY)
   assert step == 4
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(state_at(4))):
     np.testing.assert_array_equal(got, want)
@@ -90,8 +101,8 @@ def test_unreadable_newest_falls_back_to_the_previous(model_dir, corrupt,
   assert os.listdir(model_dir / checkpoints.CORRUPT_DIRNAME) == ["6"]
   assert mngr.all_steps() == [2, 4]
   checkpoints.save(mngr, 6, state_at(6), meta_at(6),
-                   str(model_dir))
-  assert checkpoints.latest_meta(mngr)[0] == 6
+                   str(model_dir), KEY)
+  assert verify.newest(mngr, KEY)[0] == 6
   assert ledger_lib.PrivacyLedger.load(
       model_dir / ledger_lib.LEDGER_FILENAME).steps == 6
   mngr.close()
@@ -100,7 +111,7 @@ def test_unreadable_newest_falls_back_to_the_previous(model_dir, corrupt,
 
 def test_missing_meta_is_skipped_when_planning(model_dir):
   drop_meta(str(model_dir / "checkpoints" / "6"))
-  step, meta = checkpoints.latest_meta(checkpoints.manager(str(model_dir)))
+  step, meta = verify.run_meta(str(model_dir))
   assert step == 4 and meta.ledger["steps"] == 4
 
 
@@ -111,21 +122,22 @@ def test_nothing_readable_raises_and_moves_nothing(model_dir):
   mngr = checkpoints.manager(str(model_dir))
   with pytest.raises(checkpoints.UnreadableCheckpointError,
                      match="step 6: .*step 4: .*step 2: "):
-    checkpoints.restore_newest(mngr, state_at(0), str(model_dir))
+    checkpoints.restore_newest(mngr, state_at(0), str(model_dir), KEY)
   assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4", "6"]
   assert not (model_dir / checkpoints.CORRUPT_DIRNAME).exists()
   mngr.close()
   gc.collect()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_all_metas_unreadable_refuses_instead_of_starting_over(model_dir):
   for step in STEPS:
     drop_meta(str(model_dir / "checkpoints" / str(step)))
   mngr = checkpoints.manager(str(model_dir))
   with pytest.raises(checkpoints.UnreadableCheckpointError,
-                     match="no checkpoint in .* reads back .*step 6: .*"
+                     match="no checkpoint in .* reads back .*step 6 .*"
                            "Move that directory aside"):
-    checkpoints.latest_meta(mngr)
+    verify.newest(mngr, KEY)
   mngr.close()
 
 
@@ -136,7 +148,7 @@ def test_a_save_orbax_declines_is_an_error(model_dir):
   mngr = checkpoints.manager(str(model_dir))
   with pytest.raises(checkpoints.CheckpointSaveError, match="step 6"):
     checkpoints.save(mngr, 6, state_at(6), meta_at(6),
-                     str(model_dir))
+                     str(model_dir), KEY)
   assert ledger_lib.PrivacyLedger.load(
       model_dir / ledger_lib.LEDGER_FILENAME).steps == 6  # not rewritten
   mngr.close()
@@ -154,7 +166,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_leaves_no_temporary(
   monkeypatch.setattr(type(mngr), "save", disk_full)
   with pytest.raises(checkpoints.CheckpointSaveError) as e:
     checkpoints.save(mngr, 8, state_at(8), meta_at(8),
-                     str(model_dir))
+                     str(model_dir), KEY)
   assert "step 8" in str(e.value) and "No space left" in str(e.value)
   assert "\n" not in str(e.value)
   assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4", "6"]
@@ -180,8 +192,9 @@ def test_a_checkpoint_with_the_counter_in_the_optimizer_state_resumes(tmp_path):
   want = state_at(6)._replace(noise_count=jnp.int32(5))
   legacy = _LegacyState(want.step, want.params,
                         (_LegacyNoiseState(want.noise_count), want.opt_state))
-  checkpoints.save(mngr, 6, legacy, meta_at(6), str(tmp_path))
-  step, state, _ = checkpoints.restore_newest(mngr, state_at(0), str(tmp_path))
+  checkpoints.save(mngr, 6, legacy, meta_at(6), str(tmp_path), KEY)
+  step, state, _ = checkpoints.restore_newest(mngr, state_at(0), str(tmp_path),
+                                              KEY)
   mngr.close()
   assert step == 6 and isinstance(state, train_step.TrainState)
   jax.tree.map(np.testing.assert_array_equal, state, want)

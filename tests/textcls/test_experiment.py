@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from dp_accounting import pld
 
-from dpjax import checkpoints, gin_cli, trainer
+from dpjax import checkpoints, gin_cli, trainer, verify
 from dpjax.models import gpt2_disc, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.textcls import __main__ as cli, experiment
@@ -75,7 +75,7 @@ def _ledger(out_dir, kind):
 
 
 def _params(out_dir, kind):
-  mngr, step, _ = checkpoints.read_run(experiment.run_dir(out_dir, kind, 8.0))
+  mngr, step, _ = verify.read_run(experiment.run_dir(out_dir, kind, 8.0))
   return checkpoints.restore_params(mngr, step)
 
 
@@ -109,7 +109,7 @@ def test_head_only_run_changes_only_the_head(out_dir):
 
 
 def _head_config(out_dir):
-  _, _, meta = checkpoints.read_run(experiment.run_dir(out_dir, "baseline_disc", 8.0))
+  _, _, meta = verify.read_run(experiment.run_dir(out_dir, "baseline_disc", 8.0))
   return trainable.config_from_json(meta.model_class, meta.model_config)
 
 
@@ -128,7 +128,7 @@ def test_init_from_run_reads_the_lm_and_initialises_the_head(out_dir):
   model = trainable.trainable(config, {"inputs": 3, "targets": 32})
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = jax.tree.map(lambda _: device, model.abstract_params()[0])
-  mngr, step, _ = checkpoints.read_run(experiment.run_dir(out_dir, "baseline_lm", 8.0))
+  mngr, step, _ = verify.read_run(experiment.run_dir(out_dir, "baseline_lm", 8.0))
   params = checkpoints.init_from_run(model, mngr, step, shardings, seed=3)
   jax.tree.map(np.testing.assert_array_equal, gpt2_disc.lm_params(params),
                _params(out_dir, "baseline_lm"))
