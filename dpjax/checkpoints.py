@@ -123,8 +123,8 @@ class RunMeta:
   def from_json(cls, meta: Any, step: int, key: bytes) -> "RunMeta":
     """The meta of checkpoint `step`, after checking its MAC with `key`
     (`RunSecret.meta_key()`); checkpoints from before a field was saved
-    read back with its old meaning (no split of the steps: all DP; no
-    tokenizer files: the task's own)."""
+    read back with its old meaning (no class: T5; no split of the steps:
+    all DP; no tokenizer files: the task's own)."""
     if not isinstance(meta, dict) or "ledger" not in meta:
       raise UnreadableCheckpointError(f"checkpoint {step} has no run metadata")
     check_mac(meta, key, step)

@@ -21,6 +21,8 @@ import tokenize
 import gin
 import numpy as np
 
+from dpjax import reporting
+
 REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "gin")
 
@@ -209,7 +211,6 @@ def run_command(fn, user_errors=(UsageError,)):
   """A command's `__main__`: libraries' log records and teardown tracebacks
   kept off the console (`reporting.keep_libraries_off_the_console`), then
   `exit_on_user_error(fn, user_errors)`."""
-  from dpjax import reporting  # imports jax: not before the flags are read
   reporting.keep_libraries_off_the_console()
   return exit_on_user_error(fn, user_errors)
 

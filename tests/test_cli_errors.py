@@ -10,9 +10,12 @@ import subprocess
 import sys
 
 import gin
+import jax
+import numpy as np
 import pytest
 
-from dpjax import gin_cli, infer, inference, plan as plan_lib, train
+from dpjax import gin_cli, infer, inference, plan as plan_lib, train, verify
+from tests import test_outsider, test_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Short features: the one case that reads the data tokenises it quickly.
@@ -270,3 +273,50 @@ def test_infer_subprocess_refuses_top_p(tmp_path):
   assert proc.stderr.strip().splitlines()[-1].startswith("error: --top_p")
   assert "Traceback" not in proc.stderr
   assert not model_dir.exists()
+
+
+# --- A save that fails keeps its cause. --------------------------------------
+
+_FULL_DISK_SIZE = "2m"  # the step-1 checkpoint fits, the step-2 one does not
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+  os.makedirs(path, exist_ok=True)
+  return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}",
+                         "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def test_a_full_disk_is_one_line_with_the_os_error_and_the_rerun_resumes(
+    tmp_path):
+  disk = tmp_path / "disk"
+  if not _mount_tmpfs(disk, _FULL_DISK_SIZE):
+    pytest.skip("mounting a tmpfs needs CAP_SYS_ADMIN")
+  try:
+    model_dir = disk / "run"
+    pinned = "train.pinned_secret_seed = 11"
+    flags = [f"--gin.{b.replace(' = ', '=', 1)}" for b in
+             [*test_outsider.RUN, "TRAIN_STEPS = 2", pinned]]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpjax.train", "--gin_file=quickstart.gin",
+         f"--gin.MODEL_DIR='{model_dir}'", *flags], capture_output=True,
+        text=True, cwd=test_trainer.REPO, timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [l for l in proc.stderr.splitlines()
+            if l.startswith(("error", "Traceback", "ERROR", "RuntimeError"))]
+    assert ours == [proc.stderr.splitlines()[-1]], proc.stderr[-3000:]
+    assert ours[0].startswith("error: saving the checkpoint at step 2 ")
+    assert "No space left on device [Errno 28]" in ours[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert os.listdir(model_dir / "checkpoints") == ["1"]
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    test_outsider.run(model_dir, "TRAIN_STEPS = 2", pinned)
+    test_outsider.run(tmp_path / "reference", "TRAIN_STEPS = 2", pinned)
+    assert (verify.run_ledger(str(model_dir)).to_json()
+            == verify.run_ledger(str(tmp_path / "reference")).to_json())
+    jax.tree.map(np.testing.assert_array_equal,
+                 test_trainer.restored_params(model_dir),
+                 test_trainer.restored_params(tmp_path / "reference"))
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -1,4 +1,5 @@
-"""Privacy against someone who has the code, and a ledger that cannot lie.
+"""Privacy against someone who has the code, and a ledger that cannot lie:
+an edited run is refused by every command that reads its ε.
 
 The outsider's attack: with the public code, a run's release and its public
 files, regenerate the noise of a DP-SGD step and subtract it. Before the run
@@ -18,9 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import checkpoints, export, gin_cli, inference, pretrained, trainer, verify
+from dpjax import (checkpoints, export, gin_cli, infer, inference, pretrained,
+                   train, trainer, verify)
 from dpjax.models import trainable
-from dpjax.privacy import ledger as ledger_lib, noise, sampling, secret
+from dpjax.privacy import accounting, ledger as ledger_lib, noise, sampling
+from dpjax.privacy import secret
 
 RUN = [
     # From random weights: the outsider rebuilds the first update from init.
@@ -205,6 +208,154 @@ def test_crash_between_checkpoint_and_ledger_file(runs, tmp_path, capsys):
   run(d, "TRAIN_STEPS = 2")
   assert "repaired" in capsys.readouterr().out
   assert _file_ledger(d)["steps"] == 2
+
+
+# Every command that reads a run's ε refuses a run whose recorded state was
+# edited (`dpjax.verify`), writing nothing. Each tamper is tried twice: as
+# written by anything without the run's secret (the meta's MAC refuses it),
+# and signed again with the secret (the consistency checks refuse it: what a
+# MAC cannot catch, e.g. a slip in dpjax itself).
+
+META = os.path.join("checkpoints", "2", "meta", "metadata")
+
+
+def _events_of(ledger: dict, steps: int, scale: float = 1.0) -> list[dict]:
+  """The events `steps` Poisson DP steps at σ·scale record."""
+  sigma = ledger["noise_multiplier"] * scale
+  return [accounting.PoissonGaussian(ledger["sampling"]["sampling_rate"],
+                                     (sigma,), steps).to_json()]
+
+
+def no_events(meta):
+  meta["ledger"]["events"] = []
+
+
+def half_the_steps(meta):
+  meta["ledger"]["steps"] = 1
+  meta["ledger"]["events"] = _events_of(meta["ledger"], 1)
+
+
+def steps_and_data_position(meta):
+  half_the_steps(meta)
+  meta["data_position"].update(dp_steps=1, public_steps=1)
+
+
+def doubled_sigma(meta):
+  """σ doubled consistently in the ledger, its events and the plan: before,
+  training resumed at 2σ and reported ε 0.74 of 3.0 for a true 2.66."""
+  meta["ledger"]["events"] = _events_of(meta["ledger"], 2, scale=2.0)
+  meta["ledger"]["noise_multiplier"] *= 2
+  meta["plan"]["noise_multiplier"] *= 2
+
+
+TAMPERS = {  # tamper -> what the consistency checks say once it is re-signed
+    no_events: "its events are []",
+    half_the_steps: "the ledger's DP steps 1, the data position's 2",
+    steps_and_data_position: "the ledger's DP steps 1, the data position's 1, "
+                             "the optimizer's noise counter 2",
+    doubled_sigma: "is not what calibration gives",
+}
+
+
+def _tampered(runs, tmp_path, tamper, *, sign: bool):
+  d = _copy(runs, tmp_path)
+  meta = json.loads((d / META).read_text())
+  tamper(meta)
+  if sign:  # by someone holding the secret: a slip the MAC cannot catch
+    meta = checkpoints.signed(meta, verify.meta_key(str(d)))
+  (d / META).write_text(json.dumps(meta))
+  return d
+
+
+def _flipped_byte(runs, tmp_path):
+  """One digit of the ledger changed in place: still JSON, still readable."""
+  d = _copy(runs, tmp_path)
+  text = (d / META).read_bytes()
+  at = text.index(b'"noise_multiplier": ') + len(b'"noise_multiplier": ') + 2
+  assert text[at:at + 1].isdigit()
+  (d / META).write_bytes(text[:at] + bytes([48 + (text[at] - 47) % 10])
+                         + text[at + 1:])
+  return d
+
+
+def _files(d) -> dict:
+  return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*")
+          if p.is_file()}
+
+
+def _refused_by_every_command(d, tmp_path, capsys) -> list[str]:
+  """train, export and infer on `d`: each exits 2 with one `error:` line and
+  writes nothing (the run directory byte for byte, no output directory)."""
+  before = _files(d)
+  lines = []
+  commands = (
+      (lambda: run(d, "TRAIN_STEPS = 2"), train.user_errors()),
+      (lambda: export.main([f"--model_dir={d}",
+                            f"--output_dir={tmp_path / 'release'}"]),
+       (gin_cli.UsageError,)),
+      (lambda: infer.main([f"--model_dir={d}",
+                           f"--output_dir={tmp_path / 'synthetic'}"]),
+       infer.user_errors()))
+  for command, errors in commands:
+    gin.clear_config()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+      gin_cli.exit_on_user_error(command, errors)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    lines.append(err.strip())
+  assert _files(d) == before
+  assert sorted(os.listdir(tmp_path)) == ["run"]
+  return lines
+
+
+@pytest.mark.parametrize("tamper", list(TAMPERS), ids=lambda t: t.__name__)
+def test_an_edit_without_the_secret_is_refused_by_every_command(
+    runs, tmp_path, capsys, tamper):
+  d = _tampered(runs, tmp_path, tamper, sign=False)
+  for line in _refused_by_every_command(d, tmp_path, capsys):
+    assert "its MAC does not verify under the run's secret" in line
+
+
+def test_a_flipped_byte_in_the_meta_is_refused_by_every_command(
+    runs, tmp_path, capsys):
+  d = _flipped_byte(runs, tmp_path)
+  for line in _refused_by_every_command(d, tmp_path, capsys):
+    assert "checkpoint 2's meta" in line and "MAC does not verify" in line
+
+
+@pytest.mark.parametrize("tamper", list(TAMPERS), ids=lambda t: t.__name__)
+def test_a_signed_edit_is_refused_by_the_consistency_checks(
+    runs, tmp_path, capsys, tamper):
+  d = _tampered(runs, tmp_path, tamper, sign=True)
+  for line in _refused_by_every_command(d, tmp_path, capsys):
+    assert "checkpoint 2 does not account for its releases" in line
+    assert TAMPERS[tamper] in line
+
+
+def test_doubled_sigma_would_have_understated_epsilon(runs):
+  """What the refusal prevents, by dp-accounting directly: the edited
+  ledger's ε is far below the run's."""
+  meta = json.loads((runs / "a" / META).read_text())
+  true = verify.run_ledger(str(runs / "a"))
+  doubled_sigma(meta)
+  edited = accounting.epsilon(
+      [accounting.event_from_json(e) for e in meta["ledger"]["events"]],
+      true.delta, true.accountant)
+  assert edited < 0.5 * true.epsilon_spent()
+
+
+def test_an_untampered_run_passes_and_a_missing_secret_is_refused(
+    runs, tmp_path):
+  step, meta = verify.run_meta(str(runs / "a"))
+  assert step == 2 and meta.ledger["steps"] == 2
+  d = _copy(runs, tmp_path)
+  (d / "secret_key.json").unlink()
+  with pytest.raises(verify.UnverifiedRunError,
+                     match="secret_key.json is missing: the run's checkpoints "
+                           "cannot be authenticated"):
+    verify.run_ledger(str(d))
 
 
 def test_unreadable_metas_refuse_the_run_and_infer(runs, tmp_path):
