@@ -12,7 +12,15 @@ CPU) and prints one JSON line:
   microbatch_size, accumulation_calls (microbatches per step), mesh, rules,
   compute_dtype, params, peak_bytes_per_device (compiled), state_bytes,
   device_memory_bytes, fits, flops_per_step and bytes_accessed_per_step
-  (XLA cost analysis), backend, device_kind;
+  (XLA cost analysis, per device), backend, device_kind, devices;
+
+with a compile target (`--target=tpu:v4:2x2x4`, `dpjax.targets`) all of it
+for the target's devices and memory, compiled by its compiler on this host,
+plus target, chips, step_time_estimate_s (the TPU compiler's estimate of
+k x accumulate + apply), projected_wall_s (that times the steps left) and
+mfu (the step's FLOPs per device over that time at the chip's peak); a
+run that does not fit the target's memory is then refused (exit 2, the
+figures in one line), so that the dry run is a launch's preflight;
 
 and with `steps=K` (`--dry_run_steps=K`) it also initialises the params,
 runs K real steps (their releases go nowhere: nothing is saved) and adds
@@ -28,6 +36,7 @@ the line records the XLA_FLAGS it was compiled with.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -35,8 +44,8 @@ import time
 
 import jax
 
-from dpjax import (distributed, partitioning, run_config, sizing, step_cost,
-                   trainer, train_step)
+from dpjax import (distributed, gin_cli, partitioning, run_config, sizing,
+                   step_cost, targets, trainer, train_step)
 from dpjax.privacy import clipping_method as clipping_lib
 
 RunConfig = run_config.RunConfig
@@ -65,12 +74,26 @@ def clipping_method(built: trainer.Built) -> str:
       trainable=model.trainable_mask and model.trainable_mask(abstract))
 
 
-def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
+def dry_run(config: RunConfig | None = None, steps: int = 0,
+            target: str | None = None) -> dict:
   """The run's plan and compiled cost as one JSON line (printed and
-  returned); with `steps` > 0, also K timed steps. Writes nothing."""
+  returned); with `steps` > 0, also K timed steps; with `target` (a
+  `dpjax.targets` spec), for that TPU slice. Writes nothing."""
   config = config or RunConfig()
+  if target and steps:
+    raise gin_cli.UsageError(
+        f"--dry_run_steps runs steps on this host; --target {target} "
+        "compiles for devices that are not here: use one or the other")
+  compile_target = targets.resolve(target) if target else None
   distributed.initialize()
-  built = trainer.build(config, dry_run=True)
+  with (targets.without_persistent_cache() if compile_target
+        else contextlib.nullcontext()):
+    return _dry_run(config, steps, compile_target)
+
+
+def _dry_run(config: RunConfig, steps: int,
+             compile_target: targets.Target | None) -> dict:
+  built = trainer.build(config, dry_run=True, target=compile_target)
   plan, choice, mesh = built.plan, built.sizing, built.mesh
   m, k = choice.microbatch_size, choice.accumulation_steps
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1,
@@ -80,11 +103,12 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
   cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
                              batch_sharding=batch_sh, mask_sharding=mask_sh,
                              with_flops=True)
-  memory, source = sizing.device_memory(config.device_memory)
+  memory, source = sizing.device_memory(config.device_memory,
+                                        compile_target)
   limit = int(memory * config.memory_headroom)
   start = built.resume[0] if built.resume else 0
   abstract = built.placed.abstract_state.params
-  device = jax.devices()[0]
+  device = mesh.devices.flat[0]
   record = {
       "n": plan.privacy.dataset_size,
       "q": plan.privacy.batch_size / plan.privacy.dataset_size,
@@ -112,9 +136,12 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
       "flops_per_step": cost.flops,
       "bytes_accessed_per_step": cost.bytes_accessed,
       "backend": device.platform, "device_kind": device.device_kind,
-      "devices": jax.device_count(),
+      "devices": mesh.devices.size,
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
+  if compile_target:
+    record.update(_target_estimates(compile_target, cost,
+                                    built.plan.steps - start))
   if steps:
     record.update(_timed_steps(built, steps, start))
   if built.mngr is not None:
@@ -123,7 +150,26 @@ def dry_run(config: RunConfig | None = None, steps: int = 0) -> dict:
     built.init_run[0].close()
   if distributed.is_primary():
     print(json.dumps(record), flush=True)
+  if compile_target and not record["fits"]:  # a preflight's answer: no
+    raise gin_cli.UsageError(
+        f"the run does not fit {compile_target.spec}: peak "
+        f"{cost.peak_bytes / 2**30:.2f} GiB per device at microbatch {m} "
+        f"({record['remat']} remat), {limit / 2**30:.2f} GiB usable "
+        f"({source} x train.memory_headroom {config.memory_headroom})")
   return record
+
+
+def _target_estimates(target: targets.Target, cost: step_cost.StepCost,
+                      steps_left: int) -> dict:
+  """What the target's compiler says of the step's time (None where it
+  gives no estimate), the run's projected wall time and the MFU at it."""
+  seconds = cost.seconds
+  return {"target": target.spec, "chips": target.chips,
+          "peak_flops_per_device": target.peak_flops,
+          "step_time_estimate_s": seconds,
+          "projected_wall_s": None if seconds is None else seconds * steps_left,
+          "mfu": (None if not seconds else
+                  cost.flops / (seconds * target.peak_flops))}
 
 
 def _timed_steps(built: trainer.Built, steps: int, start: int) -> dict:

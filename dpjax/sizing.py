@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from dpjax import checkpoints, fileio, gin_cli, partitioning, reporting
-from dpjax import step_cost
+from dpjax import step_cost, targets
 
 FILENAME = "auto_sizing.json"
 AUTO = "auto"
@@ -64,10 +64,15 @@ def parse_bytes(value: int | float | str) -> int:
       f"like '80GiB' or '16GB', got {value!r}")
 
 
-def device_memory(setting: int | float | str | None) -> tuple[int, str]:
-  """(bytes one device may use, where that figure came from)."""
+def device_memory(setting: int | float | str | None,
+                  target: targets.Target | None = None) -> tuple[int, str]:
+  """(bytes one device may use, where that figure came from):
+  `train.device_memory`, else a compile target's HBM per device, else this
+  backend's."""
   if setting is not None:
     return parse_bytes(setting), "train.device_memory"
+  if target is not None:
+    return target.memory_bytes, f"{target.spec} HBM per device"
   stats = jax.local_devices()[0].memory_stats() or {}
   if stats.get("bytes_limit"):
     return int(stats["bytes_limit"]), "backend bytes_limit"
@@ -222,7 +227,8 @@ def with_remat(model_config, remat: str):
 
 
 def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
-               place: Callable[[str], Any], model_dir: str, dry_run: bool
+               place: Callable[[str], Any], model_dir: str, dry_run: bool,
+               target: targets.Target | None = None
                ) -> tuple[Choice, str | None]:
   """(the microbatch and remat a run uses, the fingerprint of an automatic
   choice): `config`'s (a `RunConfig`) as given, or `choose`'s over the
@@ -241,10 +247,10 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
         microbatch_size=sizes[0], remat=None,
         accumulation_steps=-(-max_batch // sizes[0]), peak_bytes=None,
         limit_bytes=None, memory_source=None), None
-  memory, source = device_memory(config.device_memory)
+  memory, source = device_memory(config.device_memory, target)
   limit = int(memory * config.memory_headroom)
   key = fingerprint(
-      model=checkpoints.config_json(config.model_config),
+      mesh, model=checkpoints.config_json(config.model_config),
       lengths=config.task_feature_lengths, max_batch=max_batch,
       microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
       clipping=config.clipping_method, optimizer=config.optimizer,
@@ -299,11 +305,13 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
   return choice, key
 
 
-def fingerprint(**facts: Any) -> str:
-  """A digest of what a choice depends on, with the backend and jax version."""
-  devices = jax.devices()
-  facts.update(jax=jax.__version__, platform=devices[0].platform,
-               device_kind=devices[0].device_kind, devices=len(devices))
+def fingerprint(device_mesh, **facts: Any) -> str:
+  """A digest of what a choice depends on, with the mesh's devices (the
+  backend's, or a compile target's) and the jax version."""
+  device = device_mesh.devices.flat[0]
+  facts.update(jax=jax.__version__, platform=device.platform,
+               device_kind=device.device_kind,
+               devices=device_mesh.devices.size)
   text = json.dumps(facts, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()
 

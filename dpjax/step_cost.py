@@ -46,14 +46,17 @@ def memory_analysis(compiled) -> dict:
 
 
 def cost_analysis(compiled) -> dict:
-  """XLA's `flops` and `bytes_accessed` of a compiled program, and the while
+  """XLA's `flops` and `bytes_accessed` of a compiled program, the while
   loops left in it (`while_loops`: XLA counts a loop's body once, whatever
-  its trip count)."""
+  its trip count) and, where the compiler estimates it (TPU), the program's
+  time (`seconds`: None where it does not, or cannot: a `while` loop)."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
     (analysis,) = analysis
+  seconds = analysis.get("optimal_seconds")
   return {"flops": float(analysis["flops"]),
           "bytes_accessed": float(analysis["bytes accessed"]),
+          "seconds": float(seconds) if seconds and seconds > 0 else None,
           "while_loops": len(re.findall(r"\swhile\(", compiled.as_text()))}
 
 
@@ -77,6 +80,7 @@ class StepCost:
   state_bytes: int  # per device: params, optimizer state, counters
   flops: float | None = None  # None unless asked for (`with_flops`)
   bytes_accessed: float | None = None
+  seconds: float | None = None  # the compiler's estimate (TPU), if any
 
 
 def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
@@ -93,8 +97,11 @@ def logical_step(accumulate, apply, k: int) -> dict:
   one microbatch); the parts' analyses under `parts`."""
   parts = {"accumulate": cost_analysis(accumulate),
            "apply": cost_analysis(apply)}
-  return {**{f: k * parts["accumulate"][f] + parts["apply"][f]
-             for f in ("flops", "bytes_accessed")}, "parts": parts}
+  total = {f: k * parts["accumulate"][f] + parts["apply"][f]
+           for f in ("flops", "bytes_accessed")}
+  times = [parts[p]["seconds"] for p in parts]
+  total["seconds"] = (None if None in times else k * times[0] + times[1])
+  return {**total, "parts": parts}
 
 
 def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
@@ -111,25 +118,30 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
                                sharding=batch_sharding)
        for f, x in batch_rows.items()},
       jax.ShapeDtypeStruct((kk, m), np.float32, sharding=mask_sharding))
-  index = jax.ShapeDtypeStruct((), np.int32)
+  # Scalars and the key replicated on the batch's mesh (a compile target's
+  # devices are not the default device).
+  replicated = jax.sharding.NamedSharding(batch_sharding.mesh,
+                                          jax.sharding.PartitionSpec())
+  index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
   grads = abstract_like(jax.eval_shape(placed.zero_grads, state.params),
                         placed.grads_shardings)
   accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
                                        index, state.clip_norms).compile()
   apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
-      (4,), np.uint32)).compile()  # the noise key: uint32[4]
+      (4,), np.uint32, sharding=replicated)).compile()  # the noise key
   state_bytes = device_bytes(state)
   resident = state_bytes - device_bytes(state.params)  # not accumulate's args
   acc_peak = memory_analysis(accumulate)["peak_estimate_bytes"] + resident
   apply_peak = memory_analysis(apply)["peak_estimate_bytes"]
-  flops = bytes_accessed = None
+  flops = bytes_accessed = seconds = None
   if with_flops:
     one = (accumulate if k == 1 else placed.accumulate.lower(
         state.params, grads, *group(1), index, index,
         state.clip_norms).compile())
     total = logical_step(one, apply, k)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
+    seconds = total["seconds"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),
                   accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
                   state_bytes=state_bytes, flops=flops,
-                  bytes_accessed=bytes_accessed)
+                  bytes_accessed=bytes_accessed, seconds=seconds)

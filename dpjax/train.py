@@ -2,7 +2,7 @@
 
   python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin \\
       [--gin_file=G ...] [--gin.NAME=VALUE ...] [--gin_bindings='NAME = VALUE']
-      [--dry_run [--dry_run_steps=K]]
+      [--dry_run [--dry_run_steps=K | --target=tpu:v5e:16x16]]
 
 The work is done by `dpjax.trainer.train`, configured by gin; this module only
 parses the command line (it is kept apart so gin sees one `train`).
@@ -30,8 +30,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if args.dry_run or args.dry_run_steps:
     dry_run.use_memory_scheduler()  # before the backend starts
   gin_cli.configure(files, bindings, args.gin_search_paths)
+  if args.target and not args.dry_run:
+    raise gin_cli.UsageError("--target plans a run for other devices: use it "
+                             "with --dry_run")
   if args.dry_run or args.dry_run_steps:
-    return dry_run.dry_run(steps=args.dry_run_steps)
+    return dry_run.dry_run(steps=args.dry_run_steps, target=args.target)
   return trainer.train()
 
 
@@ -44,6 +47,10 @@ def _add_arguments(parser) -> None:
       "--dry_run_steps", type=int, default=0, metavar="K",
       help="with --dry_run: also run K real steps (nothing is saved) and "
            "report the step time and the projected wall time of the run")
+  parser.add_argument(
+      "--target", metavar="tpu:GEN:TOPOLOGY",
+      help="with --dry_run: plan and compile for a TPU slice from this host "
+           "(e.g. tpu:v5e:16x16, tpu:v4:2x2x4; needs the [tpu] extra)")
 
 
 def user_errors() -> tuple[type[Exception], ...]:

@@ -60,7 +60,7 @@ import numpy as np
 from dpjax import (checkpoints, distributed, fileio, gin_cli, inference, loop,
                    padding, partitioning, plan as plan_lib, prefetch, pretrained,
                    reporting, run_config, sizing as sizing_lib, steps as steps_lib,
-                   train_step, verify)
+                   targets, train_step, verify)
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
@@ -94,11 +94,16 @@ class Built(NamedTuple):
   batch_rows: dict  # one training example's features, as abstract shapes
 
 
-def build(config: RunConfig, *, dry_run: bool = False) -> Built:
+def build(config: RunConfig, *, dry_run: bool = False,
+          target: targets.Target | None = None) -> Built:
   """Everything a run needs before its first write: inputs checked, data
   loaded, plan made (σ calibrated, budget checked), microbatch and remat
   sized, steps placed. With `dry_run` nothing is ever written: a new run's
-  secret is drawn and kept in memory only."""
+  secret is drawn and kept in memory only. `target` (a dry run's): the mesh
+  is over its devices and sized to its memory (`dpjax.targets`)."""
+  if target is not None and not dry_run:
+    raise ValueError("a compile target is for dry runs: its devices are "
+                     "not this host's")
   model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
   target_epsilon = plan_lib.check_run_inputs(config)
 
@@ -165,7 +170,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
         "does not hold against them; the ledger records the secret as pinned")
 
   # --- Steps on the mesh, sized to the device. ------------------------------
-  mesh = partitioning.make_mesh()
+  mesh = partitioning.make_mesh(devices=target and target.devices)
   rules = partitioning.logical_axis_rules()
   schedule = (config.learning_rate if config.learning_rate is not None else
               steps_lib.learning_rate_schedule(total_steps=plan.steps))
@@ -188,7 +193,7 @@ def build(config: RunConfig, *, dry_run: bool = False) -> Built:
   choice, key = sizing_lib.size_steps(
       config, plan.sampler.max_batch_size, mesh=mesh, rules=rules, rows=rows,
       place=lambda remat: place(remat)[1], model_dir=model_dir,
-      dry_run=dry_run)
+      dry_run=dry_run, target=target)
   model, placed = place(choice.remat or "none")
   return Built(
       config=config, model_dir=model_dir, target_epsilon=target_epsilon,

@@ -195,9 +195,14 @@ def test_cost_analysis_of_a_list_or_a_dict():
       return "%w = (s32[]) while(%t), condition=%c, body=%b"
 
   analysis = {"flops": 6.0, "bytes accessed": 8.0, "transcendentals": 1.0}
-  expected = {"flops": 6.0, "bytes_accessed": 8.0, "while_loops": 1}
+  expected = {"flops": 6.0, "bytes_accessed": 8.0, "seconds": None,
+              "while_loops": 1}
   assert step_cost.cost_analysis(Compiled(analysis)) == expected
   assert step_cost.cost_analysis(Compiled([analysis])) == expected
+  # The TPU compiler's estimate; negative (unknown) for a `while` program.
+  for estimate, seconds in ((2.5e-3, 2.5e-3), (-1.0, None)):
+    assert step_cost.cost_analysis(Compiled(
+        dict(analysis, optimal_seconds=estimate)))["seconds"] == seconds
 
 
 def test_residual_bytes_by_hand():

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dpjax import gin_cli, sizing
+from dpjax import gin_cli, partitioning, sizing
 from dpjax.models import gpt2, gpt2_disc, t5
 
 
@@ -172,10 +172,11 @@ def test_the_record_is_reused_only_for_the_same_fingerprint(tmp_path):
                          limit_bytes=456, memory_source="test",
                          tried=({"microbatch_size": 8, "remat": "layer",
                                  "peak_bytes": 123},))
-  key = sizing.fingerprint(model="a", max_batch=32)
+  mesh = partitioning.make_mesh()
+  key = sizing.fingerprint(mesh, model="a", max_batch=32)
   sizing.save(str(tmp_path), key, choice)
   assert sizing.load(str(tmp_path), key) == choice
-  assert sizing.load(str(tmp_path), sizing.fingerprint(model="b",
-                                                       max_batch=32)) is None
+  assert sizing.load(str(tmp_path), sizing.fingerprint(
+      mesh, model="b", max_batch=32)) is None
   (tmp_path / sizing.FILENAME).write_text("{not json")
   assert sizing.load(str(tmp_path), key) is None

@@ -1,0 +1,177 @@
+"""Planning on the hardware a run will use: `--dry_run --target=tpu:...`
+compiles the run for a TPU slice on this CPU host (libtpu, the [tpu]
+extra, is in the test extra), sized to the slice's memory, and refuses what
+does not fit it; its peak is XLA's own memory analysis of the same step
+compiled for the same devices."""
+from __future__ import annotations
+
+import json
+import os
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from dpjax import dry_run, gin_cli, step_cost, targets, train, trainer
+from dpjax.run_config import RunConfig
+
+GiB = 2**30
+TINY = [  # the quickstart's tiny T5, one layer each, short rows, 4 steps
+    "INITIAL_CHECKPOINT_PATH = None", "T5Config.vocab_size = 2000",
+    "T5Config.num_encoder_layers = 1", "T5Config.num_decoder_layers = 1",
+    "TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
+    "BATCH_SIZE = 64", "TRAIN_STEPS = 4", "train.eval_period = 0",
+    "train.generate_after_training = False"]
+
+
+def configure(model_dir, *extra) -> None:
+  gin.clear_config()
+  gin_cli.configure(["quickstart.gin"],
+                    [f"MODEL_DIR = '{model_dir}'", *TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def v5e(tmp_path_factory):
+  """A dry run of the tiny quickstart for a v5e 2x2 slice, its microbatch
+  sized automatically."""
+  model_dir = tmp_path_factory.mktemp("v5e") / "run"
+  configure(model_dir, "MICROBATCH_SIZE = 'auto'")
+  return model_dir, dry_run.dry_run(target="tpu:v5e:2x2")
+
+
+def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
+  model_dir, line = v5e
+  assert (line["backend"], line["device_kind"], line["devices"]) == (
+      "tpu", "TPU v5 lite", 4)
+  assert line["mesh"] == {"data": 4} and line["chips"] == 4
+  # Sized against the slice's HBM (16 GiB a chip), not this host's memory.
+  assert line["device_memory_bytes"] == int(
+      16 * GiB * RunConfig().memory_headroom)
+  assert line["device_memory_source"] == "tpu:v5e:2x2 HBM per device"
+  assert line["auto_sizing"] and line["fits"]
+  assert line["microbatch_size"] % 4 == 0 and line["accumulation_calls"] == 1
+  assert 0 < line["peak_bytes_per_device"] <= line["device_memory_bytes"]
+  # The compiler's own time estimate of k x accumulate + apply, and the run.
+  assert line["step_time_estimate_s"] > 0
+  assert line["projected_wall_s"] == pytest.approx(
+      4 * line["step_time_estimate_s"])
+  assert 0 < line["mfu"] < 1
+  assert not os.path.exists(model_dir)  # a dry run writes nothing
+
+
+def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
+  """An independent compile of the run's two halves over a mesh of the
+  topology's devices: arguments + outputs + temporaries - aliases, the
+  optimizer state resident during accumulate."""
+  from jax.experimental import topologies
+  _, line = v5e
+  m = line["microbatch_size"]
+  configure(tmp_path / "run", f"MICROBATCH_SIZE = {m}")
+  devices = topologies.get_topology_desc(
+      platform="tpu", topology_name="v5e:2x2").devices
+  with targets.without_persistent_cache():
+    built = trainer.build(RunConfig(), dry_run=True,
+                          target=targets.resolve("tpu:v5e:2x2"))
+  assert [(d.id, d.device_kind) for d in built.mesh.devices.flat] == [
+      (d.id, d.device_kind) for d in devices]
+  placed, k = built.placed, line["accumulation_calls"]
+  # The step's own shardings are on these device objects: a topology's
+  # devices are new objects on every call.
+  mesh = jax.sharding.Mesh(built.mesh.devices.reshape(-1), ("data",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      None, "data"))
+  one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch = {f: jax.ShapeDtypeStruct((k, m, *x.shape), x.dtype, sharding=rows)
+           for f, x in built.batch_rows.items()}
+  mask = jax.ShapeDtypeStruct((k, m), np.float32, sharding=rows)
+  index = jax.ShapeDtypeStruct((), np.int32, sharding=one)
+  state = placed.abstract_state
+  grads = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      jax.eval_shape(placed.zero_grads, state.params), placed.grads_shardings)
+
+  def peak(compiled) -> int:
+    a = compiled.memory_analysis()
+    return (a.argument_size_in_bytes + a.output_size_in_bytes
+            + a.temp_size_in_bytes - a.alias_size_in_bytes)
+
+  with targets.without_persistent_cache():
+    accumulate = placed.accumulate.lower(state.params, grads, batch, mask,
+                                         index, index,
+                                         state.clip_norms).compile()
+    apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
+        (4,), np.uint32, sharding=one)).compile()
+  optimizer_state = sum(  # what accumulate does not take but stays resident
+      int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+      for x in jax.tree.leaves((state.opt_state, state.step,
+                                state.noise_count)))
+  assert line["peak_bytes_per_device"] == max(peak(accumulate)
+                                              + optimizer_state, peak(apply))
+
+
+def _refused(capsys, argv) -> str:
+  with pytest.raises(SystemExit) as e:
+    gin_cli.exit_on_user_error(lambda: train.main(argv), train.user_errors())
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1, err
+  return err
+
+
+def test_a_run_that_does_not_fit_the_slice_is_refused_with_the_numbers(
+    tmp_path, capsys):
+  gin.clear_config()
+  argv = ["--gin_file=quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+          *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
+          "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5",
+          "--dry_run", "--target=tpu:v5e:2x2"]
+  err = _refused(capsys, argv)
+  assert "does not fit tpu:v5e:2x2: peak" in err
+  assert "GiB per device at microbatch 16" in err
+  assert "0.00 GiB usable (tpu:v5e:2x2 HBM per device x " in err
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target=tpu:v5e:2x2"], "use it with --dry_run"),
+    (["--dry_run", "--target=tpu:v9:2x2"], "expected one of tpu:v4:2x2x2"),
+    (["--dry_run", "--target=tpu:v5e:2x2x1"], "a v5e topology has 2 dimensions"),
+    (["--dry_run", "--target=tpu:v5e:3x3"], "not divisible"),
+    (["--dry_run", "--dry_run_steps=2", "--target=tpu:v5e:2x2"],
+     "use one or the other"),
+])
+def test_bad_targets_are_one_line(tmp_path, capsys, args, message):
+  gin.clear_config()
+  argv = ["--gin_file=quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+          *args]
+  assert message in _refused(capsys, argv)
+  assert os.listdir(tmp_path) == []
+
+
+def test_without_libtpu_the_line_names_the_extra(monkeypatch):
+  from jax.experimental import topologies
+
+  def missing(**_):
+    raise RuntimeError("JAX TPU support not installed; cannot generate TPU "
+                       "topology.")
+
+  monkeypatch.setattr(topologies, "get_topology_desc", missing)
+  with pytest.raises(gin_cli.UsageError, match=r'pip install -e "\.\[tpu\]"'):
+    targets.resolve("tpu:v5e:2x2")
+
+
+def test_cost_of_a_loop_free_program_carries_the_tpu_estimate():
+  from jax.experimental import topologies
+  devices = topologies.get_topology_desc(platform="tpu",
+                                         topology_name="v5e:2x2").devices
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+  x = jax.ShapeDtypeStruct((1024, 1024), jax.numpy.bfloat16, sharding=one)
+  with targets.without_persistent_cache():
+    compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
+  cost = step_cost.cost_analysis(compiled)
+  assert cost["flops"] == pytest.approx(2 * 1024**3, rel=0.01)
+  # at least the FLOPs at the chip's peak, at most 100x that
+  floor = cost["flops"] / targets.TPU_CHIPS["v5e"].peak_bf16_flops
+  assert floor <= cost["seconds"] < 100 * floor
+  json.dumps(cost)  # plain numbers
