@@ -15,7 +15,9 @@ would be compiled there. It gives
 
 Limits: the figures are XLA's estimates for the backend compiled for (a
 CPU's are not a GPU's), and they ignore the runtime's own reserve and
-fragmentation; `dpjax.sizing` leaves headroom for that.
+fragmentation; `dpjax.sizing` leaves headroom for that. A GPU compiled for
+without a device reports no cost analysis: its optimized module's generic
+HLO cost analysis stands in (`generic_cost_analysis`).
 """
 from __future__ import annotations
 
@@ -53,11 +55,25 @@ def cost_analysis(compiled) -> dict:
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
     (analysis,) = analysis
+  if analysis is None:  # the GPU compiler without a device gives none
+    analysis = generic_cost_analysis(compiled)
   seconds = analysis.get("optimal_seconds")
   return {"flops": float(analysis["flops"]),
           "bytes_accessed": float(analysis["bytes accessed"]),
           "seconds": float(seconds) if seconds and seconds > 0 else None,
           "while_loops": len(re.findall(r"\swhile\(", compiled.as_text()))}
+
+
+def generic_cost_analysis(compiled) -> dict:
+  """XLA's target-independent HLO cost analysis of a compiled program's
+  optimized module (its text, parsed and analysed by this host's CPU
+  client): the FLOPs and bytes of the ops the target's compiler kept, for
+  a compiler that reports none itself. jaxlib exposes this only privately."""
+  from jax._src.lib import xla_client
+  import jaxlib._hlo as hlo
+  module = hlo.hlo_module_from_text(compiled.as_text())
+  return xla_client._xla.hlo_module_cost_analysis(
+      jax.devices("cpu")[0].client, module)
 
 
 def device_bytes(tree: PyTree) -> int:

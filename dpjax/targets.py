@@ -1,32 +1,42 @@
-"""Compile targets: the TPU slice a run is planned for, from any machine.
+"""Compile targets: the TPU slice or GPUs a run is planned for, from any
+machine.
 
   python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin --dry_run \\
-      --target=tpu:v4:2x2x4
+      --target=tpu:v4:2x2x4      # or gpu:h100:1x8
 
 XLA does not need the device to compile for it. With libtpu installed (the
 `[tpu]` extra), `jax.experimental.topologies.get_topology_desc` returns the
 devices of a TPU slice on a CPU-only host, and a `jit(...).lower(...)
 .compile()` over a mesh of them runs the real TPU compiler: its memory
 analysis is the TPU program's and its cost analysis carries
-`optimal_seconds`, the compiler's own estimate of the program's time. The
-plan (`dpjax.dry_run`) and the automatic sizing (`dpjax.sizing`) then use
-the slice's devices and memory instead of the host's.
+`optimal_seconds`, the compiler's own estimate of the program's time. With
+jax's CUDA plugin (`jax[cuda12-local]`: the plugin and its PJRT, no driver)
+and a `GpuTargetConfigProto` (the device description: SMs, compute
+capability, shared memory, memory size and bandwidth, clock; one per GPU in
+`dpjax/gpu_specs/`, from the vendor's figures), the same compiles through
+LLVM, PTX and ptxas (from a CUDA toolkit on the host) for that GPU. The plan
+(`dpjax.dry_run`) and the automatic sizing (`dpjax.sizing`) then use the
+target's devices and memory instead of the host's.
 
-A target is `tpu:<generation>:<topology>`: v4 and v5p topologies are 3-D
-(`tpu:v4:2x2x4` is a v4-32: 16 chips, 32 TensorCores), v5e and v6e 2-D
-(`tpu:v5e:16x16`). The compiler's devices are what jax would see on the
-slice (a v4 chip is two devices, a v5p chip one). Memory and peak FLOP/s per
-chip are the vendor's published figures (Cloud TPU documentation), split
-evenly over a chip's devices.
+A target is `tpu:<generation>:<topology>` (v4 and v5p topologies are 3-D:
+`tpu:v4:2x2x4` is a v4-32, 16 chips of two devices; v5e and v6e 2-D:
+`tpu:v5e:16x16`) or `gpu:<name>[:<hosts>x<gpus per host>]` (`gpu:h100`,
+`gpu:h100:1x8`). Memory and peak FLOP/s are the vendor's published figures
+(dense bf16), a TPU chip's split evenly over its devices.
 
-Limits: the figures are the compiler's for one program on one slice; they
+Limits: the figures are the compiler's for one program on one target; they
 do not include host input time, collectives' contention with other jobs, or
-the runtime's own reserve (the sizing headroom is for that).
+the runtime's own reserve (the sizing headroom is for that). The GPU
+compiler has no device to autotune on, so its GEMMs use default tiles and
+algorithms: their workspace, and so the peak, can differ from the device's
+by the autotuner's choice (typically a few hundred MiB), and the GPU
+compiler gives no time estimate.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.resources
 import math
 import re
 
@@ -55,12 +65,27 @@ TPU_CHIPS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Gpu:
+  """One GPU: its `dpjax/gpu_specs/` file and dense bf16 peak (NVIDIA's
+  datasheets, without sparsity)."""
+  spec_file: str
+  peak_bf16_flops: float
+
+
+GPUS = {
+    "h100": Gpu("h100.txtpb", 989e12),
+    "h200": Gpu("h200.txtpb", 989e12),
+    "a100-80gb": Gpu("a100-80gb.txtpb", 312e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
   """The devices a run is compiled for, and what one of them offers."""
   spec: str
-  platform: str  # jax's: 'tpu'
+  platform: str  # 'tpu' or 'gpu'
   devices: tuple  # the compiler's devices (`jax.Device`s of a topology)
-  chips: int
+  chips: int  # TPU chips, or GPUs
   memory_bytes: int  # per device
   peak_flops: float  # per device, dense bf16
 
@@ -69,44 +94,69 @@ class Target:
     return self.devices[0].device_kind
 
 
+def _known() -> str:
+  return ", ".join([*(f"tpu:{g}:{'x'.join(['2'] * c.dims)}"
+                      for g, c in TPU_CHIPS.items()),
+                    *(f"gpu:{name}[:1x8]" for name in GPUS)])
+
+
 def parse(spec: str) -> tuple[str, str, tuple[int, ...]]:
-  """'tpu:v5e:2x2' -> ('tpu', 'v5e', (2, 2)); a UsageError naming what is
-  known otherwise."""
-  known = ", ".join(f"tpu:{g}:{'x'.join(['2'] * c.dims)}"
-                    for g, c in TPU_CHIPS.items())
-  match = re.fullmatch(r"(tpu):([a-z0-9]+):(\d+(?:x\d+)*)", spec or "")
-  if not match or match.group(2) not in TPU_CHIPS:
-    raise gin_cli.UsageError(f"--target {spec!r}: expected one of {known} "
-                             "(any topology of that shape)")
-  generation = match.group(2)
-  shape = tuple(int(d) for d in match.group(3).split("x"))
-  if len(shape) != TPU_CHIPS[generation].dims or 0 in shape:
-    raise gin_cli.UsageError(
-        f"--target {spec!r}: a {generation} topology has "
-        f"{TPU_CHIPS[generation].dims} dimensions, e.g. "
-        f"tpu:{generation}:{'x'.join(['2'] * TPU_CHIPS[generation].dims)}")
-  return match.group(1), generation, shape
+  """'tpu:v5e:2x2' -> ('tpu', 'v5e', (2, 2)); 'gpu:h100' -> ('gpu',
+  'h100', (1, 1)); a UsageError naming what is known otherwise."""
+  match = re.fullmatch(r"(tpu|gpu):([a-z0-9-]+)(?::(\d+(?:x\d+)*))?",
+                       spec or "")
+  kind, name = (match.group(1), match.group(2)) if match else (None, None)
+  known = TPU_CHIPS if kind == "tpu" else GPUS
+  if not match or name not in known or (kind == "tpu" and not match.group(3)):
+    raise gin_cli.UsageError(f"--target {spec!r}: expected one of {_known()}"
+                             " (any topology of that shape)")
+  shape = tuple(int(d) for d in (match.group(3) or "1x1").split("x"))
+  dims = TPU_CHIPS[name].dims if kind == "tpu" else 2
+  if len(shape) != dims or 0 in shape:
+    example = ("x".join(["2"] * dims) if kind == "tpu" else "1x8")
+    what = f"a {name} topology" if kind == "tpu" else "gpu:NAME:HOSTSxGPUS"
+    raise gin_cli.UsageError(f"--target {spec!r}: {what} has {dims} "
+                             f"dimensions, e.g. {kind}:{name}:{example}")
+  return kind, name, shape
+
+
+def gpu_target_config(name: str) -> str:
+  """The `GpuTargetConfigProto` text of a known GPU (`GPUS`)."""
+  return importlib.resources.files("dpjax").joinpath(
+      "gpu_specs", GPUS[name].spec_file).read_text()
 
 
 def resolve(spec: str) -> Target:
-  """The target of `spec` (`parse`), its devices from the TPU compiler:
-  a UsageError if libtpu is missing or rejects the topology."""
-  _, generation, shape = parse(spec)
+  """The target of `spec` (`parse`), its devices from its compiler: a
+  UsageError if the compiler is not installed or rejects the topology."""
+  kind, name, shape = parse(spec)
   from jax.experimental import topologies
   try:
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name=f"{generation}:{'x'.join(map(str, shape))}")
-  except RuntimeError as e:  # jax.errors.JaxRuntimeError too
+    if kind == "tpu":
+      topology = topologies.get_topology_desc(
+          platform="tpu", topology_name=f"{name}:{'x'.join(map(str, shape))}")
+    else:
+      topology = topologies.get_topology_desc(
+          platform="cuda", target_config=gpu_target_config(name),
+          topology=f"1x{shape[0]}x{shape[1]}")
+  except (RuntimeError, NotImplementedError) as e:  # JaxRuntimeError too
     reason = " ".join(str(e).split())[:300]
-    if "support not installed" in reason:
+    if "support not installed" in reason or "not implemented" in reason:
+      install = ('pip install -e ".[tpu]"' if kind == "tpu" else
+                 'pip install "jax[cuda12-local]" (the plugin, no driver)')
       raise gin_cli.UsageError(
-          f"--target {spec}: the TPU compiler (libtpu) is not installed: "
-          "pip install -e \".[tpu]\"") from None
+          f"--target {spec}: the {kind.upper()} compiler is not installed "
+          f"here ({reason}): {install}") from None
     raise gin_cli.UsageError(f"--target {spec}: {reason}") from None
   devices = tuple(topology.devices)
+  if kind == "gpu":
+    memory = int(re.search(r"device_memory_size:\s*(\d+)",
+                           gpu_target_config(name)).group(1))
+    return Target(spec=spec, platform="gpu", devices=devices,
+                  chips=len(devices), memory_bytes=memory,
+                  peak_flops=GPUS[name].peak_bf16_flops)
   chips = math.prod(shape)
-  chip = TPU_CHIPS[generation]
+  chip = TPU_CHIPS[name]
   per_chip = len(devices) // chips
   return Target(spec=spec, platform="tpu", devices=devices, chips=chips,
                 memory_bytes=chip.hbm_bytes // per_chip,

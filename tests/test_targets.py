@@ -1,8 +1,8 @@
-"""Planning on the hardware a run will use: `--dry_run --target=tpu:...`
-compiles the run for a TPU slice on this CPU host (libtpu, the [tpu]
-extra, is in the test extra), sized to the slice's memory, and refuses what
-does not fit it; its peak is XLA's own memory analysis of the same step
-compiled for the same devices."""
+"""Planning on the hardware a run will use: `--dry_run --target=...`
+compiles the run for a TPU slice (libtpu) or GPUs (jax's CUDA plugin and
+the host's ptxas) on this CPU host, both in the test extra, sized to the
+target's memory, and refuses what does not fit it; its peak is XLA's own
+memory analysis of the same step compiled for the same devices."""
 from __future__ import annotations
 
 import json
@@ -133,9 +133,41 @@ def test_a_run_that_does_not_fit_the_slice_is_refused_with_the_numbers(
   assert os.listdir(tmp_path) == []
 
 
+def test_a_gpu_plan_is_for_the_gpus_and_their_memory(tmp_path):
+  configure(tmp_path / "run", "MICROBATCH_SIZE = 16")
+  line = dry_run.dry_run(target="gpu:h100:1x2")
+  assert (line["backend"], line["device_kind"], line["devices"]) == (
+      "gpu", "NVIDIA H100 80GB HBM3", 2)
+  assert line["mesh"] == {"data": 2}
+  assert line["device_memory_bytes"] == int(
+      81559 * 2**20 * RunConfig().memory_headroom)
+  assert line["fits"] and line["peak_bytes_per_device"] > 0
+  assert line["flops_per_step"] > 0  # the optimized module's, generically
+  assert line["step_time_estimate_s"] is None  # the GPU compiler gives none
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_generic_cost_of_a_gpu_program_counts_its_flops():
+  from jax.experimental import topologies
+  devices = topologies.get_topology_desc(
+      platform="cuda", target_config=targets.gpu_target_config("h100"),
+      topology="1x1x1").devices
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+  x = jax.ShapeDtypeStruct((512, 512), jax.numpy.bfloat16, sharding=one)
+  with targets.without_persistent_cache():
+    compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
+  assert compiled.cost_analysis() is None
+  cost = step_cost.cost_analysis(compiled)
+  assert cost["flops"] == pytest.approx(2 * 512**3, rel=0.01)  # and converts
+  assert cost["seconds"] is None
+  assert cost["bytes_accessed"] >= 3 * 512 * 512 * 2  # two inputs, an output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target=tpu:v5e:2x2"], "use it with --dry_run"),
     (["--dry_run", "--target=tpu:v9:2x2"], "expected one of tpu:v4:2x2x2"),
+    (["--dry_run", "--target=gpu:rtx9000"], "gpu:h100[:1x8]"),
+    (["--dry_run", "--target=gpu:h100:8"], "gpu:NAME:HOSTSxGPUS has 2"),
     (["--dry_run", "--target=tpu:v5e:2x2x1"], "a v5e topology has 2 dimensions"),
     (["--dry_run", "--target=tpu:v5e:3x3"], "not divisible"),
     (["--dry_run", "--dry_run_steps=2", "--target=tpu:v5e:2x2"],
@@ -159,6 +191,14 @@ def test_without_libtpu_the_line_names_the_extra(monkeypatch):
   monkeypatch.setattr(topologies, "get_topology_desc", missing)
   with pytest.raises(gin_cli.UsageError, match=r'pip install -e "\.\[tpu\]"'):
     targets.resolve("tpu:v5e:2x2")
+
+  def no_plugin(**_):
+    raise NotImplementedError("topology not implemented for cuda")
+
+  monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+  with pytest.raises(gin_cli.UsageError,
+                     match=r'pip install "jax\[cuda12-local\]"'):
+    targets.resolve("gpu:h100")
 
 
 def test_cost_of_a_loop_free_program_carries_the_tpu_estimate():
