@@ -20,7 +20,8 @@ target's devices and memory instead of the host's.
 
 A target is `tpu:<generation>:<topology>` (v4 and v5p topologies are 3-D:
 `tpu:v4:2x2x4` is a v4-32, 16 chips of two devices; v5e and v6e 2-D:
-`tpu:v5e:16x16`) or `gpu:<name>[:<hosts>x<gpus per host>]` (`gpu:h100`,
+`tpu:v5e:16x16`), a Cloud TPU accelerator type (`tpu:v4-32`,
+`tpu:v5litepod-256`: its default topology) or `gpu:<name>[:<hosts>x<gpus per host>]` (`gpu:h100`,
 `gpu:h100:1x8`). Memory and peak FLOP/s are the vendor's published figures
 (dense bf16), a TPU chip's split evenly over its devices.
 
@@ -100,9 +101,46 @@ def _known() -> str:
                     *(f"gpu:{name}[:1x8]" for name in GPUS)])
 
 
+# Cloud TPU accelerator types (`gcloud ... --accelerator-type=v4-32`): the
+# generation, and whether the number counts TensorCores (two a chip) or chips.
+_ACCELERATOR_TYPES = {"v4": ("v4", 2), "v5p": ("v5p", 2),
+                      "v5litepod": ("v5e", 1), "v5e": ("v5e", 1),
+                      "v6e": ("v6e", 1)}
+
+
+def accelerator_topology(accelerator_type: str) -> str:
+  """A Cloud TPU accelerator type's default topology target:
+  'v4-32' -> 'tpu:v4:2x2x4', 'v5litepod-16' -> 'tpu:v5e:4x4' (Cloud TPU's
+  slice shapes: from 2x2(x1), the smallest dimension that is not the
+  largest doubled, all equal: the last)."""
+  match = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type)
+  if not match or match.group(1) not in _ACCELERATOR_TYPES:
+    raise gin_cli.UsageError(
+        f"--target tpu:{accelerator_type}: expected a Cloud TPU accelerator "
+        f"type like v4-32, v5p-8, v5litepod-16 or v6e-8")
+  generation, per_chip = _ACCELERATOR_TYPES[match.group(1)]
+  chips = int(match.group(2)) // per_chip
+  dims = [2, 2, 1] if TPU_CHIPS[generation].dims == 3 else [2, 2]
+  if chips < 4 or chips & (chips - 1):
+    if chips == 1 and len(dims) == 2:
+      return f"tpu:{generation}:1x1"
+    raise gin_cli.UsageError(
+        f"--target tpu:{accelerator_type}: give the topology instead "
+        f"(tpu:{generation}:{'x'.join(['2'] * len(dims))})")
+  while math.prod(dims) < chips:
+    growing = [i for i, d in enumerate(dims) if d < max(dims)]
+    i = growing[-1] if len(dims) == 3 and growing else (
+        growing[0] if growing else len(dims) - 1)
+    dims[i] *= 2
+  return f"tpu:{generation}:{'x'.join(map(str, dims))}"
+
+
 def parse(spec: str) -> tuple[str, str, tuple[int, ...]]:
-  """'tpu:v5e:2x2' -> ('tpu', 'v5e', (2, 2)); 'gpu:h100' -> ('gpu',
-  'h100', (1, 1)); a UsageError naming what is known otherwise."""
+  """'tpu:v5e:2x2' -> ('tpu', 'v5e', (2, 2)); a Cloud accelerator type
+  'tpu:v4-32' -> ('tpu', 'v4', (2, 2, 4)); 'gpu:h100' -> ('gpu', 'h100',
+  (1, 1)); a UsageError naming what is known otherwise."""
+  if re.fullmatch(r"tpu:[a-z0-9]+-\d+", spec or ""):
+    spec = accelerator_topology(spec[len("tpu:"):])
   match = re.fullmatch(r"(tpu|gpu):([a-z0-9-]+)(?::(\d+(?:x\d+)*))?",
                        spec or "")
   kind, name = (match.group(1), match.group(2)) if match else (None, None)

@@ -3,7 +3,7 @@
 #
 #   launch/tpu_pod.sh --name=dpjax-v4-32 --zone=us-central2-b \
 #       --accelerator_type=v4-32 [--version=tpu-ubuntu2204-base] \
-#       [--project=P] [--spot] [--dry-run] -- \
+#       [--project=P] [--spot] [--preflight] [--dry-run] -- \
 #       --gin_file=gin/msmarco_t5_xl_eps3.gin --gin.MODEL_DIR=gs://BUCKET/runs/xl
 #
 # 1. creates the slice, or reuses it if it exists;
@@ -13,6 +13,11 @@
 #    job through JAX's TPU detection (DPJAX_CLUSTER_DETECTION=auto). Their
 #    output streams here, each line prefixed by the worker's hostname, and is
 #    appended to --log.
+# --preflight first compiles the exact run for the slice on this machine
+# (`python -m dpjax.train ... --dry_run --target=tpu:ACCELERATOR_TYPE`, the
+# [tpu] extra: no TPU needed), prints its plan and refuses to go on, before
+# anything is created, if the run does not fit the slice (with --dry-run
+# too: it is local).
 # MODEL_DIR must be shared by all workers (a gs:// path). Rerunning the script
 # after a preemption recreates the slice if needed and resumes from the last
 # checkpoint. Every flag also reads an environment variable (in brackets).
@@ -29,13 +34,15 @@ JAX_SPEC="${DPJAX_JAX_SPEC:-jax[tpu]}"
 REMOTE_DIR="${DPJAX_REMOTE_DIR:-dpjax}"
 LOG="${DPJAX_LOG:-tpu_pod.log}"
 DRY_RUN=0
+PREFLIGHT=0
 
 usage() {
-  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2
   echo "flags: --name [TPU_NAME] --zone [TPU_ZONE] --accelerator_type" \
        "[TPU_ACCELERATOR_TYPE] --version [TPU_VERSION] --project" \
        "[TPU_PROJECT] --spot [TPU_SPOT=1] --jax_spec [DPJAX_JAX_SPEC]" \
-       "--remote_dir [DPJAX_REMOTE_DIR] --log [DPJAX_LOG] --dry-run" >&2
+       "--remote_dir [DPJAX_REMOTE_DIR] --log [DPJAX_LOG] --preflight" \
+       "--dry-run" >&2
   exit "${1:-2}"
 }
 
@@ -51,6 +58,7 @@ while [[ $# -gt 0 ]]; do
     --remote_dir=*) REMOTE_DIR="${1#*=}" ;;
     --log=*) LOG="${1#*=}" ;;
     --dry-run) DRY_RUN=1 ;;
+    --preflight) PREFLIGHT=1 ;;
     -h|--help) usage 0 ;;
     --) shift; break ;;
     *) echo "tpu_pod.sh: unknown flag $1" >&2; usage ;;
@@ -68,6 +76,22 @@ run() {  # prints the command; runs it unless --dry-run
   printf '+'; printf ' %q' "$@"; printf '\n'
   [[ $DRY_RUN == 1 ]] || "$@"
 }
+
+# 0. The preflight: the run compiled for the slice here, in a scratch
+#    MODEL_DIR (it writes nothing); a run that does not fit stops here.
+if [[ $PREFLIGHT == 1 ]]; then
+  SCRATCH="$(mktemp -d -t dpjax-preflight.XXXXXX)"
+  PREFLIGHT_CMD=(python3 -m dpjax.train "$@" --gin.MODEL_DIR="'$SCRATCH/run'"
+                 --dry_run --target="tpu:$ACCELERATOR_TYPE")
+  printf '+'; printf ' %q' "${PREFLIGHT_CMD[@]}"; printf '\n'
+  if ! "${PREFLIGHT_CMD[@]}"; then
+    rm -rf "$SCRATCH"
+    echo "tpu_pod.sh: the preflight refused the run on $ACCELERATOR_TYPE;" \
+         "nothing was created" >&2
+    exit 2
+  fi
+  rm -rf "$SCRATCH"
+fi
 
 # 1. The slice: reuse it if it exists.
 if [[ $DRY_RUN == 0 ]] && "${TPU[@]}" describe "$NAME" "${WHERE[@]}" >/dev/null 2>&1; then

@@ -215,3 +215,36 @@ def test_cost_of_a_loop_free_program_carries_the_tpu_estimate():
   floor = cost["flops"] / targets.TPU_CHIPS["v5e"].peak_bf16_flops
   assert floor <= cost["seconds"] < 100 * floor
   json.dumps(cost)  # plain numbers
+
+
+@pytest.mark.parametrize("accelerator, topology", [
+    ("v4-8", "tpu:v4:2x2x1"), ("v4-32", "tpu:v4:2x2x4"),
+    ("v4-256", "tpu:v4:4x4x8"), ("v4-512", "tpu:v4:4x8x8"),
+    ("v5p-128", "tpu:v5p:4x4x4"), ("v5litepod-1", "tpu:v5e:1x1"),
+    ("v5litepod-8", "tpu:v5e:2x4"), ("v5litepod-128", "tpu:v5e:8x16"),
+    ("v6e-256", "tpu:v6e:16x16")])
+def test_cloud_accelerator_types_are_their_default_topologies(accelerator,
+                                                              topology):
+  """The slice shapes of Cloud TPU's documentation for each type."""
+  assert targets.accelerator_topology(accelerator) == topology
+  assert targets.parse(f"tpu:{accelerator}") == targets.parse(topology)
+
+
+def test_the_pod_preflight_refuses_an_oversized_run_before_creating_anything(
+    tmp_path):
+  """launch/tpu_pod.sh --preflight compiles the run for the slice here; one
+  that does not fit ends the script (exit 2) before any gcloud command."""
+  import subprocess
+  proc = subprocess.run(
+      ["bash", "launch/tpu_pod.sh", "--name=n", "--zone=z",
+       "--accelerator_type=v5litepod-4", "--preflight", "--dry-run", "--",
+       "--gin_file=quickstart.gin",
+       *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
+       "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5"],
+      capture_output=True, text=True, cwd=os.path.dirname(
+          os.path.dirname(os.path.abspath(__file__))), timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "does not fit tpu:v5litepod-4: peak" in proc.stderr
+  assert "the preflight refused the run on v5litepod-4" in proc.stderr
+  assert "gcloud" not in proc.stdout + proc.stderr
