@@ -206,9 +206,12 @@ def without_persistent_cache():
   """Compiles for a target bypass jax's persistent compilation cache: an
   executable compiled without the device's client cannot be read back, so
   an entry would cost a write and a failed read, never a hit."""
+  from jax.experimental.compilation_cache import compilation_cache
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # jax decides once whether it uses one
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()

@@ -162,7 +162,7 @@ def _check_counts(step: int, ledger: ledger_lib.PrivacyLedger, plan: Mapping,
             f"the schedule's before step {step}": schedule_dp_steps(plan,
                                                                    step)}
   if len(set(counts.values())) > 1:
-    raise _refuse(step, ", ".join(f"{k} {v}" for k, v in counts.items()))
+    raise _refuse(step, ", ".join(f"{k} = {v}" for k, v in counts.items()))
   if (position.step, position.public_steps, position.seed) != (
       step, step - position.dp_steps, int(plan["seed"])):
     raise _refuse(step, f"its data position {position} is not step {step} "

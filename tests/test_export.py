@@ -20,7 +20,7 @@ import tasks
 from dpjax import export, gin_cli, pretrained, verify
 from dpjax.models import dual_encoder, t5
 from dpjax.privacy import accounting, secret as secret_lib
-from tests import test_trainer
+from tests import console, test_trainer
 
 SEED = 918273645  # distinctive: the scan below looks for its bytes
 PINNED = 736451829  # train.pinned_secret_seed: the run's secret is public
@@ -230,5 +230,6 @@ def test_command_line_refusal_exits_2(tmp_path):
        f"--output_dir={tmp_path / 'out'}"], capture_output=True, text=True,
       cwd=test_trainer.REPO, env=env, timeout=120)
   assert proc.returncode == 2, proc.stderr
-  assert proc.stderr.startswith("error: ") and "no checkpoint" in proc.stderr
+  (line,) = console.own_lines(proc.stderr)
+  assert line.startswith("error: ") and "no checkpoint" in line
   assert sorted(os.listdir(tmp_path)) == []

@@ -250,9 +250,9 @@ def doubled_sigma(meta):
 
 TAMPERS = {  # tamper -> what the consistency checks say once it is re-signed
     no_events: "its events are []",
-    half_the_steps: "the ledger's DP steps 1, the data position's 2",
-    steps_and_data_position: "the ledger's DP steps 1, the data position's 1, "
-                             "the optimizer's noise counter 2",
+    half_the_steps: "the ledger's DP steps = 1, the data position's = 2",
+    steps_and_data_position: "the ledger's DP steps = 1, the data position's "
+                             "= 1, the optimizer's noise counter = 2",
     doubled_sigma: "is not what calibration gives",
 }
 

@@ -10,6 +10,7 @@ import pytest
 
 from dpjax.privacy import __main__ as cli
 from dpjax.privacy import accounting
+from tests import console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -78,7 +79,7 @@ def test_bad_input_exit_status_of_the_module(args):
   out = run("-m", "dpjax.privacy", *args)
   assert out.returncode == 2
   assert out.stdout == ""
-  assert len(out.stderr.strip().splitlines()) == 1
+  assert len(console.own_lines(out.stderr)) == 1, out.stderr
 
 
 def test_privacy_package_does_not_import_tensorflow():
