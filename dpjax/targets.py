@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import importlib.resources
 import math
+import os
 import re
 
 import jax
@@ -169,6 +170,8 @@ def resolve(spec: str) -> Target:
   UsageError if the compiler is not installed or rejects the topology."""
   kind, name, shape = parse(spec)
   from jax.experimental import topologies
+  if kind == "tpu":  # compiling takes no TPU: share libtpu with any process
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     if kind == "tpu":
       topology = topologies.get_topology_desc(
