@@ -248,3 +248,27 @@ def test_the_pod_preflight_refuses_an_oversized_run_before_creating_anything(
   assert "does not fit tpu:v5litepod-4: peak" in proc.stderr
   assert "the preflight refused the run on v5litepod-4" in proc.stderr
   assert "gcloud" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("target, platform, kind, devices", [
+    ("tpu:v5e:2x2", "tpu", "TPU v5 lite", 4),
+    ("gpu:h100:1x2", "gpu", "NVIDIA H100 80GB HBM3", 2)])
+def test_the_bench_compiles_a_dp_step_for_a_target(capsys, target, platform,
+                                                   kind, devices):
+  """`python -m dpjax.bench --target`: the target's memory analysis and
+  cost (DP against nodp by its compiler), nothing run."""
+  from dpjax.bench import step as bench
+  assert bench.main(["--model=gpt2_tiny", "--vocab=128", "--seq=16",
+                     "--batch=8", "--microbatch=8", "--mode=ghost",
+                     "--compare_nodp", f"--target={target}"]) == 0
+  line = json.loads(capsys.readouterr().out)
+  assert (line["platform"], line["device_kind"], line["num_devices"]) == (
+      platform, kind, devices)
+  assert line["target"] == target and "step_time_s" not in line
+  assert line["mesh"] == {"data": devices}
+  assert line["memory_analysis"]["peak_estimate_bytes"] > 0
+  assert line["flops_vs_nodp"] > 1 and line["bytes_vs_nodp"] > 1
+  if platform == "tpu":
+    assert line["step_time_estimate_s"] > 0
+  else:
+    assert line["step_time_estimate_s"] is None

@@ -55,6 +55,13 @@ analysis, nothing allocated): the DP overhead of any model on a CPU.
 a CPU). `--ghost_norm` and `--ghost_summation` pick ghost clipping's per-site norm
 path and summation (`ghost.ghost_clipped_grad`'s `norm`, `summation`).
 
+`--target=tpu:v5e:2x2` (or `gpu:h100:1x8`, `dpjax.targets`) compiles the
+step for that target's devices on this host, as `--memory_only` does: its
+memory analysis, `residual_bytes` and cost (with `--compare_nodp`, the DP
+overhead by the target's compiler), and on a TPU `step_time_estimate_s`,
+the compiler's estimate of the logical step; nothing runs. The line's
+`device_kind`, `platform` and `num_devices` are the target's.
+
 Failures that are the setup's, not a bug (an unknown model, a mode that is
 not available, out of device memory), are one JSON line with an "error"
 field and exit status 1.
@@ -62,6 +69,7 @@ field and exit status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,7 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import gin_cli, partitioning, step_cost, train_step
+from dpjax import gin_cli, partitioning, step_cost, targets, train_step
 from dpjax import steps as steps_lib
 from dpjax.models import gpt2, lora, t5
 from dpjax.models import trainable as trainable_lib
@@ -298,6 +306,7 @@ def logical_step_cost(step: BenchStep, state, batch, mask) -> dict:
   apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums).compile()
   total = step_cost.logical_step(accumulate, apply, k)
   return {"flops": total["flops"], "bytes_accessed": total["bytes_accessed"],
+          "seconds": total["seconds"],
           "cost_parts": {"sum": "microbatches x accumulate + apply",
                          "microbatches": k, **total["parts"]}}
 
@@ -326,7 +335,8 @@ def run(args: argparse.Namespace) -> dict:
   shape = (args.batch // m, m)
 
   try:
-    mesh = partitioning.make_mesh(args.mesh)
+    mesh = partitioning.make_mesh(
+        args.mesh, devices=args.target.devices if args.target else None)
   except ValueError as e:
     raise Unavailable(str(e))
   rules = partitioning.logical_axis_rules(args.rules)
@@ -393,6 +403,7 @@ def run(args: argparse.Namespace) -> dict:
   device = jax.devices()[0]
   result = dict(
       model=args.model, mode=args.mode, dtype=args.dtype, remat=args.remat,
+      target=args.target.spec if args.target else None,
       lora_rank=args.lora_rank,
       batch=args.batch, microbatch=m, lengths=lengths,
       tokens_per_step=tokens_per_step,
@@ -405,8 +416,10 @@ def run(args: argparse.Namespace) -> dict:
                   ghost_summation=args.ghost_summation)
   if args.cost_only:
     return result
-  if args.memory_only:
+  if args.memory_only or args.target:
     result["memory_analysis"] = step_cost.memory_analysis(compiled)
+    if args.target:
+      result["step_time_estimate_s"] = cost.get("seconds")
     microbatch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], batch))
     result["residual_bytes"] = residual_bytes(
         lambda p, b: model.batch_loss(p, b).sum(), abstract_params, microbatch)
@@ -503,6 +516,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--no_cost", action="store_true",
                  help="skip the cost analysis (its two extra compiles): "
                  "flops and bytes_accessed are null")
+  p.add_argument("--target", metavar="tpu:GEN:TOPOLOGY|gpu:NAME:HxG",
+                 help="compile for a TPU slice or GPUs from this host "
+                      "(dpjax.targets); memory and cost only, nothing runs")
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")
@@ -511,11 +527,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   return args
 
 
-def machine_context(module: str, argv: Sequence[str]) -> dict:
-  """What every benchmark line says about where and how it ran."""
-  device = jax.devices()[0]
-  return dict(device_kind=device.device_kind, platform=device.platform,
-              num_devices=jax.device_count(), jax_version=jax.__version__,
+def machine_context(module: str, argv: Sequence[str],
+                    target: targets.Target | None = None) -> dict:
+  """What every benchmark line says about where and how it ran (for a
+  compile target: the target's devices)."""
+  devices = target.devices if target else jax.devices()
+  return dict(device_kind=devices[0].device_kind,
+              platform=devices[0].platform, num_devices=len(devices),
+              jax_version=jax.__version__,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               command=shlex.join(["python", "-m", module, *argv]))
 
@@ -523,9 +542,16 @@ def machine_context(module: str, argv: Sequence[str]) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
-  context = machine_context("dpjax.bench", argv)
   try:
-    result, status = run(args), 0
+    args.target = args.target and targets.resolve(args.target)
+  except gin_cli.UsageError as e:
+    print(json.dumps({"error": str(e)}), flush=True)
+    return 1
+  context = machine_context("dpjax.bench", argv, args.target)
+  try:
+    with (targets.without_persistent_cache() if args.target
+          else contextlib.nullcontext()):
+      result, status = run(args), 0
   except Unavailable as e:
     result, status = {"error": str(e)}, 1
   except jax.errors.JaxRuntimeError as e:
