@@ -258,12 +258,8 @@ def _remove_temporaries(directory) -> None:
 def read_meta(mngr: ocp.CheckpointManager, step: int, key: bytes) -> RunMeta:
   """The authenticated meta of checkpoint `step` (raises if it does not
   read back, TamperedCheckpointError if its MAC does not verify)."""
-  return RunMeta.from_json(_meta_json(mngr, step), step, key)
-
-
-def _meta_json(mngr: ocp.CheckpointManager, step: int) -> Any:
-  return mngr.restore(step, args=ocp.args.Composite(
-      meta=ocp.args.JsonRestore()))["meta"]
+  return RunMeta.from_json(mngr.restore(step, args=ocp.args.Composite(
+      meta=ocp.args.JsonRestore()))["meta"], step, key)
 
 
 def restore_newest(mngr: ocp.CheckpointManager, target_state,
@@ -375,13 +371,9 @@ def restore_params(mngr: ocp.CheckpointManager, step: int,
   target = {"params": jax.tree.map(
       lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
       saved, sharding)}
-  with ocp.CheckpointManager(  # the saved format, read as a plain pytree
-      mngr.directory, options=ocp.CheckpointManagerOptions(create=False),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as reader:
-    return reader.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(
-            target, ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True)))["state"]["params"]
+  return _read_state_part(mngr, step, target,
+                          ocp.checkpoint_utils.construct_restore_args(target)
+                          )["params"]
 
 
 def read_noise_count(mngr: ocp.CheckpointManager, step: int) -> int:
@@ -391,15 +383,22 @@ def read_noise_count(mngr: ocp.CheckpointManager, step: int) -> int:
     raise TamperedCheckpointError(
         f"checkpoint {step} was written before dpjax authenticated its "
         "checkpoints (its noise counter is in the optimizer state)")
-  with ocp.CheckpointManager(  # the saved format, read as a plain pytree
+  restored = _read_state_part(  # a host array: on every process
+      mngr, step, {"noise_count": 0},
+      {"noise_count": ocp.RestoreArgs(restore_type=np.ndarray)})
+  return int(restored["noise_count"])
+
+
+def _read_state_part(mngr: ocp.CheckpointManager, step: int, target,
+                     restore_args):
+  """The subtree `target` of checkpoint `step`'s state, read alone (the
+  saved format, as a plain pytree: nothing else is read)."""
+  with ocp.CheckpointManager(
       mngr.directory, options=ocp.CheckpointManagerOptions(create=False),
       item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as reader:
-    restored = reader.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(  # a host array: on every process
-            {"noise_count": 0},
-            {"noise_count": ocp.RestoreArgs(restore_type=np.ndarray)},
-            partial_restore=True)))
-  return int(restored["state"]["noise_count"])
+    return reader.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(target, restore_args,
+                                     partial_restore=True)))["state"]
 
 
 def jax_abstract(tree):

@@ -36,7 +36,6 @@ the line records the XLA_FLAGS it was compiled with.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -86,8 +85,7 @@ def dry_run(config: RunConfig | None = None, steps: int = 0,
         "compiles for devices that are not here: use one or the other")
   compile_target = targets.resolve(target) if target else None
   distributed.initialize()
-  with (targets.without_persistent_cache() if compile_target
-        else contextlib.nullcontext()):
+  with targets.compiling_for(compile_target):
     return _dry_run(config, steps, compile_target)
 
 

@@ -37,19 +37,18 @@ def load_trained(model_dir: str):
   (`verify.newest`: a run whose ledger fails a check is refused); newer ones
   that do not read back are named on the console and skipped, as training
   skips them."""
-  if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
-    raise FileNotFoundError(f"no checkpoint under {model_dir}/checkpoints: "
-                            "train a model there first (python -m dpjax.train)")
-  mngr = checkpoints.manager(model_dir, create=False)
+  mngr = (checkpoints.manager(model_dir, create=False)
+          if os.path.isdir(os.path.join(model_dir, "checkpoints")) else None)
   try:
-    if not mngr.all_steps():
+    if mngr is None or not mngr.all_steps():
       raise FileNotFoundError(
           f"no checkpoint under {model_dir}/checkpoints: train a model there "
           "first (python -m dpjax.train)")
     _, meta, params = verify.newest(mngr, verify.meta_key(model_dir),
                                     params=True)
   finally:
-    mngr.close()
+    if mngr is not None:
+      mngr.close()
   return trainable.config_from_json(meta.model_class,
                                     meta.model_config), params, meta
 

@@ -91,10 +91,6 @@ class Target:
   memory_bytes: int  # per device
   peak_flops: float  # per device, dense bf16
 
-  @property
-  def device_kind(self) -> str:
-    return self.devices[0].device_kind
-
 
 def _known() -> str:
   return ", ".join([*(f"tpu:{g}:{'x'.join(['2'] * c.dims)}"
@@ -170,15 +166,15 @@ def resolve(spec: str) -> Target:
   UsageError if the compiler is not installed or rejects the topology."""
   kind, name, shape = parse(spec)
   from jax.experimental import topologies
-  if kind == "tpu":  # compiling takes no TPU: share libtpu with any process
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  config = gpu_target_config(name) if kind == "gpu" else None
   try:
-    if kind == "tpu":
+    if kind == "tpu":  # compiling takes no TPU: share libtpu with any process
+      os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
       topology = topologies.get_topology_desc(
           platform="tpu", topology_name=f"{name}:{'x'.join(map(str, shape))}")
     else:
       topology = topologies.get_topology_desc(
-          platform="cuda", target_config=gpu_target_config(name),
+          platform="cuda", target_config=config,
           topology=f"1x{shape[0]}x{shape[1]}")
   except (RuntimeError, NotImplementedError) as e:  # JaxRuntimeError too
     reason = " ".join(str(e).split())[:300]
@@ -191,8 +187,7 @@ def resolve(spec: str) -> Target:
     raise gin_cli.UsageError(f"--target {spec}: {reason}") from None
   devices = tuple(topology.devices)
   if kind == "gpu":
-    memory = int(re.search(r"device_memory_size:\s*(\d+)",
-                           gpu_target_config(name)).group(1))
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", config).group(1))
     return Target(spec=spec, platform="gpu", devices=devices,
                   chips=len(devices), memory_bytes=memory,
                   peak_flops=GPUS[name].peak_bf16_flops)
@@ -218,3 +213,9 @@ def without_persistent_cache():
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
     compilation_cache.reset_cache()
+
+
+def compiling_for(target: Target | None):
+  """The context a command compiles in: `without_persistent_cache` for a
+  target, nothing special for this host's backend."""
+  return without_persistent_cache() if target else contextlib.nullcontext()

@@ -126,9 +126,9 @@ def check_run(meta: checkpoints.RunMeta, *, checkpoint_step: int,
     _check_counts(step, ledger, plan, meta.data_position, noise_count)
     _check_events(step, ledger, plan)
     _check_noise(step, ledger, plan)
+  except UnverifiedRunError:
+    raise
   except (KeyError, TypeError, ValueError) as e:
-    if isinstance(e, UnverifiedRunError):
-      raise
     raise _refuse(step, f"its ledger or plan is malformed ({e!r})") from None
   return ledger
 

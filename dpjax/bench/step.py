@@ -69,7 +69,6 @@ field and exit status 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -549,8 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   context = machine_context("dpjax.bench", argv, args.target)
   try:
-    with (targets.without_persistent_cache() if args.target
-          else contextlib.nullcontext()):
+    with targets.compiling_for(args.target):
       result, status = run(args), 0
   except Unavailable as e:
     result, status = {"error": str(e)}, 1
