@@ -181,28 +181,50 @@ def test_dp_does_more_work_and_ratios_match_separate_runs(cost_lines):
   assert cost_lines["ghost"]["ghost_summation"] == "auto"
 
 
+class _Compiled:
+  """A compiled program's stand-in: its cost analysis and HLO text."""
+
+  def __init__(self, analysis, text=""):
+    self.analysis, self.text = analysis, text
+
+  def cost_analysis(self):
+    return self.analysis
+
+  def as_text(self):
+    return self.text
+
+
+WHILE = "%w = (s32[]) while(%t), condition=%c, body=%b\n"
+CONCAT = '%c = f32[8] custom-call(%a, %b), custom_call_target="ConcatBitcast"\n'
+
+
 def test_cost_analysis_of_a_list_or_a_dict():
   """Older jax returns a list of one dict per program, newer jax the dict."""
-
-  class Compiled:
-    def __init__(self, analysis):
-      self.analysis = analysis
-
-    def cost_analysis(self):
-      return self.analysis
-
-    def as_text(self):
-      return "%w = (s32[]) while(%t), condition=%c, body=%b"
-
   analysis = {"flops": 6.0, "bytes accessed": 8.0, "transcendentals": 1.0}
   expected = {"flops": 6.0, "bytes_accessed": 8.0, "seconds": None,
-              "while_loops": 1}
-  assert step_cost.cost_analysis(Compiled(analysis)) == expected
-  assert step_cost.cost_analysis(Compiled([analysis])) == expected
-  # The TPU compiler's estimate; negative (unknown) for a `while` program.
-  for estimate, seconds in ((2.5e-3, 2.5e-3), (-1.0, None)):
-    assert step_cost.cost_analysis(Compiled(
-        dict(analysis, optimal_seconds=estimate)))["seconds"] == seconds
+              "while_loops": 1, "custom_calls": {}}
+  assert step_cost.cost_analysis(_Compiled(analysis, WHILE)) == expected
+  assert step_cost.cost_analysis(_Compiled([analysis], WHILE)) == expected
+
+
+@pytest.mark.parametrize("text, estimate, seconds", [
+    ("", 2.5e-3, 2.5e-3),  # the compiler's own
+    ("", -1.0, None),  # unknown
+    (2 * CONCAT, -2 + 2.5e-3, 2.5e-3),  # two free joins, -1 s each
+    (2 * CONCAT, -3 + 2.5e-3, None),  # and an op it has no model for
+    (WHILE, 2.5e-3, None),  # a loop's body counted once
+])
+def test_the_tpu_estimate_with_what_it_leaves_out(text, estimate, seconds):
+  """The TPU compiler counts -1 s for an op it has no model for; its
+  buffer joins (ConcatBitcast) move nothing and are added back, anything
+  else unknown, or a loop, leaves no estimate."""
+  cost = step_cost.cost_analysis(_Compiled(
+      {"flops": 6.0, "bytes accessed": 8.0, "optimal_seconds": estimate},
+      text))
+  assert cost["seconds"] == (None if seconds is None
+                             else pytest.approx(seconds, rel=1e-9))
+  assert cost["custom_calls"] == ({"ConcatBitcast": 2} if "Concat" in text
+                                  else {})
 
 
 def test_residual_bytes_by_hand():

@@ -106,6 +106,16 @@ def test_batch_size_above_n_names_both(tmp_path, capsys):
   assert not model_dir.exists()
 
 
+def test_a_plan_over_the_budget_is_refused_in_one_line(tmp_path, capsys):
+  """σ = 0.3 for 100 steps of q = 256 / 2998 spends far more than ε = 3:
+  refused before anything is written, naming both figures."""
+  model_dir = tmp_path / "never_written"
+  line = _train(capsys, model_dir, SMALL, "--gin.train.noise_multiplier=0.3")
+  assert line.startswith("error: refusing to start: Planned epsilon ")
+  assert "exceeds the target 3 " in line
+  assert not model_dir.exists()
+
+
 def test_check_batch_size_empty_split_and_delta_1_over_n():
   with pytest.raises(gin_cli.UsageError, match=r"no examples \(n = 0\)"):
     plan_lib.check_batch_size(1, 0)

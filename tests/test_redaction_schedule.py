@@ -193,7 +193,11 @@ def test_sigma_04_fits_10_releases_in_epsilon_8_and_not_20():
 
 
 def test_public_steps_do_not_count_against_the_budget():
-  _plan(10, noise_multiplier=SIGMA_10_FIT)  # 10 DP + 30 public steps: fine
+  """10 DP + 30 public steps at a σ where 10 releases fit and 20 do not:
+  accepted, and the plan's releases are the 10 DP steps' alone."""
+  ledger, plan = _plan(10, noise_multiplier=SIGMA_10_FIT)
+  assert ledger.planned_events(plan.dp_steps) == [
+      accounting.PoissonGaussian(BATCH / N, (SIGMA_10_FIT,), 10)]
 
 
 def test_overspending_dp_steps_refuse_to_start():

@@ -234,10 +234,13 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       raise Unavailable(f"jax_privacy mode needs jax-privacy installed ({e})")
     if trainable is not None:
       raise Unavailable("jax_privacy mode has no trainable mask (LoRA)")
+    # One microbatch: no loop over microbatches (a compiler's cost analysis
+    # counts a loop's body once, and jax-privacy bounds its loop at run time).
     clipped = jp_clipping.clipped_grad(
         model.example_loss, l2_clip_norm=clip_norm, batch_argnums=1,
-        keep_batch_dim=False, microbatch_size=microbatch_size,
-        dtype=jnp.float32)
+        keep_batch_dim=False, dtype=jnp.float32,
+        microbatch_size=None if microbatch_size == batch_size
+        else microbatch_size)
     tx = dp_adam(clip_norm)
 
     def jax_privacy_accumulate(params, batch, mask, step):

@@ -19,9 +19,14 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   Returns:
     `[..., L]` float32 negative log-likelihoods.
   """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)
-  return -picked[..., 0]
+  logits = logits.astype(jnp.float32)
+  # The target's logit by a one-hot select, not a gather: a gather's
+  # gradient is a scatter, which TPUs run as a loop over the rows (and
+  # per-example gradients make it one per example); a select fuses with the
+  # logsumexp and its gradient with the softmax's.
+  is_target = targets[..., None] == jnp.arange(logits.shape[-1])
+  picked = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+  return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def per_example_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:

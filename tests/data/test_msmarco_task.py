@@ -1,6 +1,8 @@
 """The seqio task and its numpy materialisation, checked against a direct
 SentencePiece encoding of the files (an independent computation)."""
+import ast
 import os
+import re
 
 import gin
 import numpy as np
@@ -10,9 +12,11 @@ import seqio
 
 from dpjax.data import arrays
 from dpjax.datasets import msmarco
+from dpjax.eval import retrieval as retrieval_eval
 import tasks
 from tasks import msmarco as msmarco_tasks
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLE = msmarco.DEFAULT_SAMPLE_DIR
 LENGTHS = {"inputs": 384, "targets": 128}
 EOS, PAD = 1, 0
@@ -33,8 +37,16 @@ def _expected(sp, text, length):
   return ids + [PAD] * (length - len(ids))
 
 
-def test_feature_lengths_constant():
-  assert msmarco_tasks.TASK_FEATURE_LENGTHS == {"inputs": 384, "targets": 128}
+def test_training_and_retrieval_eval_use_the_papers_lengths():
+  """The paper's 384 document and 128 query tokens: bound by the gin file
+  every MS MARCO paper config includes, and the retrieval evaluation's
+  defaults (both from the task's constant, so they cannot drift apart)."""
+  text = open(os.path.join(REPO, "gin", "msmarco_query_generation.gin")).read()
+  bound = ast.literal_eval(re.search(r"^TASK_FEATURE_LENGTHS = (\{.*\})$",
+                                     text, re.M).group(1))
+  args = retrieval_eval._parser().parse_args(["--model_dir=unused"])
+  assert bound == LENGTHS
+  assert {"inputs": args.doc_length, "targets": args.query_length} == LENGTHS
 
 
 def test_task_examples(task, sp):

@@ -15,8 +15,17 @@ def test_drawn_secrets_are_fresh_os_entropy():
   assert a != b and not a.is_pinned and a.source == "os_entropy"
 
 
-def test_drawn_secret_has_256_bits():
-  assert len(secret.RunSecret.draw().key) * 8 == 256
+def test_drawn_secret_is_32_bytes_of_the_os_entropy_as_drawn(monkeypatch):
+  """The key is 256 bits of the OS's CSPRNG (`secrets`) themselves: nothing
+  derived from a seed, a clock or fewer bits."""
+  asked = []
+
+  def token_bytes(n):
+    asked.append(n)
+    return bytes(range(n))
+
+  monkeypatch.setattr(secret.secrets, "token_bytes", token_bytes)
+  assert secret.RunSecret.draw().key == bytes(range(32)) and asked == [32]
 
 
 def test_noise_key_is_128_bits_of_uint32_words():

@@ -1,0 +1,313 @@
+"""`python -m dpjax.bench --suite=targets`: the cost of DP on TPUs and GPUs,
+from their own compilers on this host (nothing runs, no device needed).
+
+  python -m dpjax.bench --suite=targets [--targets=tpu:v5e:2x2,gpu:h100] \\
+      [--models=gpt2_small,t5_base,t5_xl] [--json_out=rows.jsonl]
+
+For each target (default: a v5e, a v4 and a v6e 2x2 slice, one H100) and
+model (GPT-2 small 32 x 256, T5-Base 32 x (384 + 128), T5-XL 32 x (512 +
+512) with layer remat and its params sharded over the slice, FSDP), each
+mode (nodp, vmap, ghost, jax_privacy) gets
+  1. the step at the batch of 32 in one call (`python -m dpjax.bench
+     --target`): peak memory per device, FLOPs and bytes per device, and on
+     a TPU the compiler's estimate of the step's time;
+  2. the largest batch per device that fits the target's memory x
+     `--headroom`: a power of two, searched with `dpjax.sizing.choose`
+     from row 1's peak (memory-only compiles of the whole step, usually
+     two per mode);
+  3. examples/s there, from row 1's estimate: accumulate's time per example
+     x that batch + apply's time (the per-example part scales with the
+     batch, the update does not; a larger batch only uses a device better,
+     so this errs low).
+Every compile is its own process (`suite.run_row`), so the host memory a
+large compile holds is returned before the next.
+
+Targets (from the issue that asked for this suite), each printed met, not
+met or n/a:
+  * ghost's step at most 1.10 x nodp's at equal batch, by the TPU
+    compiler's estimate;
+  * DP (ghost) examples/s at its largest batch at least 3 x jax-privacy's at
+    its own.
+`--suite=targets_smoke` is the same on tiny models and one small slice:
+it checks the harness, not a machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, NamedTuple, Sequence
+
+from dpjax import sizing
+from dpjax.bench import suite
+
+MODES = ("nodp", "vmap", "ghost", "jax_privacy")
+STEP_TARGET, THROUGHPUT_TARGET = suite.STEP_TARGET, suite.THROUGHPUT_TARGET
+
+
+class Model(NamedTuple):
+  name: str
+  args: tuple[str, ...]  # shape, remat and mesh flags of `dpjax.bench`
+
+
+class Spec(NamedTuple):
+  targets: tuple[str, ...]
+  models: tuple[Model, ...]
+  batch: int  # the batch of row 1, in one call
+  max_per_device: int  # the largest batch per device the search tries
+  common: tuple[str, ...]
+
+
+FSDP = ("--mesh=fsdp:-1", "--rules=fsdp")
+SUITES = {
+    "targets": Spec(
+        targets=("tpu:v5e:2x2", "tpu:v4:2x2x1", "tpu:v6e:2x2",
+                 "gpu:h100:1x1"),
+        models=(Model("gpt2_small", ("--seq=256",)),
+                Model("t5_base", ("--input_length=384",
+                                  "--target_length=128")),
+                Model("t5_xl", ("--seq=512", "--remat=layer", *FSDP))),
+        batch=32, max_per_device=1024, common=("--dtype=bfloat16",)),
+    "targets_smoke": Spec(
+        targets=("tpu:v5e:2x2",),
+        models=(Model("gpt2_tiny", ("--seq=16",)),),
+        batch=8, max_per_device=16,
+        common=("--dtype=float32", "--vocab=128")),
+}
+
+
+def _argv(spec: Spec, target: str, model: Model, mode: str, batch: int,
+          *extra: str) -> tuple[str, ...]:
+  return (f"--model={model.name}", f"--batch={batch}", f"--microbatch={batch}",
+          f"--mode={mode}", f"--target={target}", *model.args, *spec.common,
+          *extra)
+
+
+def _devices(result: dict) -> int | None:
+  mesh = result.get("mesh")
+  if not mesh:
+    return None
+  n = 1
+  for size in mesh.values():
+    n *= size
+  return n
+
+
+def _peak(result: dict) -> int | None:
+  return (result.get("memory_analysis") or {}).get("peak_estimate_bytes")
+
+
+def largest_batch(run: Callable[[Sequence[str]], dict], argv_at:
+                  Callable[[int], Sequence[str]], first: dict, *,
+                  devices: int, memory_bytes: int, headroom: float,
+                  max_per_device: int) -> dict:
+  """The largest power-of-two batch per device whose step fits `headroom` x
+  `memory_bytes`: `sizing.choose` over memory-only compiles `run(argv_at(
+  global batch))`, from the first power of two above what the line through
+  `first` (a compiled row: its batch and peak) and its state (the
+  arguments' bytes, at batch 0) predicts, so that two compiles usually
+  settle it. A compile that fails (e.g. the TPU compiler refusing a program
+  over its HBM) does not fit."""
+  limit = int(memory_bytes * headroom)
+  floor = first["memory_analysis"]["argument_size_in_bytes"]
+  b1, p1 = first["batch"] / devices, _peak(first)
+  guess = (b1 * (limit - floor) / (p1 - floor) if p1 > floor
+           else max_per_device)
+  top = 1
+  while top <= guess and top < max_per_device:
+    top *= 2
+  sizes = [top * devices >> i for i in range(top.bit_length())]
+  tried = {}
+
+  def peak_bytes(batch: int, remat: str) -> int:
+    del remat  # the model's own, fixed by the row's flags
+    if batch == first["batch"]:
+      return p1
+    tried[batch] = run(argv_at(batch))
+    return _peak(tried[batch]) or 2**62  # failed: fits nothing
+
+  choice = sizing.choose(peak_bytes, sizes=sizes, max_batch=sizes[0],
+                         remats=("none",), limit_bytes=limit,
+                         memory_source="target", floor_bytes=floor)
+  best = choice.microbatch_size if choice.fits else None
+  return {"largest_batch_per_device": best and best // devices,
+          "largest_batch_peak_bytes": best and (
+              p1 if best == first["batch"] else _peak(tried[best])),
+          "limit_bytes": limit,
+          "search": [{"batch_per_device": b // devices, "peak_bytes": _peak(r),
+                      **({"error": r["error"][:200]} if "error" in r else {})}
+                     for b, r in tried.items()]}
+
+
+def step_seconds(result: dict, batch: int) -> float | None:
+  """The step's time at `batch` in one call, from the compiler's estimate of
+  `result`'s parts (accumulate of its batch, apply): accumulate scales with
+  the batch, apply does not."""
+  parts = result.get("cost_parts") or {}
+  acc = (parts.get("accumulate") or {}).get("seconds")
+  apply = (parts.get("apply") or {}).get("seconds")
+  if acc is None or apply is None:
+    return None
+  return acc * batch / result["microbatch"] + apply
+
+
+def run_suite(spec: Spec, *, headroom: float,
+              run: Callable[[Sequence[str]], dict],
+              memory_of: Callable[[str], int],
+              say: Callable[[str], None] = lambda s: None,
+              keep: Callable[[dict], None] = lambda r: None) -> list[dict]:
+  """One result per (target, model, mode): row 1's JSON line with
+  `largest_batch_per_device`, its `search` and `examples_per_s_at_largest`,
+  each passed to `keep` as it is done (a whole suite takes hours)."""
+  results = []
+  for target in spec.targets:
+    memory = memory_of(target)
+    for model in spec.models:
+      for mode in MODES:
+        argv = _argv(spec, target, model, mode, spec.batch)
+        say(" ".join(argv))
+        result = {**run(argv), "argv": list(argv), "suite_target": target,
+                  "suite_model": model.name, "suite_mode": mode}
+        devices = _devices(result)
+        if "error" not in result and devices:
+          say(f"largest batch: {target} {model.name} {mode}")
+          result.update(largest_batch(
+              run, lambda b: _argv(spec, target, model, mode, b, "--no_cost"),
+              result, devices=devices, memory_bytes=memory, headroom=headroom,
+              max_per_device=spec.max_per_device))
+          best = result["largest_batch_per_device"]
+          seconds = best and step_seconds(result, best * devices)
+          result["examples_per_s_at_largest"] = (
+              seconds and best * devices / seconds)
+        keep(result)
+        results.append(result)
+  return results
+
+
+def _of(results: list[dict], target: str, model: str, mode: str) -> dict:
+  return next((r for r in results if (r["suite_target"], r["suite_model"],
+                                      r["suite_mode"]) == (target, model,
+                                                           mode)), {})
+
+
+def ratio(results: list[dict], r: dict, field: str) -> float | None:
+  """`field` of `r` over the nodp row's of the same target and model."""
+  nodp = _of(results, r["suite_target"], r["suite_model"], "nodp")
+  if r.get(field) is None or not nodp.get(field):
+    return None
+  return r[field] / nodp[field]
+
+
+def targets_met(spec: Spec, results: list[dict]) -> list[tuple[str, str,
+                                                                float | None,
+                                                                bool | None]]:
+  """(target, model, the measured value, met) per compile target and model
+  for each of the suite's targets: ghost's step over nodp's (TPU estimate),
+  then ghost's examples/s at its largest batch over jax-privacy's."""
+  out = []
+  for target in spec.targets:
+    for model in spec.models:
+      ghost = _of(results, target, model.name, "ghost")
+      step = ghost and ratio(results, ghost, "step_time_estimate_s")
+      jp = _of(results, target, model.name, "jax_privacy")
+      dp_rate = ghost.get("examples_per_s_at_largest")
+      jp_rate = jp.get("examples_per_s_at_largest")
+      throughput = dp_rate / jp_rate if dp_rate and jp_rate else None
+      out.append((f"{target} {model.name}", f"ghost step <= {STEP_TARGET:.2f}"
+                  "x nodp (TPU estimate)", step,
+                  None if step is None else step <= STEP_TARGET))
+      out.append((f"{target} {model.name}", f"ghost examples/s at its largest"
+                  f" batch >= {THROUGHPUT_TARGET:.0f}x jax-privacy's",
+                  throughput, None if throughput is None
+                  else throughput >= THROUGHPUT_TARGET))
+  return out
+
+
+def _cell(x, fmt: str) -> str:
+  return "" if x is None else format(x, fmt)
+
+
+def table(spec: Spec, results: list[dict], command: str) -> str:
+  """The markdown table of the results, then the targets."""
+  out = [f"`{command}`", "",
+         "| target | model | mode | peak / device GiB | FLOPs × nodp | "
+         "bytes × nodp | est. step ms | × nodp | largest batch / device | "
+         "its peak GiB | est. examples/s there | note |",
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+  for r in results:
+    seconds = r.get("step_time_estimate_s")
+    peak_largest = r.get("largest_batch_peak_bytes")
+    out.append(
+        f"| `{r['suite_target']}` | {r['suite_model']} | {r['suite_mode']} | "
+        f"{_cell(_peak(r) and _peak(r) / 2**30, '.2f')} | "
+        f"{_cell(ratio(results, r, 'flops'), '.3f')} | "
+        f"{_cell(ratio(results, r, 'bytes_accessed'), '.3f')} | "
+        f"{_cell(seconds and 1e3 * seconds, '.2f')} | "
+        f"{_cell(ratio(results, r, 'step_time_estimate_s'), '.3f')} | "
+        f"{_cell(r.get('largest_batch_per_device'), 'd')} | "
+        f"{_cell(peak_largest and peak_largest / 2**30, '.2f')} | "
+        f"{_cell(r.get('examples_per_s_at_largest'), ',.0f')} | "
+        f"{(r.get('error') or '')[:80]} |")
+  out += ["", "| target, model | target | measured | met |",
+          "|---|---|---:|---|"]
+  for where, name, value, met in targets_met(spec, results):
+    out.append(f"| {where} | {name} | {_cell(value, '.3f')} | "
+               f"{'n/a' if met is None else 'yes' if met else 'no'} |")
+  return "\n".join(out)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="python -m dpjax.bench --suite=targets",
+      description="DP's cost on TPU slices and GPUs, by their compilers.")
+  p.add_argument("--suite", choices=sorted(SUITES), required=True)
+  p.add_argument("--targets", help="comma-separated compile targets "
+                 "(dpjax.targets; default: the suite's)")
+  p.add_argument("--models", help="comma-separated subset of the suite's "
+                 "models (default: all)")
+  p.add_argument("--headroom", type=float, default=0.9,
+                 help="the share of a device's memory a step may use "
+                 "(train.memory_headroom's default)")
+  p.add_argument("--timeout_s", type=float, default=3600,
+                 help="the longest one compile may take")
+  p.add_argument("--json_out", help="also write every row's JSON line here")
+  return p.parse_args(argv)
+
+
+def select(spec: Spec, args: argparse.Namespace) -> Spec:
+  """The suite narrowed to `--targets` and `--models`."""
+  if args.targets:
+    spec = spec._replace(targets=tuple(args.targets.split(",")))
+  if args.models:
+    names = args.models.split(",")
+    unknown = set(names) - {m.name for m in spec.models}
+    if unknown:
+      raise SystemExit(f"--models: {sorted(unknown)} not in the suite's "
+                       f"{[m.name for m in spec.models]}")
+    spec = spec._replace(models=tuple(m for m in spec.models
+                                      if m.name in names))
+  return spec
+
+
+def main(argv: Sequence[str]) -> int:
+  args = parse_args(argv)
+  spec = select(SUITES[args.suite], args)
+  from dpjax import targets  # resolving a target loads its compiler: once
+  memory = {t: targets.resolve(t).memory_bytes for t in spec.targets}
+  out = open(args.json_out, "w") if args.json_out else None
+
+  def keep(result: dict) -> None:
+    if out:
+      out.write(json.dumps(result) + "\n")
+      out.flush()
+
+  results = run_suite(
+      spec, headroom=args.headroom,
+      run=lambda a: suite.run_row(a, args.timeout_s), memory_of=memory.get,
+      say=lambda s: print(f"dpjax.bench: {s}", file=sys.stderr, flush=True),
+      keep=keep)
+  if out:
+    out.close()
+  print(table(spec, results, "python -m dpjax.bench " + " ".join(argv)),
+        flush=True)
+  return 0

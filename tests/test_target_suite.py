@@ -1,0 +1,139 @@
+"""`python -m dpjax.bench --suite=targets`: the comparison set the issue
+names, the largest-batch search against brute force over a known memory
+model, the time at that batch, and the targets recomputed by hand."""
+import pytest
+
+from dpjax.bench import target_suite as ts
+
+GiB = 2**30
+STATE = 3 * GiB  # the arguments' bytes: params, optimizer state
+PER_EXAMPLE = {"nodp": 0.05 * GiB, "vmap": 0.4 * GiB, "ghost": 0.1 * GiB,
+               "jax_privacy": 0.45 * GiB}
+# Estimated seconds: accumulate per example, apply.
+ACC = {"nodp": 1e-3, "vmap": 1.3e-3, "ghost": 1.05e-3, "jax_privacy": 1.4e-3}
+APPLY = 2e-3
+
+
+def fake_run(devices=4, refuse_over=None):
+  """A `dpjax.bench --target` stand-in: the peak per device is affine in
+  the batch per device (plus a little curvature, as XLA's is), a compile
+  over `refuse_over` bytes fails as the TPU compiler's does."""
+  calls = []
+
+  def run(argv):
+    args = dict(a[2:].split("=", 1) for a in argv if "=" in a)
+    calls.append(argv)
+    batch, mode = int(args["batch"]), args["mode"]
+    per_device = batch / devices
+    peak = int(STATE + PER_EXAMPLE[mode] * per_device
+               + 1e4 * per_device**2)
+    if refuse_over and peak > refuse_over:
+      return {"error": "out of device memory: RESOURCE_EXHAUSTED: HLO "
+                       "temporaries exceed available HBM"}
+    line = {"batch": batch, "microbatch": batch, "mesh": {"data": devices},
+            "memory_analysis": {"argument_size_in_bytes": STATE,
+                                "peak_estimate_bytes": peak},
+            "flops": {"nodp": 1.0, "ghost": 1.13}.get(mode, 1.05) * batch,
+            "bytes_accessed": 2.0 * batch}
+    if "--no_cost" not in argv:
+      acc = ACC[mode] * per_device
+      line.update(step_time_estimate_s=acc + APPLY, cost_parts={
+          "accumulate": {"seconds": acc}, "apply": {"seconds": APPLY}})
+    return line
+
+  return run, calls
+
+
+def brute_force(mode, limit, devices=4, cap=1024):
+  """The largest power of two per device whose fake peak is under limit."""
+  fits = [b for b in (2**i for i in range(11)) if b <= cap
+          and STATE + PER_EXAMPLE[mode] * b + 1e4 * b**2 <= limit]
+  return max(fits, default=None)
+
+
+def test_the_suite_holds_the_issues_comparison_set():
+  spec = ts.SUITES["targets"]
+  assert {t.split(":")[1] for t in spec.targets} == {"v5e", "v4", "v6e",
+                                                    "h100"}
+  models = {m.name: m.args for m in spec.models}
+  assert models["gpt2_small"] == ("--seq=256",)
+  assert models["t5_base"] == ("--input_length=384", "--target_length=128")
+  assert "--remat=layer" in models["t5_xl"] and "--seq=512" in models["t5_xl"]
+  assert spec.batch == 32 and ts.MODES == ("nodp", "vmap", "ghost",
+                                           "jax_privacy")
+
+
+@pytest.mark.parametrize("memory", [16 * GiB, 32 * GiB, 95 * GiB])
+@pytest.mark.parametrize("mode", sorted(PER_EXAMPLE))
+def test_largest_batch_is_brute_forces_in_few_compiles(mode, memory):
+  run, calls = fake_run()
+  first = run(ts._argv(ts.SUITES["targets"], "tpu:v5e:2x2",
+                       ts.SUITES["targets"].models[0], mode, 32))
+  found = ts.largest_batch(
+      run, lambda b: ("--mode=" + mode, f"--batch={b}", "--no_cost"), first,
+      devices=4, memory_bytes=memory, headroom=0.9, max_per_device=1024)
+  assert found["largest_batch_per_device"] == brute_force(mode, 0.9 * memory)
+  assert len(calls) - 1 <= 3  # row 1 is not compiled again
+  assert found["limit_bytes"] == int(0.9 * memory)
+
+
+def test_a_refused_compile_does_not_fit():
+  """The TPU compiler refuses a program over its HBM: no peak, no fit."""
+  run, calls = fake_run(refuse_over=10 * GiB)
+  first = run(("--mode=vmap", "--batch=32"))
+  found = ts.largest_batch(
+      run, lambda b: ("--mode=vmap", f"--batch={b}", "--no_cost"), first,
+      devices=4, memory_bytes=32 * GiB, headroom=0.9, max_per_device=1024)
+  assert found["largest_batch_per_device"] == brute_force("vmap", 10 * GiB)
+  assert any("error" in s for s in found["search"])
+
+
+def test_nothing_fits_is_none():
+  run, _ = fake_run()
+  first = run(("--mode=vmap", "--batch=32"))
+  found = ts.largest_batch(
+      run, lambda b: ("--mode=vmap", f"--batch={b}", "--no_cost"), first,
+      devices=4, memory_bytes=2 * GiB, headroom=0.9, max_per_device=1024)
+  assert found["largest_batch_per_device"] is None
+
+
+def test_step_seconds_scale_accumulate_not_apply():
+  row = {"microbatch": 32, "cost_parts": {"accumulate": {"seconds": 0.01},
+                                          "apply": {"seconds": 0.002}}}
+  assert ts.step_seconds(row, 128) == pytest.approx(0.04 + 0.002)
+  row["cost_parts"]["apply"]["seconds"] = None  # no estimate (a GPU)
+  assert ts.step_seconds(row, 128) is None
+
+
+def test_suite_results_and_targets_recomputed_by_hand():
+  spec = ts.SUITES["targets"]._replace(
+      targets=("tpu:v5e:2x2", "gpu:h100:1x1"),
+      models=ts.SUITES["targets"].models[:1])
+  run, _ = fake_run()
+  memory = {"tpu:v5e:2x2": 16 * GiB, "gpu:h100:1x1": 80 * GiB}
+  kept = []
+  results = ts.run_suite(spec, headroom=0.9, run=run, memory_of=memory.get,
+                         keep=kept.append)
+  assert kept == results and len(results) == 2 * 4
+  met = {(where, name.split()[1]): (value, ok)
+         for where, name, value, ok in ts.targets_met(spec, results)}
+  for target in spec.targets:
+    by_mode = {r["suite_mode"]: r for r in results
+               if r["suite_target"] == target}
+    step = (by_mode["ghost"]["step_time_estimate_s"]
+            / by_mode["nodp"]["step_time_estimate_s"])
+    # ghost: 8 per device at 1.05 ms each + apply, over nodp's 1 ms each.
+    assert step == pytest.approx((8 * 1.05e-3 + APPLY) / (8e-3 + APPLY))
+    assert met[f"{target} gpt2_small", "step"] == (
+        pytest.approx(step), step <= 1.10)
+
+    def rate(mode):
+      b = brute_force(mode, 0.9 * memory[target])
+      return 4 * b / (ACC[mode] * b + APPLY)
+    assert by_mode["ghost"]["examples_per_s_at_largest"] == pytest.approx(
+        rate("ghost"))
+    throughput = rate("ghost") / rate("jax_privacy")
+    assert met[f"{target} gpt2_small", "examples/s"] == (
+        pytest.approx(throughput), throughput >= 3)
+  table = ts.table(spec, results, "python -m dpjax.bench --suite=targets")
+  assert table.count("| `tpu:v5e:2x2` | gpt2_small |") == 4
