@@ -20,12 +20,11 @@ import subprocess
 import sys
 import time
 
-import jax
-import numpy as np
 import pytest
 
 from dpjax import checkpoints, launch
 from dpjax.privacy import ledger as ledger_lib, secret
+from tests import numerics, test_trainer
 from tests.test_trainer import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -118,11 +117,13 @@ def assert_same_run(model_dir, reference_dir):
       checkpoints.manager(str(d), create=False), STEPS)
   # Another device layout sums in another order; Adam's m / sqrt(v) turns
   # that into ~1e-5 at coordinates whose gradients nearly cancel (seen: 8 of
-  # 4096 entries off by up to 1.1e-5, 1% of one lr-1e-3 step). A wrong batch
-  # or noise draw would move every entry by ~lr.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
-                                                       atol=2e-5),
-               restored(model_dir), restored(reference_dir))
+  # 4096 entries off by up to 1.1e-5, and once 5.5e-5, failing an elementwise
+  # rtol of 2e-4): a few coordinates, a few millionths of the update. A wrong
+  # batch or noise draw changes the whole update. So compare per leaf in norm.
+  differences = numerics.update_differences(
+      restored(reference_dir), restored(model_dir),
+      test_trainer.initial_params())
+  assert max(differences) < 1e-3, differences
 
 
 def test_killed_and_preempted_job_resumes_to_the_reference(reference, env,
