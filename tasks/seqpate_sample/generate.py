@@ -42,13 +42,12 @@ import os
 import random
 
 from dpjax.datasets import seqpate, text_corpus
+from tasks.semparse_sample.generate import EOS_TOKEN, train_bpe
 
 SEEDS = {"users": 6100, "train": 6101, "dev": 6102, "europarl": 6201}
 NUM_USERS = 120
 NUM_DIALOGUES = {"train": 420, "dev": 60}
 NUM_EUROPARL = 2400
-BPE_VOCAB_SIZE = 2000  # at most, including <|endoftext|>
-EOS_TOKEN = "<|endoftext|>"
 
 DEFAULT_OUTPUT_DIR = os.path.dirname(seqpate.DEFAULT_VOCAB_DIR)
 DIRS = {"airdialogue": "airdialogue", "europarl": "europarl", "vocab": "vocab"}
@@ -292,23 +291,6 @@ def _write_lines(path: str, lines) -> None:
   with open(path, "w", encoding="utf-8", newline="\n") as f:
     for line in lines:
       f.write(line + "\n")
-
-
-def train_bpe(texts: list[str], output_dir: str,
-              vocab_size: int = BPE_VOCAB_SIZE) -> None:
-  """GPT-2-format vocab.json + merges.txt; `<|endoftext|>` gets the last id."""
-  from tokenizers import ByteLevelBPETokenizer  # pylint: disable=g-import-not-at-top
-
-  tok = ByteLevelBPETokenizer()  # add_prefix_space=False, like GPT-2
-  tok.train_from_iterator(texts, vocab_size=vocab_size - 1, min_frequency=2,
-                          show_progress=False)
-  tok.save_model(output_dir)
-  path = os.path.join(output_dir, "vocab.json")
-  with open(path, encoding="utf-8") as f:
-    vocab = json.load(f)
-  vocab[EOS_TOKEN] = len(vocab)
-  with open(path, "w", encoding="utf-8", newline="\n") as f:
-    json.dump(vocab, f, ensure_ascii=False)
 
 
 def _stats_rows(sentences: list[seqpate.Sentence]) -> list[str]:
