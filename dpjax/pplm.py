@@ -1,5 +1,6 @@
 """PPLM-steered sampling from a `gpt2_disc` model, and the paper's
-generation baselines (shared/papers/002, Sec. 5.1-5.2).
+generation baselines (an ICLR 2023 submission, OpenReview LUql3ZOFwFD, Sec.
+5.1-5.2).
 
 Steering (`pplm_generate_causal`). At each position t, after feeding the
 token there through the KV cache, let h be its final hidden state (the

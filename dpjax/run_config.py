@@ -71,9 +71,10 @@ class RunConfig:
   initialisation, dropout, the redaction coins; never noise or batches),
   `initial_checkpoint_path` (a Hugging Face, t5x or dpjax run directory).
 
-  Redaction schedule (shared/papers/004): `public_task_name` with
-  `redaction_schedule` (`redaction_schedule.SCHEDULES`), its
-  `redaction_schedule_eta` or `redaction_probability` ('constant').
+  Redaction schedule (Kabra & Elenberg, Findings of EMNLP 2023, arXiv
+  2305.14208): `public_task_name` with `redaction_schedule`
+  (`redaction_schedule.SCHEDULES`), its `redaction_schedule_eta` or
+  `redaction_probability` ('constant').
 
   Outputs: `checkpoint_period`, `keep_checkpoints`, `log_period`,
   `eval_period` (0: no eval), `eval_examples`, `eval_split`,

@@ -1,8 +1,8 @@
 """A BERT text classifier trained without DP, for the pipelines that need one:
-the downstream utility evaluation of label-conditioned generation
-(shared/papers/002, Sec. 6.2: train on synthetic labelled texts, accuracy on
-the real held-out split) and the domain classifier behind the dialog
-redaction policy (`dpjax.dialog.classifier`).
+the downstream utility evaluation of label-conditioned generation (an ICLR 2023
+submission, OpenReview LUql3ZOFwFD, Sec. 6.2: train on synthetic labelled
+texts, accuracy on the real held-out split) and the domain classifier behind
+the dialog redaction policy (`dpjax.dialog.classifier`).
 
 The model is `dpjax.models.bert.BertClassifier` (the paper uses DistilBERT;
 any `BertConfig`, e.g. `gin/models/bert_tiny.gin` on the embedded samples).

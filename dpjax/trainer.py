@@ -17,28 +17,29 @@ secret is the run's 256 bits of OS entropy (`privacy.secret`, in
 MODEL_DIR/secret_key.json, never published); `train.seed` keys only what the
 guarantee does not rest on (initialisation, dropout, the redaction coins).
 
-With `train.public_task_name` and `train.redaction_schedule` the run follows
-a redaction schedule (dpjax.privacy.redaction_schedule, shared/papers/004):
-each step is, by a public coin flipped before training, either a DP step on
-the original task or a non-private step on the public (redacted) task, both
-updating one optimizer state. Only the DP steps are releases: σ is calibrated
-for exactly their number, and only they enter the ledger. A finished dpjax run
-directory is also a valid INITIAL_CHECKPOINT_PATH, e.g. JFT: a DP run started
-from a run trained on redacted data. Its model must be this run's, or a field
-of this run's config (the GPT-2 that a GPT-2 + discriminator head extends,
-shared/papers/002's post-hoc head); the top-level param subtrees its
-checkpoint lacks (the head) are freshly initialised, and said so.
+With `train.public_task_name` and `train.redaction_schedule` the run follows a
+redaction schedule (dpjax.privacy.redaction_schedule, Kabra & Elenberg,
+Findings of EMNLP 2023, arXiv 2305.14208): each step is, by a public coin
+flipped before training, either a DP step on the original task or a non-private
+step on the public (redacted) task, both updating one optimizer state. Only the
+DP steps are releases: σ is calibrated for exactly their number, and only they
+enter the ledger. A finished dpjax run directory is also a valid
+INITIAL_CHECKPOINT_PATH, e.g. JFT: a DP run started from a run trained on
+redacted data. Its model must be this run's, or a field of this run's config
+(the GPT-2 that a GPT-2 + discriminator head extends, the post-hoc head of the
+ICLR 2023 submission on conditional generation); the top-level param subtrees
+its checkpoint lacks (the head) are freshly initialised, and said so.
 
 A model with several named per-example losses (`Trainable.example_losses`:
-GPT-2 + discriminator head, shared/papers/002) makes one release per loss
-each step: every per-example gradient of loss k (w.r.t. the trainable
-params; frozen layers get none) is clipped to its own C_k
-(`train.clip_norms`, default `clip_norm` for every loss), each clipped sum
-gets its own Gaussian noise σ C_k, and the noisy sums are added before the
-one base optimizer. One σ serves all k releases, calibrated so that T steps
-of k Gaussians on the same Poisson sample, `PoissonGaussian(q, (σ,)*k, T)`,
-meet the target; the ledger records exactly that event. (Separate clipping,
-not one joint clip of the summed gradient: the paper's Algorithm 1.)
+GPT-2 + discriminator head, an ICLR 2023 submission, OpenReview LUql3ZOFwFD)
+makes one release per loss each step: every per-example gradient of loss k
+(w.r.t. the trainable params; frozen layers get none) is clipped to its own C_k
+(`train.clip_norms`, default `clip_norm` for every loss), each clipped sum gets
+its own Gaussian noise σ C_k, and the noisy sums are added before the one base
+optimizer. One σ serves all k releases, calibrated so that T steps of k
+Gaussians on the same Poisson sample, `PoissonGaussian(q, (σ,)*k, T)`, meet the
+target; the ledger records exactly that event. (Separate clipping, not one
+joint clip of the summed gradient: the paper's Algorithm 1.)
 
 The same command runs on every host of a multi-host job (dpjax.distributed):
 each process reads only the sampled rows its devices hold, process 0 alone

@@ -1,5 +1,6 @@
 """The label-conditioned LM tasks of "DP Conditional Text Generation for
-Synthetic Data" (shared/papers/002) on SST-2 and AG News.
+Synthetic Data" (an ICLR 2023 submission, OpenReview LUql3ZOFwFD) on SST-2 and
+AG News.
 
 Sources, per dataset (`source="files"`, the default, or `"tfds"`): the
 published files, read by `dpjax.datasets.textcls`, or TFDS's copies

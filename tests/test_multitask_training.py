@@ -1,7 +1,7 @@
 """Two clipped-and-noised releases per step (GPT-2 + discriminator head,
-shared/papers/002): each release clips its own loss, is noised with its own
-independent draw, and both are counted in ε. The end-to-end trainer run is
-in tests/textcls/test_experiment.py."""
+an ICLR 2023 submission, OpenReview LUql3ZOFwFD): each release clips its own
+loss, is noised with its own independent draw, and both are counted in ε. The
+end-to-end trainer run is in tests/textcls/test_experiment.py."""
 import functools
 import math
 

@@ -1,5 +1,6 @@
-"""The redaction schedule (shared/papers/004): p(t), the public coin flips,
-the non-private step on redacted data, and mixed runs of `dpjax.train`.
+"""The redaction schedule (Kabra & Elenberg, Findings of EMNLP 2023, arXiv
+2305.14208): p(t), the public coin flips, the non-private step on redacted
+data, and mixed runs of `dpjax.train`.
 
 The trainer runs use a tiny GPT-2 on the embedded semantic-parse samples:
 TreeDST utterances play the original (private) data, SMCalFlow utterances the

@@ -1,5 +1,6 @@
 """SST-2 and AG News readers and the label conditioning of "DP Conditional
-Text Generation for Synthetic Data" (shared/papers/002).
+Text Generation for Synthetic Data" (an ICLR 2023 submission, OpenReview
+LUql3ZOFwFD).
 
 The published files, per dataset:
 

@@ -1,4 +1,5 @@
-"""The domain-privacy experiment of shared/papers/004 (its Figure 1 table):
+"""The domain-privacy experiment of Kabra & Elenberg, Findings of EMNLP 2023,
+arXiv 2305.14208 (its Figure 1 table):
 
   python -m dpjax.dialog table --output_dir=runs/dialog \\
       [--prompt_domain=AIRLINE] [--modes=domain_only,public,pub_redacted,

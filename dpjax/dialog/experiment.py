@@ -1,5 +1,6 @@
-"""The domain-privacy experiment (shared/papers/004, Sec. 5.2, 6; Figures 1-2):
-every target model's test perplexity, LiRa success rate per policy and ε.
+"""The domain-privacy experiment (Kabra & Elenberg, Findings of EMNLP 2023,
+arXiv 2305.14208, Sec. 5.2, 6; Figures 1-2): every target model's test
+perplexity, LiRa success rate per policy and ε.
 
 Target models (Sec. 5.2), all GPT-2 on the pooled domains D unless said:
 

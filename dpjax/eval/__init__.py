@@ -1,4 +1,5 @@
-"""Evaluation of the retrieval pipeline (shared/papers/003, section 6).
+"""Evaluation of the retrieval pipeline (Carranza et al., NAACL 2024, arXiv
+2305.05973, section 6).
 
 * `ir_data`: MSMARCO and BEIR-format datasets from local directories;
 * `encoding`: tokenization and batched, sharded encoding; the resumable

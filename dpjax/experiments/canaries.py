@@ -1,5 +1,6 @@
-"""Canary exposure audit of a document -> query generator (shared/papers/003,
-Sec. 6.3, Table 7; exposure from Carlini et al. 2019, "The Secret Sharer").
+"""Canary exposure audit of a document -> query generator (Carranza et al.,
+NAACL 2024, arXiv 2305.05973, Sec. 6.3, Table 7; exposure from Carlini et al.
+2019, "The Secret Sharer").
 
 Canaries. The paper lists three kinds of (query, document) pair, "the secret
 part of each canary is the random 10-digit string": (random query, random

@@ -1,4 +1,4 @@
-"""The retrieval experiment of shared/papers/003 in one command.
+"""The retrieval experiment of Carranza et al. (NAACL 2024) in one command.
 
   python -m dpjax.experiments.retrieval --output_dir=runs/retrieval \\
       [--epsilons=3,8,16,inf] [--seeds=0] [--mechanisms=dpsgd] [--skip_canaries] \\
@@ -350,8 +350,8 @@ def main(argv=None) -> dict:
   `--generator_gin.NAME=VALUE`, `--dual_encoder_gin.NAME=VALUE`: bindings of
   that kind of run."""
   return harness.run_command(
-      argv, "The retrieval experiment of shared/papers/003.", _add_arguments,
-      _run, extra_prefixes=("generator_gin", "dual_encoder_gin"))
+      argv, "The retrieval experiment of Carranza et al. (NAACL 2024, arXiv "
+      "2305.05973).", _add_arguments, _run, extra_prefixes=("generator_gin", "dual_encoder_gin"))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Dual encoder for dense retrieval: one T5 encoder shared by queries and
-documents, trained with the in-batch softmax loss (shared/papers/003, Eq. 1).
+documents, trained with the in-batch softmax loss (Carranza et al., NAACL 2024,
+arXiv 2305.05973, Eq. 1).
 
 * embedding: the T5 encoder's final states, mean-pooled over the real
   (non-zero) tokens (`pooling="first"`: the first position), then L2

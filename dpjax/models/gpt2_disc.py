@@ -1,5 +1,6 @@
 """GPT-2 with a discriminator head: the multitask model of "DP Conditional
-Text Generation for Synthetic Data" (shared/papers/002, Sec. 5.1.3, Alg. 1).
+Text Generation for Synthetic Data" (an ICLR 2023 submission, OpenReview
+LUql3ZOFwFD, Sec. 5.1.3, Alg. 1).
 
 One GPT-2 (`dpjax.models.gpt2`) and a small MLP head on its final hidden
 states (after the final norm), trained on two per-example losses:

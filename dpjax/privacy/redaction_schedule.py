@@ -1,10 +1,11 @@
 """The redaction schedule: which training steps are non-private steps on
 redacted data, decided by public coin flips before training starts.
 
-Kabra & Elenberg's "Redaction Schedule" (shared/papers/004, Sec. 5.2 and
-App. D) fine-tunes in one stage: at step t of T, with probability p(t) one
-non-private optimizer step on a batch of the REDACTED data, else one DP step
-on a batch of the original data; p falls from about 1 to about 0:
+Kabra & Elenberg's "Redaction Schedule" (Findings of EMNLP 2023, arXiv
+2305.14208, Sec. 5.2 and App. D) fine-tunes in one stage: at step t of T, with
+probability p(t) one non-private optimizer step on a batch of the REDACTED
+data, else one DP step on a batch of the original data; p falls from about 1 to
+about 0:
 
   linear       p(t) = 1 - t/T
   step         p(t) = 1 for t < T/2, else 0   (JFT's halves, one optimizer)

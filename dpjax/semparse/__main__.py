@@ -1,4 +1,5 @@
-"""The semantic-parse experiments of shared/papers/000, one command each.
+"""The semantic-parse experiments of Mireshghallah et al., ACL 2023, arXiv
+2212.10520, one command each.
 
 Table 1 (synthetic-utterance quality by method and ε):
 

@@ -1,4 +1,5 @@
-"""The paper's experiments (shared/papers/000), one function each.
+"""The paper's experiments (Mireshghallah et al., ACL 2023, arXiv 2212.10520),
+one function each.
 
 `generation_table`: Table 1 (and Table 6's top-k coverage). DP synthetic
 utterances by three methods, scored against the human test utterances:

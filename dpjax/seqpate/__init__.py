@@ -1,4 +1,4 @@
-"""SeqPATE (shared/papers/001): PATE for text generation.
+"""SeqPATE (Tian et al., NeurIPS 2022): PATE for text generation.
 
 Private sentences are split among many GPT-2 teachers (`partition`), which
 are trained a vmapped group at a time and cache their top-k next-token

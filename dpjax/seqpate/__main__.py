@@ -1,4 +1,4 @@
-"""SeqPATE's experiments (shared/papers/001).
+"""SeqPATE's experiments (Tian et al., NeurIPS 2022).
 
   python -m dpjax.seqpate table1 --output_dir=runs/seqpate \\
       [--dataset=airdialogue|europarl] [--epsilon=3] [--seeds=0,1,2] \\

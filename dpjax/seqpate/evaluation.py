@@ -1,4 +1,4 @@
-"""SeqPATE's test-set metrics (shared/papers/001, Sec. 6 and App. O).
+"""SeqPATE's test-set metrics (Tian et al., NeurIPS 2022, Sec. 6 and App. O).
 
 * PPL: exp of the mean token NLL over every token after BOS (EOS included).
 * BLEU-3 / BLEU-4: each test prefix (its first 4 words) completed greedily;

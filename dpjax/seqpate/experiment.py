@@ -1,5 +1,5 @@
-"""SeqPATE's Table 1 and ablation rows (shared/papers/001, Tables 1, 3, 4,
-6, App. O) on AirDialogue or Europarl: perplexity, BLEU-3/4 and name
+"""SeqPATE's Table 1 and ablation rows (Tian et al., NeurIPS 2022, Tables 1, 3,
+4, 6, App. O) on AirDialogue or Europarl: perplexity, BLEU-3/4 and name
 leakage.
 
 Steps, each skipped when its output exists (rerunning resumes):

@@ -1,4 +1,4 @@
-"""SeqPATE's NoisySGD baseline (shared/papers/001, Sec. 6.1): Pub-GPT
+"""SeqPATE's NoisySGD baseline (Tian et al., NeurIPS 2022, Sec. 6.1): Pub-GPT
 fine-tuned on the private training set with DP-SGD by dpjax's trainer.
 
 `train_noisysgd` exports Pub-GPT as a Hugging Face checkpoint (the

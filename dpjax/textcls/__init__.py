@@ -1,2 +1,3 @@
-"""The label-conditioned generation experiments of shared/papers/002
-(`python -m dpjax.textcls table1|table4`); see `experiment`."""
+"""The label-conditioned generation experiments of an ICLR 2023 submission,
+OpenReview LUql3ZOFwFD (`python -m dpjax.textcls table1|table4`); see
+`experiment`."""

@@ -1,4 +1,5 @@
-"""The label-conditioned generation experiments of shared/papers/002.
+"""The label-conditioned generation experiments of an ICLR 2023 submission,
+OpenReview LUql3ZOFwFD.
 
   python -m dpjax.textcls table4 --output_dir=runs/textcls \\
       [--epsilons=3,8,16,256,inf] [--gin_file=textcls_sample.gin] [--gin.NAME=VALUE ...]

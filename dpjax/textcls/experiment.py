@@ -1,5 +1,6 @@
 """Table 1 and Table 4 of "DP Conditional Text Generation for Synthetic
-Data" (shared/papers/002), one function each, on run directories.
+Data" (an ICLR 2023 submission, OpenReview LUql3ZOFwFD), one function each, on
+run directories.
 
 * `table4`: LM test loss at each ε, naive vs multitask. Naive = a plain
   GPT-2 DP-trained on the conditional task (one release per step);
@@ -25,19 +26,19 @@ Data" (shared/papers/002), one function each, on run directories.
   Also the "original data" row (the classifier on the real training texts)
   and the n-gram memorisation rate of our PPLM texts (n = 3..7).
 
-The baseline pipeline (`train_baselines`) is two runs under ONE budget, as
-shared/papers/000's two-stage pipeline: `G_tuned` for T1 DP steps (the
-gin's EPOCHS or TRAIN_STEPS, one release per step), then the head for T2
-steps at the same sampling rate and clip bound C, started from `G_tuned`'s
-params (`checkpoints.init_from_run`: the head is freshly initialised); σ is
-calibrated once so that the T1 + T2 releases meet (ε, δ), and the head run
-composes its ledger with the LM's (`train.prior_ledger`). T2 = T1 by
-default (`Settings.head_epochs` = None): the pipeline then makes as many LM
-releases and as many discriminator releases as ours does (T of each, each
-one Gaussian of multiplier σ on a Poisson sample), so the columns differ in
-joint versus post-hoc training, not in how many noisy gradients each kind
-of parameter gets. The baseline LM is not Table 4's naive run: its σ is
-larger, paying for the head's steps too.
+The baseline pipeline (`train_baselines`) is two runs under ONE budget, as the
+two-stage pipeline of Mireshghallah et al. (ACL 2023, arXiv 2212.10520):
+`G_tuned` for T1 DP steps (the gin's EPOCHS or TRAIN_STEPS, one release per
+step), then the head for T2 steps at the same sampling rate and clip bound C,
+started from `G_tuned`'s params (`checkpoints.init_from_run`: the head is
+freshly initialised); σ is calibrated once so that the T1 + T2 releases meet
+(ε, δ), and the head run composes its ledger with the LM's
+(`train.prior_ledger`). T2 = T1 by default (`Settings.head_epochs` = None): the
+pipeline then makes as many LM releases and as many discriminator releases as
+ours does (T of each, each one Gaussian of multiplier σ on a Poisson sample),
+so the columns differ in joint versus post-hoc training, not in how many noisy
+gradients each kind of parameter gets. The baseline LM is not Table 4's naive
+run: its σ is larger, paying for the head's steps too.
 
 Everything is resumable: finished trainings (a `train_summary.json` at the
 planned step) are reused, a row already in `results.jsonl` is not redone,
