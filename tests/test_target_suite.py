@@ -137,3 +137,28 @@ def test_suite_results_and_targets_recomputed_by_hand():
         pytest.approx(throughput), throughput >= 3)
   table = ts.table(spec, results, "python -m dpjax.bench --suite=targets")
   assert table.count("| `tpu:v5e:2x2` | gpt2_small |") == 4
+
+
+def test_a_fitting_top_is_doubled_until_one_does_not_fit():
+  """The line through row 1 can underestimate the largest batch (a
+  compiler's peak may grow slower than linearly): the search goes on up."""
+  run, _ = fake_run()
+  first = run(("--mode=ghost", "--batch=32"))
+  first["memory_analysis"]["peak_estimate_bytes"] *= 3  # a pessimistic line
+  found = ts.largest_batch(
+      run, lambda b: ("--mode=ghost", f"--batch={b}", "--no_cost"), first,
+      devices=4, memory_bytes=32 * GiB, headroom=0.9, max_per_device=1024)
+  assert found["largest_batch_per_device"] == brute_force("ghost", 0.9 * 32 * GiB)
+
+
+def test_resume_reuses_rows_and_compiles():
+  spec = ts.SUITES["targets"]._replace(targets=("tpu:v5e:2x2",),
+                                       models=ts.SUITES["targets"].models[:1])
+  run, calls = fake_run()
+  memory = {"tpu:v5e:2x2": 16 * GiB}.get
+  first = ts.run_suite(spec, headroom=0.9, run=run, memory_of=memory)
+  n = len(calls)
+  again = ts.run_suite(spec, headroom=0.9, run=run, memory_of=memory,
+                       done=first[:3])  # the last mode was not finished
+  assert again[:3] == first[:3] and again[3] == first[3]
+  assert len(calls) - n == 1 + len(first[3]["search"])  # its row 1, search

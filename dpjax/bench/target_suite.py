@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
@@ -100,14 +101,16 @@ def _peak(result: dict) -> int | None:
 def largest_batch(run: Callable[[Sequence[str]], dict], argv_at:
                   Callable[[int], Sequence[str]], first: dict, *,
                   devices: int, memory_bytes: int, headroom: float,
-                  max_per_device: int) -> dict:
+                  max_per_device: int, known: Sequence[dict] = ()) -> dict:
   """The largest power-of-two batch per device whose step fits `headroom` x
   `memory_bytes`: `sizing.choose` over memory-only compiles `run(argv_at(
   global batch))`, from the first power of two above what the line through
   `first` (a compiled row: its batch and peak) and its state (the
   arguments' bytes, at batch 0) predicts, so that two compiles usually
-  settle it. A compile that fails (e.g. the TPU compiler refusing a program
-  over its HBM) does not fit."""
+  settle it; where that top fits too (a compiler's peak can grow slower
+  than the line), doubling until one does not. A compile that fails (e.g.
+  the TPU compiler refusing a program over its HBM) does not fit. `known`:
+  an earlier search's entries, reused instead of compiled again."""
   limit = int(memory_bytes * headroom)
   floor = first["memory_analysis"]["argument_size_in_bytes"]
   b1, p1 = first["batch"] / devices, _peak(first)
@@ -116,27 +119,32 @@ def largest_batch(run: Callable[[Sequence[str]], dict], argv_at:
   top = 1
   while top <= guess and top < max_per_device:
     top *= 2
-  sizes = [top * devices >> i for i in range(top.bit_length())]
-  tried = {}
+  tried = {k["batch_per_device"] * devices: k for k in known}
 
-  def peak_bytes(batch: int, remat: str) -> int:
+  def peak_bytes(batch: int, remat: str = "none") -> int:
     del remat  # the model's own, fixed by the row's flags
     if batch == first["batch"]:
       return p1
-    tried[batch] = run(argv_at(batch))
-    return _peak(tried[batch]) or 2**62  # failed: fits nothing
+    if batch not in tried:
+      r = run(argv_at(batch))
+      tried[batch] = {"batch_per_device": batch // devices,
+                      "peak_bytes": _peak(r),
+                      **({"error": r["error"][:200]} if "error" in r else {})}
+    return tried[batch]["peak_bytes"] or 2**62  # failed: fits nothing
 
+  sizes = [top * devices >> i for i in range(top.bit_length())]
   choice = sizing.choose(peak_bytes, sizes=sizes, max_batch=sizes[0],
                          remats=("none",), limit_bytes=limit,
                          memory_source="target", floor_bytes=floor)
   best = choice.microbatch_size if choice.fits else None
+  while best == top * devices and top < max_per_device:
+    top *= 2
+    if peak_bytes(top * devices) > limit:
+      break
+    best = top * devices
   return {"largest_batch_per_device": best and best // devices,
-          "largest_batch_peak_bytes": best and (
-              p1 if best == first["batch"] else _peak(tried[best])),
-          "limit_bytes": limit,
-          "search": [{"batch_per_device": b // devices, "peak_bytes": _peak(r),
-                      **({"error": r["error"][:200]} if "error" in r else {})}
-                     for b, r in tried.items()]}
+          "largest_batch_peak_bytes": best and peak_bytes(best),
+          "limit_bytes": limit, "search": list(tried.values())}
 
 
 def step_seconds(result: dict, batch: int) -> float | None:
@@ -155,10 +163,14 @@ def run_suite(spec: Spec, *, headroom: float,
               run: Callable[[Sequence[str]], dict],
               memory_of: Callable[[str], int],
               say: Callable[[str], None] = lambda s: None,
-              keep: Callable[[dict], None] = lambda r: None) -> list[dict]:
+              keep: Callable[[dict], None] = lambda r: None,
+              done: Sequence[dict] = ()) -> list[dict]:
   """One result per (target, model, mode): row 1's JSON line with
   `largest_batch_per_device`, its `search` and `examples_per_s_at_largest`,
-  each passed to `keep` as it is done (a whole suite takes hours)."""
+  each passed to `keep` as it is done (a whole suite takes hours). `done`:
+  results of an earlier run of the suite (`--resume`), whose row 1 and
+  search compiles are reused."""
+  earlier = {tuple(r["argv"]): r for r in done}
   results = []
   for target in spec.targets:
     memory = memory_of(target)
@@ -166,15 +178,17 @@ def run_suite(spec: Spec, *, headroom: float,
       for mode in MODES:
         argv = _argv(spec, target, model, mode, spec.batch)
         say(" ".join(argv))
-        result = {**run(argv), "argv": list(argv), "suite_target": target,
-                  "suite_model": model.name, "suite_mode": mode}
+        result = earlier.get(argv) or {
+            **run(argv), "argv": list(argv), "suite_target": target,
+            "suite_model": model.name, "suite_mode": mode}
         devices = _devices(result)
         if "error" not in result and devices:
           say(f"largest batch: {target} {model.name} {mode}")
           result.update(largest_batch(
               run, lambda b: _argv(spec, target, model, mode, b, "--no_cost"),
               result, devices=devices, memory_bytes=memory, headroom=headroom,
-              max_per_device=spec.max_per_device))
+              max_per_device=spec.max_per_device,
+              known=result.get("search", ())))
           best = result["largest_batch_per_device"]
           seconds = best and step_seconds(result, best * devices)
           result["examples_per_s_at_largest"] = (
@@ -271,7 +285,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--timeout_s", type=float, default=3600,
                  help="the longest one compile may take")
   p.add_argument("--json_out", help="also write every row's JSON line here")
-  return p.parse_args(argv)
+  p.add_argument("--resume", action="store_true",
+                 help="reuse the rows and compiles already in --json_out")
+  args = p.parse_args(argv)
+  if args.resume and not args.json_out:
+    p.error("--resume reads the rows of --json_out")
+  return args
 
 
 def select(spec: Spec, args: argparse.Namespace) -> Spec:
@@ -294,7 +313,16 @@ def main(argv: Sequence[str]) -> int:
   spec = select(SUITES[args.suite], args)
   from dpjax import targets  # resolving a target loads its compiler: once
   memory = {t: targets.resolve(t).memory_bytes for t in spec.targets}
+  done = []
+  if args.resume and os.path.exists(args.json_out):
+    with open(args.json_out) as f:
+      done = [json.loads(line) for line in f if line.strip()]
   out = open(args.json_out, "w") if args.json_out else None
+  ours = {_argv(spec, t, m, mode, spec.batch) for t in spec.targets
+          for m in spec.models for mode in MODES}
+  for row in done:  # rows of targets or models not run this time: kept
+    if tuple(row["argv"]) not in ours:
+      out.write(json.dumps(row) + "\n")
 
   def keep(result: dict) -> None:
     if out:
@@ -305,7 +333,7 @@ def main(argv: Sequence[str]) -> int:
       spec, headroom=args.headroom,
       run=lambda a: suite.run_row(a, args.timeout_s), memory_of=memory.get,
       say=lambda s: print(f"dpjax.bench: {s}", file=sys.stderr, flush=True),
-      keep=keep)
+      keep=keep, done=done)
   if out:
     out.close()
   print(table(spec, results, "python -m dpjax.bench " + " ".join(argv)),
