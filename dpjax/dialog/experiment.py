@@ -48,12 +48,12 @@ import os
 from typing import Sequence
 
 import gin
-import numpy as np
 
 import tasks
 from dpjax import fileio, gin_cli, harness, inference, run_config, verify
 from dpjax.datasets import multidogo
 from dpjax.dialog import classifier, lira
+from dpjax.models import gpt2
 from dpjax.text import redaction
 from tasks import multidogo as multidogo_tasks
 
@@ -145,13 +145,6 @@ def _train_classifier(path: str, data: multidogo_tasks.MultidogoConfig,
       argv.append(f"--{flag}={value}")
   gin.clear_config()
   classifier.main(argv)
-
-
-def _test_perplexity(model: lira.Model, arrays: dict, batch_size: int) -> float:
-  """exp(Σ token NLL / Σ tokens) over a split's decoder-only arrays."""
-  sums, counts = lira.nll_sums(model.config, model.params, arrays["tokens"],
-                               arrays["loss_weights"], batch_size=batch_size)
-  return float(np.exp(sums.sum() / counts.sum()))
 
 
 def _load_model(run_dir: str) -> tuple[lira.Model, dict]:
@@ -264,8 +257,9 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
           model, reference_models, prompts, vocabulary=vocabulary,
           policies=policy_objects, batch_size=batch_size, **attack_settings)
       evaluation = {
-          "test_ppl": {k: _test_perplexity(model, a, batch_size)
-                       for k, a in test_sets.items()},
+          "test_ppl": {k: gpt2.perplexity(
+              model.config, model.params, a["tokens"], a["loss_weights"],
+              batch_size=batch_size) for k, a in test_sets.items()},
           "attack": attack_summary, "num_prompts": len(prompts),
           "settings": attack_settings}
       os.makedirs(os.path.dirname(path), exist_ok=True)

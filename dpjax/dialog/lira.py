@@ -40,17 +40,16 @@ No TensorFlow: jax, numpy and the (pure Python) MultiDoGo formatting.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Mapping, Protocol, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dpjax import decoding
 from dpjax.datasets import multidogo
-from dpjax.models.gpt2 import GPT2, GPT2Config
+from dpjax.models import gpt2
+from dpjax.models.gpt2 import GPT2Config
 from dpjax.text import redaction
 
 STOP_TOKENS = tuple(t for t in multidogo.CONTROL_TOKENS if t != redaction.REDACTED)
@@ -108,13 +107,6 @@ def _right_padded(rows: Sequence[Sequence[int]], width: int, pad_id: int
   return tokens, lengths
 
 
-def _batches(n: int, batch_size: int):
-  """Row indices of fixed-size batches; the last is padded with row 0."""
-  for start in range(0, n, batch_size):
-    rows = np.arange(start, min(start + batch_size, n))
-    yield np.concatenate([rows, np.zeros(batch_size - len(rows), int)]), len(rows)
-
-
 def sample_continuations(config: GPT2Config, params, contexts: Sequence[Sequence[int]],
                          *, num_samples: int = PAPER_NUM_SAMPLES,
                          max_new_tokens: int, stop_ids: Sequence[int],
@@ -142,36 +134,13 @@ def sample_continuations(config: GPT2Config, params, contexts: Sequence[Sequence
                      f"context in n_positions {config.n_positions}")
   tokens, lengths = _right_padded(rows, width, pad_id)
   out = []
-  for b, (idx, real) in enumerate(_batches(len(rows), batch_size)):
+  for b, (idx, real) in enumerate(gpt2.fixed_size_batches(len(rows), batch_size)):
     got = decoding.generate_causal(
         config, params, tokens[idx], lengths[idx], max_new_tokens=max_new_tokens,
         rng=jax.random.fold_in(jax.random.PRNGKey(seed), b), top_k=top_k,
         eos_id=int(stop_ids[0]), banned_ids=tuple(int(i) for i in banned_ids))
     out += [until_stop(g, stop_ids) for g in np.asarray(got)[:real]]
   return out
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def _nll_sums(config: GPT2Config, params, tokens: jax.Array, weights: jax.Array):
-  """Per row: Σ_p weights[p] · -log P(tokens[p] | tokens[:p]), and Σ weights.
-  Right padding needs no mask: attention is causal."""
-  logits = GPT2(config).apply({"params": params}, tokens)
-  log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
-  w = weights[:, 1:].astype(jnp.float32)
-  return -jnp.sum(picked * w, axis=-1), jnp.sum(w, axis=-1)
-
-
-def nll_sums(config: GPT2Config, params, tokens: np.ndarray, weights: np.ndarray,
-             *, batch_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
-  """`_nll_sums` over fixed-size batches of `[n, L]` rows: float64 `[n]`
-  summed NLL and weight per row."""
-  sums, counts = np.zeros(len(tokens)), np.zeros(len(tokens))
-  for idx, real in _batches(len(tokens), batch_size):
-    s, c = _nll_sums(config, params, jnp.asarray(tokens[idx], jnp.int32),
-                     jnp.asarray(weights[idx], jnp.float32))
-    sums[idx[:real]], counts[idx[:real]] = np.asarray(s)[:real], np.asarray(c)[:real]
-  return sums, counts
 
 
 def continuation_nll(config: GPT2Config, params, contexts: Sequence[Sequence[int]],
@@ -195,7 +164,8 @@ def continuation_nll(config: GPT2Config, params, contexts: Sequence[Sequence[int
   position = np.arange(width)[None, :]
   weights = ((position >= (lengths - steps)[:, None])
              & (position < lengths[:, None])).astype(np.float32)
-  sums, counts = nll_sums(config, params, tokens, weights, batch_size=batch_size)
+  sums, counts = gpt2.nll_sums(config, params, tokens, weights,
+                               batch_size=batch_size)
   with np.errstate(invalid="ignore", divide="ignore"):
     return np.where(counts > 0, sums / counts, np.nan)
 
@@ -333,5 +303,5 @@ def _float(x) -> float | None:
 
 __all__ = ["STOP_TOKENS", "PAPER_TOP_K", "PAPER_NUM_SAMPLES", "Model",
            "conversation_prompts", "until_stop", "sample_continuations",
-           "nll_sums", "continuation_nll", "perplexity_ratio", "lira_score",
+           "continuation_nll", "perplexity_ratio", "lira_score",
            "success_rates", "attack"]

@@ -46,7 +46,7 @@ from sklearn import metrics as sk_metrics
 
 import tasks
 from dpjax import fileio, gin_cli, harness, inference, run_config, verify
-from dpjax.dialog import lira
+from dpjax.models import gpt2
 
 FPRS = (0.01, 0.1)
 SETTINGS = ("nonprivate", "example", "user")
@@ -215,14 +215,13 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
             *bindings, *setting_bindings(setting, epsilon, example_batch),
             f"register_multidogo_tasks.train_conversations_path = {split!r}"])
         config, params, _ = inference.load_trained(run_dir)
-        sums, counts = lira.nll_sums(config, params, train["tokens"],
+        sums, counts = gpt2.nll_sums(config, params, train["tokens"],
                                      train["loss_weights"],
                                      batch_size=batch_size)
         scores.append(user_scores(sums, counts, users, user_ids))
-        v_sums, v_counts = lira.nll_sums(config, params, validation["tokens"],
-                                         validation["loss_weights"],
-                                         batch_size=batch_size)
-        perplexities.append(float(np.exp(v_sums.sum() / v_counts.sum())))
+        perplexities.append(gpt2.perplexity(
+            config, params, validation["tokens"], validation["loss_weights"],
+            batch_size=batch_size))
         epsilons.append(math.inf if setting == "nonprivate" else
                         verify.run_ledger(run_dir).epsilon_spent())
       fileio.write_atomic(cached, json.dumps(dict(

@@ -331,3 +331,49 @@ def make_batch_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]
 def make_example_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:
   """The loss of ONE example, for per-example clipping (`common.one_example_loss`)."""
   return common.one_example_loss(functools.partial(_lm_loss, GPT2(config)))
+
+
+# Scoring ---------------------------------------------------------------------
+
+
+def fixed_size_batches(n: int, batch_size: int):
+  """(row indices, number of real rows) of `batch_size`-row batches over n
+  rows, the last padded with row 0: one compiled shape for every batch."""
+  for start in range(0, n, batch_size):
+    rows = np.arange(start, min(start + batch_size, n))
+    yield (np.concatenate([rows, np.zeros(batch_size - len(rows), int)]),
+           len(rows))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _nll_sums(config: GPT2Config, params, tokens: Array, weights: Array):
+  """Per row: Σ_p weights[p] · -log P(tokens[p] | tokens[:p]), and Σ weights
+  over p ≥ 1 (position 0 has no prediction). Right padding needs no mask:
+  attention is causal."""
+  logits = GPT2(config).apply({"params": params}, tokens)[:, :-1]
+  w = weights[:, 1:].astype(jnp.float32)
+  return (jnp.sum(losses.token_cross_entropy(logits, tokens[:, 1:]) * w,
+                  axis=-1), jnp.sum(w, axis=-1))
+
+
+def nll_sums(config: GPT2Config, params, tokens: np.ndarray,
+             weights: np.ndarray, *, batch_size: int = 64
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """float64 `[n]` summed token NLL and summed weight of each of the `[n, L]`
+  rows, `batch_size` rows a call."""
+  sums, counts = np.zeros(len(tokens)), np.zeros(len(tokens))
+  for idx, real in fixed_size_batches(len(tokens), batch_size):
+    s, c = _nll_sums(config, params, jnp.asarray(tokens[idx], jnp.int32),
+                     jnp.asarray(weights[idx], jnp.float32))
+    sums[idx[:real]] = np.asarray(s)[:real]
+    counts[idx[:real]] = np.asarray(c)[:real]
+  return sums, counts
+
+
+def perplexity(config: GPT2Config, params, tokens: np.ndarray,
+               weights: np.ndarray, *, batch_size: int = 64) -> float:
+  """exp(Σ weighted token NLL / Σ weights) over all rows: the perplexity of
+  the tokens with nonzero `weights` (`nll_sums`)."""
+  sums, counts = nll_sums(config, params, tokens, weights,
+                          batch_size=batch_size)
+  return float(np.exp(sums.sum() / counts.sum()))

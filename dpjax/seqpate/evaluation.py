@@ -11,42 +11,14 @@
 """
 from __future__ import annotations
 
-import math
 import re
-from typing import Callable, Sequence
+from typing import Sequence
 
-import jax
 import numpy as np
 import sacrebleu
 
 from dpjax import decoding
-from dpjax.models import gpt2, losses
-
-
-def _make_nll(config: gpt2.GPT2Config) -> Callable:
-  model = gpt2.GPT2(config)
-
-  def nll(params, tokens, weights):
-    logits = model.apply({"params": params}, tokens)[:, :-1]
-    return (losses.token_cross_entropy(logits, tokens[:, 1:])
-            * weights[:, 1:]).sum()
-
-  return jax.jit(nll)
-
-
-def perplexity(config: gpt2.GPT2Config, params, arrays: dict,
-               batch_size: int = 64) -> float:
-  """exp(mean NLL) over the tokens with nonzero loss weight."""
-  nll = _make_nll(config)
-  tokens, weights = arrays["tokens"], arrays["loss_weights"]
-  pad = -len(tokens) % batch_size
-  tokens = np.concatenate([tokens, np.repeat(tokens[-1:], pad, 0)])
-  weights = np.concatenate([weights, np.zeros((pad,) + weights.shape[1:],
-                                              weights.dtype)])
-  total = sum(float(nll(params, tokens[i:i + batch_size],
-                        weights[i:i + batch_size]))
-              for i in range(0, len(tokens), batch_size))
-  return math.exp(total / weights.sum())
+from dpjax.models import gpt2
 
 
 def complete(config: gpt2.GPT2Config, params, arrays: dict,
@@ -94,7 +66,8 @@ def evaluate(config: gpt2.GPT2Config, params, test: dict,
              tokenizer, names: Sequence[str] | None) -> dict:
   """PPL, BLEU-3/4 and (with `names`) name leakage on the test set."""
   generated = complete(config, params, test["arrays"], tokenizer)
-  row = {"ppl": perplexity(config, params, test["arrays"]),
+  row = {"ppl": gpt2.perplexity(config, params, test["arrays"]["tokens"],
+                                test["arrays"]["loss_weights"]),
          "bleu3": bleu(generated, test["references"], 3),
          "bleu4": bleu(generated, test["references"], 4)}
   if names:

@@ -152,6 +152,21 @@ def test_batch_loss_matches_numpy(tiny):
   assert not np.isclose(batch_loss(params, {"tokens": TOKENS, "loss_weights": w})[0], got[0])
 
 
+def test_nll_sums_and_perplexity_match_numpy_over_padded_batches(tiny):
+  """Three rows in batches of two (the last padded with row 0, which must
+  not count): per-row sums and the perplexity of a float64 loop."""
+  cfg, params, _ = tiny
+  tokens = np.concatenate([TOKENS, TOKENS[:1] + 7])
+  weights = np.concatenate([WEIGHTS, WEIGHTS[1:]])
+  sums, counts = gpt2.nll_sums(cfg, params, tokens, weights, batch_size=2)
+  means = _numpy_loss(forward(cfg, params, tokens), tokens, weights)
+  np.testing.assert_allclose(counts, weights[:, 1:].sum(-1))
+  np.testing.assert_allclose(sums, means * counts, rtol=1e-5)
+  expected = np.exp((means * counts).sum() / counts.sum())
+  assert gpt2.perplexity(cfg, params, tokens, weights,
+                         batch_size=2) == pytest.approx(expected, rel=1e-5)
+
+
 def test_example_loss_under_vmap_grad(tiny):
   cfg, params, _ = tiny
   example_loss = gpt2.make_example_loss(cfg)
