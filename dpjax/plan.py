@@ -241,6 +241,25 @@ def plan_multipliers(plan: Plan) -> tuple[float, ...]:
   return verify.dp_step_multipliers(plan.guarantee(), plan.noise_multiplier)
 
 
+def stages_plan(config: run_config.RunConfig, n: int,
+                stage_steps: Sequence[int], target_epsilon: float,
+                delta: float | None = None) -> tuple[float, float]:
+  """(δ, σ) of a pipeline whose stages (e.g. a parse LM, then a
+  parse-to-utterance model; an LM, then a head on it) are separate runs of
+  `config`'s sampler and accountant on the same n examples, `stage_steps`
+  DP steps each, under ONE σ: the least with which all of their releases
+  meet (ε, δ) (`calibrate`); δ is `delta` or `config.delta` resolved for n.
+  Each stage then trains with `train.noise_multiplier = σ` and the later
+  ones with `train.prior_ledger` on the earlier, so the last ledger holds
+  the pipeline's ε."""
+  delta = delta or resolve_delta(config.delta, n)
+  # Only the scheme: no batch is drawn, so no secret is needed.
+  scheme = make_sampler(config.sampling_method, n, int(config.batch_size), 0,
+                        config.overflow_probability).scheme
+  return delta, calibrate(target_epsilon, delta, scheme, stage_steps,
+                          accountant=config.accountant)
+
+
 def resolve_delta(delta: float | str | None, n: int) -> float:
   """`train.delta`: a number, '1/n', or '1/(2n)' (the default, None)."""
   if delta is None or delta == "1/(2n)":

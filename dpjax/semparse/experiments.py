@@ -84,18 +84,12 @@ class _Runs:
   def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
                    delta: float | None = None) -> dict:
     """Batch, δ, (T1, T2) and the one σ for T1 + T2 steps under the gin's
-    sampler and accountant (`plan.calibrate`) on n examples at ε (δ = 1/(2n)
-    unless DELTA or `delta` is set)."""
+    sampler and accountant (`plan.stages_plan`) on n examples at ε (δ =
+    1/(2n) unless DELTA or `delta` is set)."""
     config = self.run_config()
     batch = int(config.batch_size)
-    delta = delta or plan_lib.resolve_delta(config.delta, n)
     t1, t2 = (math.ceil(e * n / batch) for e in epochs)
-    # Only the scheme: no batch is drawn, so no secret is needed.
-    sampling = plan_lib.make_sampler(
-        config.sampling_method, n, batch, 0,
-        config.overflow_probability).scheme
-    sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2],
-                               accountant=config.accountant)
+    delta, sigma = plan_lib.stages_plan(config, n, (t1, t2), eps, delta)
     return dict(batch=batch, delta=delta, steps=(t1, t2), sigma=sigma)
 
 

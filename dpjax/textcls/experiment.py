@@ -224,12 +224,7 @@ def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
   batch = int(config.batch_size)
   t1 = plan_lib.steps_for(config.train_steps, config.epochs, n, batch)
   t2 = t1 if head_epochs is None else plan_lib.steps_for(None, head_epochs, n, batch)
-  # Only the scheme: no batch is drawn, so no secret is needed.
-  sampling = plan_lib.make_sampler(config.sampling_method, n, batch, 0,
-                                   config.overflow_probability).scheme
-  delta = plan_lib.resolve_delta(config.delta, n)
-  sigma = plan_lib.calibrate(eps, delta, sampling, [t1, t2],
-                             accountant=config.accountant)
+  delta, sigma = plan_lib.stages_plan(config, n, (t1, t2), eps)
   return {"dataset_size": n, "delta": delta, "steps": (t1, t2), "noise_multiplier": sigma}
 
 
