@@ -4,7 +4,7 @@ fine-tuned on the private training set with DP-SGD by dpjax's trainer.
 `train_noisysgd` exports Pub-GPT as a Hugging Face checkpoint (the
 trainer's INITIAL_CHECKPOINT_PATH), registers the seqio task of the private
 split (`tasks.seqpate.register_private_lm_task`: the teachers' sentences, as
-the same token rows), and runs `dpjax.trainer.train` with
+the same token rows), and trains it with `harness.train_run` and
 `gin/seqpate_noisysgd.gin` (DP-Adam, Poisson sampling, σ calibrated by
 dp-accounting for the planned steps at the table's ε and δ = 1e-5). The
 model, lengths, ε, δ and seed are bound from the table's settings, after
@@ -32,10 +32,9 @@ import dataclasses
 import os
 from typing import Any, Sequence
 
-import gin
 import jax
 
-from dpjax import gin_cli, harness, inference, trainer
+from dpjax import harness, inference
 from dpjax.models import gpt2
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
@@ -68,18 +67,12 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
     task = data.register_private_lm_task(
         dataset, split_seed, public_fraction=public_fraction,
         test_fraction=test_fraction, max_examples=max_examples)
-    gin.clear_config()
-    try:
-      gin_cli.configure(list(gin_files), [
-          *bindings, *model_bindings(config),
-          f"MODEL_DIR = {model_dir!r}",
-          f"INITIAL_CHECKPOINT_PATH = {init_dir!r}",
-          f"MIXTURE_OR_TASK_NAME = {task.name!r}",
-          f"TASK_FEATURE_LENGTHS = {{'targets': {length - 1}}}",
-          f"TARGET_EPSILON = {str(epsilon)!r}", f"DELTA = {delta!r}",
-          f"train.seed = {seed}"])
-      trainer.train()
-    finally:
-      gin.clear_config()
+    harness.train_run(model_dir, gin_files, [
+        *bindings, *model_bindings(config),
+        f"INITIAL_CHECKPOINT_PATH = {init_dir!r}",
+        f"MIXTURE_OR_TASK_NAME = {task.name!r}",
+        f"TASK_FEATURE_LENGTHS = {{'targets': {length - 1}}}",
+        f"TARGET_EPSILON = {str(epsilon)!r}", f"DELTA = {delta!r}",
+        f"train.seed = {seed}"])
   params, meta = inference.load_trained(model_dir)[1:]
   return params, meta.privacy_ledger()

@@ -165,23 +165,15 @@ _NAIVE = ("train.model_config = @GPT2Config()", "train.clip_norms = None")
 def _train(model_dir: str, eps: float, gin_files: Sequence[str],
            bindings: Sequence[str], extra: Sequence[str] = ()) -> dict:
   """The train summary of the run in `model_dir`, trained (or resumed) at ε
-  unless it has finished: the gin files, the user's `bindings`, then this
-  module's (which win), then `extra`. The LM test loss is evaluated once, at
-  the end (`eval_loss`), unless `extra` says otherwise."""
-  def train() -> dict:
-    gin.clear_config()
-    try:
-      gin_cli.configure(list(gin_files), [
-          *bindings, f"MODEL_DIR = '{model_dir}'",
-          f"TARGET_EPSILON = {eps_name(eps)!r}",
-          "train.eval_period = 1000000000",  # only at the last step
-          "train.eval_examples = 1000000000",  # the whole held-out split
-          "train.generate_after_training = False", *extra])
-      return trainer.train()
-    finally:
-      gin.clear_config()
-
-  return harness.ensure_trained(model_dir, train)
+  unless it has finished (`harness.train_run`): the gin files, the user's
+  `bindings`, then this module's (which win), then `extra`. The LM test loss
+  is evaluated once, at the end (`eval_loss`), unless `extra` says
+  otherwise."""
+  return harness.train_run(model_dir, gin_files, [
+      *bindings, f"TARGET_EPSILON = {eps_name(eps)!r}",
+      "train.eval_period = 1000000000",  # only at the last step
+      "train.eval_examples = 1000000000",  # the whole held-out split
+      "train.generate_after_training = False", *extra])
 
 
 def train_run(out_dir: str, kind: str, eps: float, *,
