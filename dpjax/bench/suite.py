@@ -193,8 +193,14 @@ def targets(spec: Spec, results: list[dict]) -> list[tuple[str, float | None,
   ]
 
 
-def _cell(x, fmt: str) -> str:
+def cell(x, fmt: str) -> str:
+  """A table cell: `x` in `fmt`, empty for None."""
   return "" if x is None else format(x, fmt)
+
+
+def met_cell(met: bool | None) -> str:
+  """A target's "met" cell: yes, no, or n/a (a row it needs did not run)."""
+  return "n/a" if met is None else "yes" if met else "no"
 
 
 def table(spec: Spec, results: list[dict], command: str) -> str:
@@ -217,15 +223,15 @@ def table(spec: Spec, results: list[dict], command: str) -> str:
                               if _arg(r, "remat") else "")
     out.append(
         f"| {_arg(r, 'model')} | {_shape(r)} | {mode} | "
-        f"{_cell(r.get('step_time_s') and 1e3 * r['step_time_s'], '.1f')} | "
-        f"{_cell(r.get('tokens_per_s'), ',.0f')} | "
-        f"{_cell(step_ratio(r, results), '.3f')} | "
-        f"{_cell(r.get('mfu'), '.1%')} | {_cell(peak and peak / 2**30, '.2f')} "
-        f"| {_cell(flops_ratio, '.3f')} | {note[:80]} |")
+        f"{cell(r.get('step_time_s') and 1e3 * r['step_time_s'], '.1f')} | "
+        f"{cell(r.get('tokens_per_s'), ',.0f')} | "
+        f"{cell(step_ratio(r, results), '.3f')} | "
+        f"{cell(r.get('mfu'), '.1%')} | {cell(peak and peak / 2**30, '.2f')} "
+        f"| {cell(flops_ratio, '.3f')} | {note[:80]} |")
   out += ["", "| target | measured | met |", "|---|---:|---|"]
   for name, value, met in targets(spec, results):
-    out.append(f"| {name} | {_cell(value, '.3f')} | "
-               f"{'n/a' if met is None else 'yes' if met else 'no'} |")
+    out.append(f"| {name} | {cell(value, '.3f')} | "
+               f"{met_cell(met)} |")
   return "\n".join(out)
 
 

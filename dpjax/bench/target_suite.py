@@ -237,10 +237,6 @@ def targets_met(spec: Spec, results: list[dict]) -> list[tuple[str, str,
   return out
 
 
-def _cell(x, fmt: str) -> str:
-  return "" if x is None else format(x, fmt)
-
-
 def table(spec: Spec, results: list[dict], command: str) -> str:
   """The markdown table of the results, then the targets."""
   out = [f"`{command}`", "",
@@ -253,20 +249,20 @@ def table(spec: Spec, results: list[dict], command: str) -> str:
     peak_largest = r.get("largest_batch_peak_bytes")
     out.append(
         f"| `{r['suite_target']}` | {r['suite_model']} | {r['suite_mode']} | "
-        f"{_cell(_peak(r) and _peak(r) / 2**30, '.2f')} | "
-        f"{_cell(ratio(results, r, 'flops'), '.3f')} | "
-        f"{_cell(ratio(results, r, 'bytes_accessed'), '.3f')} | "
-        f"{_cell(seconds and 1e3 * seconds, '.2f')} | "
-        f"{_cell(ratio(results, r, 'step_time_estimate_s'), '.3f')} | "
-        f"{_cell(r.get('largest_batch_per_device'), 'd')} | "
-        f"{_cell(peak_largest and peak_largest / 2**30, '.2f')} | "
-        f"{_cell(r.get('examples_per_s_at_largest'), ',.0f')} | "
+        f"{suite.cell(_peak(r) and _peak(r) / 2**30, '.2f')} | "
+        f"{suite.cell(ratio(results, r, 'flops'), '.3f')} | "
+        f"{suite.cell(ratio(results, r, 'bytes_accessed'), '.3f')} | "
+        f"{suite.cell(seconds and 1e3 * seconds, '.2f')} | "
+        f"{suite.cell(ratio(results, r, 'step_time_estimate_s'), '.3f')} | "
+        f"{suite.cell(r.get('largest_batch_per_device'), 'd')} | "
+        f"{suite.cell(peak_largest and peak_largest / 2**30, '.2f')} | "
+        f"{suite.cell(r.get('examples_per_s_at_largest'), ',.0f')} | "
         f"{(r.get('error') or '')[:80]} |")
   out += ["", "| target, model | target | measured | met |",
           "|---|---|---:|---|"]
   for where, name, value, met in targets_met(spec, results):
-    out.append(f"| {where} | {name} | {_cell(value, '.3f')} | "
-               f"{'n/a' if met is None else 'yes' if met else 'no'} |")
+    out.append(f"| {where} | {name} | {suite.cell(value, '.3f')} | "
+               f"{suite.met_cell(met)} |")
   return "\n".join(out)
 
 
