@@ -162,3 +162,14 @@ def test_resume_reuses_rows_and_compiles():
                        done=first[:3])  # the last mode was not finished
   assert again[:3] == first[:3] and again[3] == first[3]
   assert len(calls) - n == 1 + len(first[3]["search"])  # its row 1, search
+
+
+def test_targets_of_rows_not_run_are_not_applicable():
+  spec = ts.SUITES["targets"]._replace(targets=("tpu:v5e:2x2",),
+                                       models=ts.SUITES["targets"].models[:1])
+  run, _ = fake_run()
+  results = ts.run_suite(spec, headroom=0.9, run=run,
+                         memory_of={"tpu:v5e:2x2": 16 * GiB}.get)
+  partial = [r for r in results if r["suite_mode"] != "ghost"]
+  assert [met for *_, met in ts.targets_met(spec, partial)] == [None, None]
+  assert "| n/a |" in ts.table(spec, partial, "python -m dpjax.bench")

@@ -222,7 +222,7 @@ def targets_met(spec: Spec, results: list[dict]) -> list[tuple[str, str,
   for target in spec.targets:
     for model in spec.models:
       ghost = _of(results, target, model.name, "ghost")
-      step = ghost and ratio(results, ghost, "step_time_estimate_s")
+      step = ratio(results, ghost, "step_time_estimate_s") if ghost else None
       jp = _of(results, target, model.name, "jax_privacy")
       dp_rate = ghost.get("examples_per_s_at_largest")
       jp_rate = jp.get("examples_per_s_at_largest")
