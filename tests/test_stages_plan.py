@@ -2,16 +2,28 @@
 two-stage semantic-parse pipeline, the post-hoc discriminator head), checked
 against dp-accounting called directly."""
 import dp_accounting
+import gin
+import pytest
 
 from dpjax import plan as plan_lib, run_config
 
 N, BATCH = 1000, 50
 
 
+@pytest.fixture(autouse=True)
+def _no_gin_bindings():
+  """RunConfig is gin-configurable: another test's bindings must not leak
+  into the one built here."""
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
 def _config(**kw):
   return run_config.RunConfig(
       model_dir="unused", model_config=None, mixture_or_task_name="unused",
-      task_feature_lengths={}, batch_size=BATCH, **kw)
+      task_feature_lengths={}, batch_size=BATCH, **{
+          "sampling_method": "poisson", "accountant": "pld", **kw})
 
 
 def _epsilon(sigma: float, steps: int, delta: float) -> float:

@@ -39,7 +39,7 @@ import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
-from dpjax import sizing
+from dpjax import sizing, targets
 from dpjax.bench import suite
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
@@ -307,7 +307,6 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
 def main(argv: Sequence[str]) -> int:
   args = parse_args(argv)
   spec = select(SUITES[args.suite], args)
-  from dpjax import targets  # resolving a target loads its compiler: once
   memory = {t: targets.resolve(t).memory_bytes for t in spec.targets}
   done = []
   if args.resume and os.path.exists(args.json_out):
