@@ -173,3 +173,16 @@ def test_targets_of_rows_not_run_are_not_applicable():
   partial = [r for r in results if r["suite_mode"] != "ghost"]
   assert [met for *_, met in ts.targets_met(spec, partial)] == [None, None]
   assert "| n/a |" in ts.table(spec, partial, "python -m dpjax.bench")
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--targets=tpu:v9:2x2", "--target 'tpu:v9:2x2': expected one of"),
+    ("--models=gpt2_huge", "--models: ['gpt2_huge'] not in the suite's"),
+])
+def test_a_bad_target_or_model_is_one_line_and_exit_2(flag, message, capsys,
+                                                     tmp_path):
+  out = tmp_path / "rows.jsonl"
+  assert ts.main(["--suite=targets", flag, f"--json_out={out}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: ") and message in err[-1]
+  assert not out.exists()

@@ -39,7 +39,7 @@ import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
-from dpjax import sizing, targets
+from dpjax import gin_cli, sizing, targets
 from dpjax.bench import suite
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
@@ -297,8 +297,8 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
     names = args.models.split(",")
     unknown = set(names) - {m.name for m in spec.models}
     if unknown:
-      raise SystemExit(f"--models: {sorted(unknown)} not in the suite's "
-                       f"{[m.name for m in spec.models]}")
+      raise gin_cli.UsageError(f"--models: {sorted(unknown)} not in the "
+                               f"suite's {[m.name for m in spec.models]}")
     spec = spec._replace(models=tuple(m for m in spec.models
                                       if m.name in names))
   return spec
@@ -306,8 +306,12 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
 
 def main(argv: Sequence[str]) -> int:
   args = parse_args(argv)
-  spec = select(SUITES[args.suite], args)
-  memory = {t: targets.resolve(t).memory_bytes for t in spec.targets}
+  try:
+    spec = select(SUITES[args.suite], args)
+    memory = {t: targets.resolve(t).memory_bytes for t in spec.targets}
+  except gin_cli.UsageError as e:  # before anything is compiled or written
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   done = []
   if args.resume and os.path.exists(args.json_out):
     with open(args.json_out) as f:
