@@ -30,7 +30,7 @@ def fake_run(devices=4, refuse_over=None):
     if refuse_over and peak > refuse_over:
       return {"error": "out of device memory: RESOURCE_EXHAUSTED: HLO "
                        "temporaries exceed available HBM"}
-    line = {"batch": batch, "microbatch": batch, "mesh": {"data": devices},
+    line = {"batch": batch, "microbatch": batch, "num_devices": devices,
             "memory_analysis": {"argument_size_in_bytes": STATE,
                                 "peak_estimate_bytes": peak},
             "flops": {"nodp": 1.0, "ghost": 1.13}.get(mode, 1.05) * batch,

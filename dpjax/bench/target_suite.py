@@ -34,16 +34,21 @@ it checks the harness, not a machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
-from dpjax import gin_cli, sizing, targets
+from dpjax import gin_cli, run_config, sizing, targets
 from dpjax.bench import suite
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 STEP_TARGET, THROUGHPUT_TARGET = suite.STEP_TARGET, suite.THROUGHPUT_TARGET
+# A training run's default share of device memory, so that "fits" means
+# what the trainer's sizing means by it.
+HEADROOM = next(f.default for f in dataclasses.fields(run_config.RunConfig)
+                if f.name == "memory_headroom")
 
 
 class Model(NamedTuple):
@@ -82,16 +87,6 @@ def _argv(spec: Spec, target: str, model: Model, mode: str, batch: int,
   return (f"--model={model.name}", f"--batch={batch}", f"--microbatch={batch}",
           f"--mode={mode}", f"--target={target}", *model.args, *spec.common,
           *extra)
-
-
-def _devices(result: dict) -> int | None:
-  mesh = result.get("mesh")
-  if not mesh:
-    return None
-  n = 1
-  for size in mesh.values():
-    n *= size
-  return n
 
 
 def _peak(result: dict) -> int | None:
@@ -181,7 +176,7 @@ def run_suite(spec: Spec, *, headroom: float,
         result = earlier.get(argv) or {
             **run(argv), "argv": list(argv), "suite_target": target,
             "suite_model": model.name, "suite_mode": mode}
-        devices = _devices(result)
+        devices = result.get("num_devices")  # the target's
         if "error" not in result and devices:
           say(f"largest batch: {target} {model.name} {mode}")
           result.update(largest_batch(
@@ -275,9 +270,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  "(dpjax.targets; default: the suite's)")
   p.add_argument("--models", help="comma-separated subset of the suite's "
                  "models (default: all)")
-  p.add_argument("--headroom", type=float, default=0.9,
+  p.add_argument("--headroom", type=float, default=HEADROOM,
                  help="the share of a device's memory a step may use "
-                 "(train.memory_headroom's default)")
+                 "(default: train.memory_headroom's)")
   p.add_argument("--timeout_s", type=float, default=3600,
                  help="the longest one compile may take")
   p.add_argument("--json_out", help="also write every row's JSON line here")
