@@ -21,6 +21,7 @@ HLO cost analysis stands in (`generic_cost_analysis`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -83,10 +84,8 @@ FREE_CUSTOM_CALLS = ("ConcatBitcast",)
 
 def custom_calls(hlo_text: str) -> dict[str, int]:
   """How many custom calls of each target a compiled module's text has."""
-  counts: dict[str, int] = {}
-  for target in re.findall(r'custom_call_target="([^"]+)"', hlo_text):
-    counts[target] = counts.get(target, 0) + 1
-  return counts
+  return dict(collections.Counter(
+      re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
 
 
 def generic_cost_analysis(compiled) -> dict:
