@@ -56,7 +56,9 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from dpjax import checkpoints, fileio, gin_cli, inference, pretrained
+from dpjax.training import checkpoints
+from dpjax import fileio, gin_cli, pretrained
+from dpjax.generation import inference
 from dpjax.models import dual_encoder
 from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ import tokenize
 import gin
 import numpy as np
 
-from dpjax import reporting
+from dpjax.training import reporting
 
 REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "gin")
@@ -162,12 +163,44 @@ def _gin_file_error(path: str, e: BaseException) -> str:
   return f"gin: in {path}: {reason}"
 
 
+# Where the modules a run's config.gin may import lived before dpjax's
+# layout of packages: such a file imports them by their old names.
+_MOVED_MODULES = {
+    **{f"dpjax.{m}": f"dpjax.training.{m}" for m in (
+        "checkpoints", "distributed", "dry_run", "loop", "padding",
+        "partitioning", "plan", "prefetch", "reporting", "run_config",
+        "sizing", "step_cost", "steps", "targets", "train_step", "trainer")},
+    **{f"dpjax.{m}": f"dpjax.generation.{m}"
+       for m in ("decoding", "pplm", "inference")},
+    **{f"dpjax.{m}": f"dpjax.pipelines.{m}" for m in (
+        "harness", "text_classifier", "dialog.classifier")},
+}
+
+
+def _alias_moved_modules(path: str) -> None:
+  """Makes the old names of moved modules that `path` imports importable."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError):
+    return  # parse_config_file reports it
+  for old, new in _MOVED_MODULES.items():
+    if old not in sys.modules and re.search(
+        rf"^\s*import\s+{re.escape(old)}(\s|$)", text, re.M):
+      sys.modules[old] = importlib.import_module(new)
+
+
 def configure(gin_files: list[str], bindings: list[str],
-              search_paths: list[str] = ()) -> None:
-  """Parses gin files and bindings; every problem becomes a UsageError."""
+              search_paths: list[str] = (), *,
+              run_files: list[str] = ()) -> None:
+  """Parses gin files and bindings; every problem becomes a UsageError.
+
+  `run_files`: config.gin files a dpjax run wrote (`MODEL_DIR/config.gin`),
+  parsed first; one written before dpjax's modules moved to their packages
+  imports them by their old names, which resolve to the new ones."""
   for path in [os.getcwd(), *search_paths, REPO_GIN_DIR]:
     gin.add_config_file_search_path(path)
-  for f in gin_files:
+  for f in [*run_files, *gin_files]:
     if not any(os.path.isfile(os.path.join(p, f))
                for p in [os.getcwd(), *search_paths, REPO_GIN_DIR]) \
         and not os.path.isfile(f):
@@ -181,8 +214,10 @@ def configure(gin_files: list[str], bindings: list[str],
   errors = (ValueError, KeyError, OSError, SyntaxError, ImportError,
             tokenize.TokenError)
   try:
-    for path in gin_files:
+    for path in [*run_files, *gin_files]:
       try:
+        if path in run_files:
+          _alias_moved_modules(path)
         gin.parse_config_file(path)
       except errors as e:
         raise UsageError(_gin_file_error(path, e)) from None

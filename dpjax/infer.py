@@ -5,7 +5,7 @@
       [--gin.NAME=VALUE ...]
 
 The run's own config.gin (data directory, vocabulary) is read from the model
-directory first; see `dpjax.inference.generate_synthetic` for the outputs.
+directory first; see `dpjax.generation.inference.generate_synthetic` for the outputs.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import argparse
 import os
 import sys
 
-from dpjax import gin_cli, inference, train, trainer  # noqa: F401  (trainer: config.gin)
+from dpjax import gin_cli, train  # noqa: F401  (trainer: config.gin)
+from dpjax.generation import inference
+from dpjax.training import trainer
 import tasks  # noqa: F401  (gin configurables of the data layer)
 
 
@@ -39,8 +41,9 @@ def main(argv=None) -> dict:
       greedy=args.greedy, batch_size=args.batch_size, limit=args.limit,
       prefix="--")
   config_gin = os.path.join(args.model_dir, "config.gin")
-  gin_cli.configure(([config_gin] if os.path.isfile(config_gin) else []) +
-                    files, bindings, args.gin_search_paths)
+  gin_cli.configure(files, bindings, args.gin_search_paths,
+                    run_files=[config_gin] if os.path.isfile(config_gin)
+                    else [])
   return inference.generate_synthetic(
       model_dir=args.model_dir, output_dir=args.output_dir, top_p=args.top_p,
       top_k=args.top_k, temperature=args.temperature, greedy=args.greedy,

@@ -5,7 +5,7 @@
 
 For trying and testing multi-host runs on one machine, on CPU: starts N
 `python -m dpjax.train` processes (the arguments after `--`) that join one JAX
-job through dpjax.distributed's environment (a free localhost port for the
+job through dpjax.training.distributed's environment (a free localhost port for the
 coordinator), each with `devices_per_process` CPU devices. Their output lines
 are prefixed with `[i] `. SIGTERM is passed on to all of them (a preemption:
 they checkpoint the same step and exit 0), and so is SIGINT. The exit status
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from dpjax import distributed
+from dpjax.training import distributed
 
 GRACE_SECONDS = 90  # > distributed.initialize's heartbeat timeout
 

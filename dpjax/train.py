@@ -4,7 +4,7 @@
       [--gin_file=G ...] [--gin.NAME=VALUE ...] [--gin_bindings='NAME = VALUE']
       [--dry_run [--dry_run_steps=K | --target=tpu:v5e:16x16]]
 
-The work is done by `dpjax.trainer.train`, configured by gin; this module only
+The work is done by `dpjax.training.trainer.train`, configured by gin; this module only
 parses the command line (it is kept apart so gin sees one `train`).
 """
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Sequence
 
 from absl import logging as absl_logging
 
-from dpjax import checkpoints, dry_run, gin_cli, trainer
-from dpjax.datasets import malformed
+from dpjax.training import checkpoints, dry_run, trainer
+from dpjax import gin_cli
+from dpjax.data.readers import malformed
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
 import tasks  # noqa: F401  (the data layer's gin configurables)
@@ -42,7 +43,7 @@ def _add_arguments(parser) -> None:
   parser.add_argument(
       "--dry_run", action="store_true",
       help="build everything the run would use, write nothing, and print "
-           "its plan and compiled cost as one JSON line (dpjax.dry_run)")
+           "its plan and compiled cost as one JSON line (dpjax.training.dry_run)")
   parser.add_argument(
       "--dry_run_steps", type=int, default=0, metavar="K",
       help="with --dry_run: also run K real steps (nothing is saved) and "

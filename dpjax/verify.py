@@ -46,7 +46,7 @@ from typing import Any, Mapping
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dpjax import checkpoints, reporting
+from dpjax.training import checkpoints, reporting
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import adaptive_clipping as adaptive_lib
 from dpjax.privacy import redaction_schedule as redaction_lib, sampling

@@ -1,6 +1,6 @@
 """seqio tasks of dpjax (data layer: TensorFlow/seqio live here and in
 `dpjax.data`, never in `dpjax.privacy`, `dpjax.models` or the train step).
-The datasets' readers are `dpjax.datasets`; this package only registers the
+The datasets' readers are `dpjax.data.readers`; this package only registers the
 tasks built on them.
 
 Importing this package registers nothing: it only makes the gin configurables
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import gin
 
-from dpjax.datasets.malformed import MalformedLineError  # noqa: F401
-from dpjax.datasets.msmarco import (  # noqa: F401  (tests/test_trainer.py)
+from dpjax.data.readers.malformed import MalformedLineError  # noqa: F401
+from dpjax.data.readers.msmarco import (  # noqa: F401  (tests/test_trainer.py)
     DEFAULT_SAMPLE_DIR,
     load_collection_ids,
 )

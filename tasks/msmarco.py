@@ -1,4 +1,4 @@
-"""The seqio tasks of MSMARCO passage ranking (readers: `dpjax.datasets.msmarco`).
+"""The seqio tasks of MSMARCO passage ranking (readers: `dpjax.data.readers.msmarco`).
 
 Data layer only: this module (like everything under `tasks/` and
 `dpjax/data/`) may import TensorFlow and seqio. The DP core -- `dpjax.privacy`,
@@ -13,7 +13,7 @@ Two tasks, one example per relevant (query, passage) pair:
   and `documents`, no prefix) for the dual encoder. Its training pairs may
   come from another directory and file split than the collection, e.g. the
   `queries.synthetic.tsv` / `qrels.synthetic.tsv` written by
-  `dpjax.inference.generate_synthetic`, whose pids refer to the original
+  `dpjax.generation.inference.generate_synthetic`, whose pids refer to the original
   `collection.tsv`.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import gin
 import numpy as np
 
-from dpjax.datasets import malformed, msmarco
+from dpjax.data.readers import malformed, msmarco
 
 DEFAULT_SAMPLE_DIR = msmarco.DEFAULT_SAMPLE_DIR  # the registrations' default
 DEFAULT_VOCABULARY_PATH = os.path.join(

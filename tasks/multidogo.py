@@ -1,6 +1,6 @@
 """The seqio LM tasks of the domain-privacy experiments ("Domain Private
 Transformers for Multi-Domain Dialog Systems") on MultiDoGo dialogs, read,
-split and formatted by `dpjax.datasets.multidogo`.
+split and formatted by `dpjax.data.readers.multidogo`.
 
 Examples: each conversation of a split is tokenized on its own; as in the
 paper ("concatenate all dialogs for a domain and chunk them by 1024 tokens"),
@@ -13,7 +13,7 @@ each chunk carries its conversation's id (`user_id`), and
 The default `chunk_length` 1023 plus the BOS the GPT-2 feature converter
 prepends is GPT-2's 1024-token context.
 
-The redacted tasks apply a `dpjax.text.redaction.Policy` to every
+The redacted tasks apply a `dpjax.data.text.redaction.Policy` to every
 utterance (all of the policy's domains) before formatting; control tokens
 are never redacted.
 
@@ -35,8 +35,8 @@ from typing import Callable, Collection, Mapping, Sequence
 import gin
 import numpy as np
 
-from dpjax.datasets import malformed
-from dpjax.datasets.multidogo import (
+from dpjax.data.readers import malformed
+from dpjax.data.readers.multidogo import (
     CONTROL_TOKENS,
     DEFAULT_BPE_MERGES_PATH,
     DEFAULT_BPE_VOCAB_PATH,
@@ -51,7 +51,7 @@ from dpjax.datasets.multidogo import (
     load_split,
     redact_conversations,
 )
-from dpjax.text import redaction
+from dpjax.data.text import redaction
 
 # Unpacked tasks (`pack=False`) carry each chunk's conversation id here: the
 # unit of user-level DP (`train.privacy_unit = 'user'`). MultiDoGo names no
@@ -244,7 +244,7 @@ def register_multidogo_tasks(
       (keyword file or classifier), selected or not.
     classifier_policy: a zero-argument function making the classifier
       policy, called when a redacted split is first read; the dialog pipeline
-      binds `@classifier_policy` (`dpjax.dialog.classifier`), which loads a
+      binds `@classifier_policy` (`dpjax.pipelines.dialog.classifier`), which loads a
       saved classifier.
     bpe_vocab_path, bpe_merges_path: GPT-2 `vocab.json` / `merges.txt`; None
       means the pretrained checkpoint's (`checkpoint_tokenizer_files`, passed

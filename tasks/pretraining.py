@@ -17,7 +17,7 @@ the pretraining gin files name (gin/pretrain/*.gin):
 Every mask is drawn from `np.random.default_rng([seed, copy, document,
 segment])`, so a corpus gives the same examples on every machine; the
 trainer's public steps then shuffle them with `train.seed`. The corpus is
-`dpjax.datasets.text_corpus` JSON Lines; the embedded public corpora and the
+`dpjax.data.readers.text_corpus` JSON Lines; the embedded public corpora and the
 sample tokenizers are gin constants (`%tasks.MSMARCO_PUBLIC`,
 `%tasks.MSMARCO_SPM`, ...), so gin files name them without a path.
 """
@@ -31,7 +31,7 @@ import gin
 import numpy as np
 
 from dpjax.data import span_corruption
-from dpjax.datasets import SAMPLE_DATA_DIR, text_corpus
+from dpjax.data.readers import SAMPLE_DATA_DIR, text_corpus
 from dpjax.pretrained import hf
 
 OBJECTIVES = ("span_corruption", "causal_lm")

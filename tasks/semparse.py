@@ -1,7 +1,7 @@
 """The seqio tasks of the semantic-parsing experiments ("Privacy-Preserving
 Domain Adaptation of Semantic Parsers") on SMCalFlow 2.0 and TreeDST.
 
-The examples are the human turns read by `dpjax.datasets.semparse` (one
+The examples are the human turns read by `dpjax.data.readers.semparse` (one
 `(user utterance, linearized program)` per kept turn, TreeDST turns with
 their domain), in the portion and with the function filter a task asks for;
 `KINDS` says which texts each task kind feeds a model.
@@ -19,8 +19,8 @@ from typing import Mapping, Sequence
 import gin
 import numpy as np
 
-from dpjax.datasets import SAMPLE_DATA_DIR, malformed, semparse
-from dpjax.datasets.semparse import Turn
+from dpjax.data.readers import SAMPLE_DATA_DIR, malformed, semparse
+from dpjax.data.readers.semparse import Turn
 
 DEFAULT_VOCAB_DIR = os.path.join(SAMPLE_DATA_DIR, "semparse_vocab")
 DEFAULT_BPE_VOCAB_PATH = os.path.join(DEFAULT_VOCAB_DIR, "vocab.json")

@@ -1,6 +1,6 @@
 """SeqPATE's seqio task ("SeqPATE: Differentially Private Text Generation
 via Knowledge Distillation"): `register_private_lm_task` registers the task
-of one seed's private split (`dpjax.datasets.seqpate.completion_splits`) for
+of one seed's private split (`dpjax.data.readers.seqpate.completion_splits`) for
 dpjax's trainer (the NoisySGD baselines): the same sentences the teachers
 see, as the same rows `encode_completions` makes.
 
@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from dpjax.datasets.seqpate import DEFAULT_VOCAB_DIR, completion_splits
+from dpjax.data.readers.seqpate import DEFAULT_VOCAB_DIR, completion_splits
 
 PRIVATE_LM_TASK = "seqpate_private_lm"
 # AirDialogue's examples carry their customer's name here, the unit of

@@ -3,7 +3,7 @@ Synthetic Data" (an ICLR 2023 submission, OpenReview LUql3ZOFwFD) on SST-2 and
 AG News.
 
 Sources, per dataset (`source="files"`, the default, or `"tfds"`): the
-published files, read by `dpjax.datasets.textcls`, or TFDS's copies
+published files, read by `dpjax.data.readers.textcls`, or TFDS's copies
 (`glue/sst2`, splits train / validation; `ag_news_subset`, 0-based labels in
 the same order, splits train / test). TFDS is optional: nothing can be
 downloaded here, so `source="tfds"` needs the dataset already prepared under
@@ -12,7 +12,7 @@ otherwise.
 
 Task `{dataset}_conditional_lm` (decoder-only): `inputs` the prompt
 `<|label|><|sep|>` (no EOS), `targets` the text + EOS, passthrough `label`
-(int64, 0-based); see `dpjax.datasets.textcls` for the conditioning. The
+(int64, 0-based); see `dpjax.data.readers.textcls` for the conditioning. The
 feature converter masks the prompt out of the LM loss.
 
 seqio/TF (and TFDS) are imported when a task or TFDS split is used, so
@@ -26,8 +26,8 @@ from typing import Mapping, Sequence
 import gin
 import numpy as np
 
-from dpjax.datasets import textcls
-from dpjax.datasets.textcls import (
+from dpjax.data.readers import textcls
+from dpjax.data.readers.textcls import (
     DATASETS,
     DEFAULT_BPE_MERGES_PATH,
     DEFAULT_BPE_VOCAB_PATH,
@@ -81,7 +81,7 @@ def load_examples(dataset: str, split: str, data_dir: str | None = None, *,
       sample. Ignored with `source="tfds"`.
     source: "files" or "tfds" (see the module docstring).
     tfds_data_dir: TFDS data directory (None: TFDS's default).
-    on_malformed: "fail" or "skip" (see `dpjax.datasets.textcls`' readers).
+    on_malformed: "fail" or "skip" (see `dpjax.data.readers.textcls`' readers).
   """
   if source not in SOURCES:
     raise ValueError(f"source must be one of {SOURCES}, got {source!r}")

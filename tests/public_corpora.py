@@ -1,11 +1,11 @@
 """The format every embedded public corpus keeps (tasks/data/<world>_public,
 made by `python -m tasks.<world>_sample.generate --public_corpus`, read by
-`dpjax.datasets.text_corpus`): the part of each world's corpus test that is
+`dpjax.data.readers.text_corpus`): the part of each world's corpus test that is
 the same for all of them."""
 import json
 import os
 
-from dpjax.datasets import text_corpus
+from dpjax.data.readers import text_corpus
 
 
 def documents(corpus_dir) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""Tests of multinomial beam search for GPT-2 (dpjax.decoding.beam_sample_causal).
+"""Tests of multinomial beam search for GPT-2 (dpjax.generation.decoding.beam_sample_causal).
 
 References: an explicit per-position sampling loop on the uncached model, a
 brute-force beam search over Python lists (HF's rules, the model called on
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import decoding
+from dpjax.generation import decoding
 from dpjax.models import gpt2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the transformers test never reaches the Hub

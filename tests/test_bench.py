@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import step_cost, train_step
+from dpjax.training import step_cost, train_step
 from dpjax.bench import step as bench
 from dpjax.models import common, t5
 from dpjax.privacy import clipping, optimizers

@@ -14,7 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, infer, inference, plan as plan_lib, train, verify
+from dpjax import gin_cli, infer, train, verify
+from dpjax.generation import inference
+from dpjax.training import plan as plan_lib
 from tests import test_outsider, test_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,6 +218,24 @@ def test_infer_garbled_config_gin(tmp_path, capsys, text, message):
   line = _infer(capsys, f"--model_dir={tmp_path}")
   assert line.startswith("error: gin: ") and message in line
   assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_runs_config_gin_from_before_the_packages_still_parses(tmp_path):
+  # A run written before the modules moved imports them by their old names.
+  gin.clear_config()
+  path = tmp_path / "config.gin"
+  path.write_text("import dpjax.trainer as dpjax2\nimport tasks\n\n"
+                  "train.seed = 7\nlogical_axis_rules.name = 'fsdp'\n")
+  gin_cli.configure([], [], run_files=[str(path)])
+  assert gin.query_parameter("train.seed") == 7
+  assert gin.query_parameter("logical_axis_rules.name") == "fsdp"
+  gin.clear_config()
+  # A module that exists under no name is still an error.
+  user_file = tmp_path / "mine.gin"
+  user_file.write_text("import dpjax.not_a_module_ever\n")
+  with pytest.raises(gin_cli.UsageError, match="mine.gin:1: No module named"):
+    gin_cli.configure([str(user_file)], [])
+  gin.clear_config()
 
 
 def test_unsafe_pytorch_bin_is_a_checkpoint_error(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Tests of cached autoregressive generation (dpjax.decoding)."""
+"""Tests of cached autoregressive generation (dpjax.generation.decoding)."""
 import functools
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import decoding
+from dpjax.generation import decoding
 from dpjax.models import t5
 
 MAX_LEN = 7

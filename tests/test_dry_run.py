@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import (checkpoints, gin_cli, partitioning, run_config, sizing,
-                   train)
+from dpjax.training import checkpoints, partitioning, run_config, sizing
+from dpjax import gin_cli, train
 from dpjax.models import trainable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

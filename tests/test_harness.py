@@ -1,4 +1,4 @@
-"""The experiment harness the five pipelines share (`dpjax.harness`)."""
+"""The experiment harness the five pipelines share (`dpjax.pipelines.harness`)."""
 import csv
 import dataclasses
 import json
@@ -7,7 +7,9 @@ import statistics
 
 import pytest
 
-from dpjax import checkpoints, gin_cli, harness
+from dpjax.training import checkpoints
+from dpjax import gin_cli
+from dpjax.pipelines import harness
 
 
 def test_eps_names():
@@ -117,7 +119,7 @@ def test_prefixed_gin_flags_configure_runs_apart():
 
 
 def test_seqpate_gin_flags_reach_the_noisysgd_settings(tmp_path, monkeypatch):
-  from dpjax.seqpate import __main__ as cli, experiment
+  from dpjax.pipelines.seqpate import __main__ as cli, experiment
   seen = {}
 
   def table1(output_dir, *, settings, **kwargs):

@@ -1,7 +1,7 @@
 """The layers of dpjax point one way.
 
-From the bottom: pure text logic (`dpjax.text`), the dataset readers
-(`dpjax.datasets`), the seqio tasks (`tasks`), then the pipelines. The DP
+From the bottom: pure text logic (`dpjax.data.text`), the dataset readers
+(`dpjax.data.readers`), the seqio tasks (`tasks`), then the pipelines. The DP
 core (privacy, models, train step, decoding, partitioning) never imports
 TensorFlow, and `dpjax.privacy` (which defines the layers ghost clipping
 intercepts) never imports the models that use them.
@@ -19,10 +19,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PIPELINES = ("dpjax.dialog", "dpjax.semparse", "dpjax.seqpate", "dpjax.textcls",
-             "dpjax.experiments")
-DP_CORE = ("dpjax.privacy", "dpjax.models", "dpjax.train_step",
-           "dpjax.decoding", "dpjax.partitioning")
+PIPELINES = ("dpjax.pipelines.dialog", "dpjax.pipelines.semparse", "dpjax.pipelines.seqpate", "dpjax.pipelines.textcls",
+             "dpjax.pipelines.retrieval")
+DP_CORE = ("dpjax.privacy", "dpjax.models", "dpjax.training.train_step",
+           "dpjax.generation.decoding", "dpjax.training.partitioning")
 TENSORFLOW = ("tensorflow", "seqio", "tensorflow_datasets", "tensorflow_text")
 
 
@@ -114,8 +114,8 @@ def _reachable(start: str) -> set[str]:
 def test_the_graph_sees_known_imports():
   # The parser finds what the source says (guards the tests below).
   assert "dpjax.privacy.layers" in GRAPH["dpjax.models.t5"]["module"]
-  assert "dpjax.datasets.msmarco" in GRAPH["tasks.msmarco"]["module"]
-  assert "dpjax.datasets.multidogo" in _reachable("dpjax.dialog.classifier")
+  assert "dpjax.data.readers.msmarco" in GRAPH["tasks.msmarco"]["module"]
+  assert "dpjax.data.readers.multidogo" in _reachable("dpjax.pipelines.dialog.classifier")
 
 
 def test_no_module_level_import_cycle():
@@ -134,8 +134,8 @@ def test_no_function_level_import_dodges_a_cycle():
 
 
 @pytest.mark.parametrize("layer, allowed", [
-    ("dpjax.text", ("dpjax.text",)),
-    ("dpjax.datasets", ("dpjax.datasets", "dpjax.text")),
+    ("dpjax.data.text", ("dpjax.data.text",)),
+    ("dpjax.data.readers", ("dpjax.data.readers", "dpjax.data.text")),
 ])
 def test_pure_layers_import_only_below_them(layer, allowed):
   bad = sorted((m, t) for m in MODULES if _within(m, [layer])
@@ -146,10 +146,42 @@ def test_pure_layers_import_only_below_them(layer, allowed):
 
 def test_the_data_layer_imports_no_pipeline():
   bad = sorted((m, t) for m in MODULES
-               if _within(m, ["tasks", "dpjax.datasets", "dpjax.text", "dpjax.data"])
+               if _within(m, ["tasks", "dpjax.data.readers", "dpjax.data.text", "dpjax.data"])
                for kind in ("module", "function") for t in GRAPH[m][kind]
                if _within(t, PIPELINES))
   assert not bad, bad
+
+
+ENGINE = ("dpjax.privacy", "dpjax.models", "dpjax.training",
+          "dpjax.generation", "dpjax.data")
+
+
+def test_the_engine_imports_no_pipeline():
+  bad = sorted((m, t) for m in MODULES if _within(m, ENGINE)
+               for kind in ("module", "function") for t in GRAPH[m][kind]
+               if _within(t, ["dpjax.pipelines"]))
+  assert not bad, bad
+
+
+def test_few_modules_at_the_top():
+  # The top holds the command lines and the edge (gin, file writes); the
+  # system is in its packages.
+  top = sorted(p.name for p in (ROOT / "dpjax").glob("*.py"))
+  assert len(top) <= 10, top
+
+
+def test_sample_generators_stay_out_of_the_installed_package():
+  # They write committed data: tools run from the repository, not library.
+  import tomllib
+  import setuptools
+  find = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+      "tool"]["setuptools"]["packages"]["find"]
+  installed = setuptools.find_packages(
+      str(ROOT), include=find["include"], exclude=find.get("exclude", ()))
+  generators = sorted(p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+                      for p in (ROOT / "tasks").glob("*/generate.py"))
+  assert generators and "tasks" in installed and "dpjax.training" in installed
+  assert not set(generators) & set(installed), installed
 
 
 def test_privacy_does_not_import_the_models():
@@ -186,8 +218,8 @@ def test_dp_core_readers_and_tasks_import_without_tensorflow():
   # `tasks` imports nothing heavy either: its registrations import seqio.
   # The bench runs on an accelerator host with no TensorFlow.
   names = sorted(m for m in MODULES
-                 if _within(m, [*DP_CORE, "dpjax.datasets", "dpjax.text",
-                                "dpjax.bench", "dpjax.prefetch"])
+                 if _within(m, [*DP_CORE, "dpjax.data.readers", "dpjax.data.text",
+                                "dpjax.bench", "dpjax.training.prefetch"])
                  and not m.endswith("__main__")) + ["tasks", "dpjax.data"]
   result = subprocess.run([sys.executable, "-c", _BLOCK_TENSORFLOW, *names],
                           cwd=ROOT, capture_output=True, text=True,

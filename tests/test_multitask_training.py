@@ -13,7 +13,8 @@ import optax
 import pytest
 from dp_accounting import rdp
 
-from dpjax import gin_cli, plan as plan_lib, steps as steps_lib
+from dpjax import gin_cli
+from dpjax.training import plan as plan_lib, steps as steps_lib
 from dpjax.models import gpt2, gpt2_disc, trainable
 from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
 from dpjax.privacy.secret import RunSecret

@@ -19,8 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import (checkpoints, export, gin_cli, infer, inference, pretrained,
-                   train, trainer, verify)
+from dpjax.training import checkpoints, trainer
+from dpjax import export, gin_cli, infer, pretrained, train, verify
+from dpjax.generation import inference
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib, noise, sampling
 from dpjax.privacy import secret

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, padding, plan as plan_lib, trainer
+from dpjax import gin_cli
+from dpjax.training import padding, plan as plan_lib, trainer
 from dpjax.models import gpt2, t5
 from dpjax.privacy import ledger as ledger_lib
 

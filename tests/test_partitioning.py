@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dpjax import partitioning, train_step
+from dpjax.training import partitioning, train_step
 from dpjax.models import gpt2, t5
 from dpjax.privacy import clipping_method, optimizers
 from dpjax.privacy.secret import RunSecret

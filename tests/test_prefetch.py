@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from dpjax import prefetch
+from dpjax.training import prefetch
 
 
 def test_values_equal_make_in_order_and_out_of_order():

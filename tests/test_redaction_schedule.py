@@ -22,7 +22,8 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import checkpoints, gin_cli, plan as plan_lib, train_step, trainer, verify
+from dpjax.training import checkpoints, plan as plan_lib, train_step, trainer
+from dpjax import gin_cli, verify
 from dpjax.data import arrays as data_arrays
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib

@@ -8,7 +8,7 @@ import glob
 
 import tensorflow as tf
 
-from dpjax import reporting
+from dpjax.training import reporting
 
 
 def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

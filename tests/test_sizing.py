@@ -1,4 +1,4 @@
-"""Automatic sizing (dpjax.sizing): the choice against a brute-force search
+"""Automatic sizing (dpjax.training.sizing): the choice against a brute-force search
 over every candidate, the byte sizes, the nested-config remat, the record."""
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from dpjax import gin_cli, partitioning, sizing
+from dpjax import gin_cli
+from dpjax.training import partitioning, sizing
 from dpjax.models import gpt2, gpt2_disc, t5
 
 

@@ -5,7 +5,7 @@ import dp_accounting
 import gin
 import pytest
 
-from dpjax import plan as plan_lib, run_config
+from dpjax.training import plan as plan_lib, run_config
 
 N, BATCH = 1000, 50
 

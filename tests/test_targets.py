@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import dry_run, gin_cli, step_cost, targets, train, trainer
-from dpjax.run_config import RunConfig
+from dpjax.training import dry_run, step_cost, targets, trainer
+from dpjax import gin_cli, train
+from dpjax.training.run_config import RunConfig
 
 GiB = 2**30
 TINY = [  # the quickstart's tiny T5, one layer each, short rows, 4 steps

@@ -1,10 +1,10 @@
-"""The downstream classifier (dpjax.text_classifier) learns a trivially
+"""The downstream classifier (dpjax.pipelines.text_classifier) learns a trivially
 separable labelling and is scored on held-out texts."""
 import numpy as np
 import tokenizers
 
-from dpjax import text_classifier as classifier
-from dpjax.datasets import textcls
+from dpjax.pipelines import text_classifier as classifier
+from dpjax.data.readers import textcls
 from dpjax.models import bert
 
 MARKERS = ("splendid", "dreadful")  # the class of a text is its marker word

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax import (checkpoints, gin_cli, inference, loop, sizing,
-                   steps as steps_lib, train_step, trainer, verify)
+from dpjax.training import (checkpoints, loop, sizing, steps as steps_lib, train_step, trainer)
+from dpjax import gin_cli, verify
+from dpjax.generation import inference
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
@@ -289,7 +290,7 @@ def test_quickstart_writes_40_queries_with_40_qrels(quickstart):
 
 def test_empty_samples_are_recorded_but_written_as_no_query(quickstart, tmp_path,
                                                             monkeypatch):
-  from dpjax import decoding
+  from dpjax.generation import decoding
   model_dir, _ = quickstart
   generate = decoding.generate
 
@@ -386,7 +387,7 @@ def preempted(eight_steps, tmp_path_factory):
   original = ledger_lib.PrivacyLedger.record_dp_steps
 
   # On the main thread, as step 2 records its release (the sampler runs a
-  # step ahead, on another thread: `dpjax.prefetch`).
+  # step ahead, on another thread: `dpjax.training.prefetch`).
   def preempted_during_step_2(self, *args, **kwargs):
     if self.steps == 2:
       os.kill(os.getpid(), signal.SIGTERM)

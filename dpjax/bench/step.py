@@ -55,7 +55,7 @@ analysis, nothing allocated): the DP overhead of any model on a CPU.
 a CPU). `--ghost_norm` and `--ghost_summation` pick ghost clipping's per-site norm
 path and summation (`ghost.ghost_clipped_grad`'s `norm`, `summation`).
 
-`--target=tpu:v5e:2x2` (or `gpu:h100:1x8`, `dpjax.targets`) compiles the
+`--target=tpu:v5e:2x2` (or `gpu:h100:1x8`, `dpjax.training.targets`) compiles the
 step for that target's devices on this host, as `--memory_only` does: its
 memory analysis, `residual_bytes` and cost (with `--compare_nodp`, the DP
 overhead by the target's compiler), and on a TPU `step_time_estimate_s`,
@@ -84,8 +84,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import gin_cli, partitioning, step_cost, targets, train_step
-from dpjax import steps as steps_lib
+from dpjax import gin_cli
+from dpjax.training import partitioning, step_cost, targets, train_step
+from dpjax.training import steps as steps_lib
 from dpjax.models import gpt2, lora, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, clipping_method, ghost, optimizers, secret
@@ -520,7 +521,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  "flops and bytes_accessed are null")
   p.add_argument("--target", metavar="tpu:GEN:TOPOLOGY|gpu:NAME:HxG",
                  help="compile for a TPU slice or GPUs from this host "
-                      "(dpjax.targets); memory and cost only, nothing runs")
+                      "(dpjax.training.targets); memory and cost only, nothing runs")
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")

@@ -12,7 +12,7 @@ mode (nodp, vmap, ghost, jax_privacy) gets
      --target`): peak memory per device, FLOPs and bytes per device, and on
      a TPU the compiler's estimate of the step's time;
   2. the largest batch per device that fits the target's memory x
-     `--headroom`: a power of two, searched with `dpjax.sizing.choose`
+     `--headroom`: a power of two, searched with `dpjax.training.sizing.choose`
      from row 1's peak (memory-only compiles of the whole step, usually
      two per mode);
   3. examples/s there, from row 1's estimate: accumulate's time per example
@@ -40,7 +40,8 @@ import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
-from dpjax import gin_cli, run_config, sizing, targets
+from dpjax import gin_cli
+from dpjax.training import run_config, sizing, targets
 from dpjax.bench import suite
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
@@ -267,7 +268,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       description="DP's cost on TPU slices and GPUs, by their compilers.")
   p.add_argument("--suite", choices=sorted(SUITES), required=True)
   p.add_argument("--targets", help="comma-separated compile targets "
-                 "(dpjax.targets; default: the suite's)")
+                 "(dpjax.training.targets; default: the suite's)")
   p.add_argument("--models", help="comma-separated subset of the suite's "
                  "models (default: all)")
   p.add_argument("--headroom", type=float, default=HEADROOM,

@@ -75,7 +75,7 @@ class ByteLevelBPEVocabulary(seqio.Vocabulary):
     real `"!"` tokens would not be counted. Left padding with `pad_id` would
     decode as `"!"` rather than be cut.
   * `pad_id = eos_id` (Hugging Face's convention for GPT-2, and what
-    `dpjax.decoding.generate_causal` writes after a row's EOS): padding is a
+    `dpjax.generation.decoding.generate_causal` writes after a row's EOS): padding is a
     token the model knows as a boundary, `decode`/`decode_tf` cut it (so
     padding never turns into text), and excluding it from token counts only
     excludes EOS, which seqio excludes anyway.

@@ -29,7 +29,8 @@ import jax
 import numpy as np
 import sentencepiece as spm
 
-from dpjax import fileio, gin_cli, partitioning, reporting
+from dpjax import fileio, gin_cli
+from dpjax.training import partitioning, reporting
 
 PAD_ID, EOS_ID = 0, 1  # T5's ids, those of every seqio task here
 

@@ -2,11 +2,11 @@
 
 * MSMARCO passage ranking (`load_msmarco`): `collection.tsv`,
   `queries.{split}.tsv` and `qrels.{split}.tsv`, read with the
-  `dpjax.datasets.msmarco` readers (e.g. split "dev", or "dev.small" for
+  `dpjax.data.readers.msmarco` readers (e.g. split "dev", or "dev.small" for
   `queries.dev.small.tsv`);
 * BEIR (`load_beir`, Thakur et al. 2021, the paper's zero-shot datasets):
   `corpus.jsonl`, `queries.jsonl` and `qrels/{split}.tsv`, read with the
-  `dpjax.datasets.beir` readers.
+  `dpjax.data.readers.beir` readers.
 
 A dataset keeps the judged queries and their qrels in memory and streams the
 corpus (8.8M passages for MSMARCO) from its file each time it is iterated.
@@ -28,8 +28,8 @@ import logging
 import os
 from typing import Callable, Iterator
 
-from dpjax.datasets import beir, msmarco
-from dpjax.datasets.malformed import MalformedLineError
+from dpjax.data.readers import beir, msmarco
+from dpjax.data.readers.malformed import MalformedLineError
 
 logger = logging.getLogger(__name__)
 

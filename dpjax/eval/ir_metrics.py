@@ -35,7 +35,7 @@ import numpy as np
 import pytrec_eval
 
 from dpjax import fileio
-from dpjax.datasets.malformed import MalformedLineError
+from dpjax.data.readers.malformed import MalformedLineError
 
 Qrels = Mapping[str, Mapping[str, int]]
 Run = Mapping[str, Mapping[str, float]]  # qid -> {doc id: score}

@@ -39,8 +39,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dpjax import fileio, gin_cli, inference, partitioning, reporting
-from dpjax.datasets import beir, msmarco
+from dpjax import fileio, gin_cli
+from dpjax.generation import inference
+from dpjax.training import partitioning, reporting
+from dpjax.data.readers import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, search
 from dpjax.models import dual_encoder
 from tasks import msmarco as msmarco_tasks

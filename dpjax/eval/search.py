@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax import partitioning
+from dpjax.training import partitioning
 
 BACKENDS = ("device", "cpu")
 _NO_KEY = np.iinfo(np.int32).max  # padding: after every document

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import sacrebleu
 
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 from dpjax.eval import encoding, mauve
 from dpjax.models import t5
 

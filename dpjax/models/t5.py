@@ -48,7 +48,7 @@ PyTree = Any
 _MASK_VALUE = -1e10
 _FEED_FORWARDS = ("relu", "gated-gelu")
 REMATS = ("none", "layer")
-# A config may say 'auto': the trainer picks one of REMATS (dpjax.sizing).
+# A config may say 'auto': the trainer picks one of REMATS (dpjax.training.sizing).
 CONFIG_REMATS = REMATS + ("auto",)
 
 

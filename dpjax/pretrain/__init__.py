@@ -34,8 +34,10 @@ import tempfile
 import gin
 import jax
 
-from dpjax import export, fileio, harness, reporting, run_config, trainer
-from dpjax.datasets import SAMPLE_DATA_DIR
+from dpjax import export, fileio
+from dpjax.pipelines import harness
+from dpjax.training import reporting, run_config, trainer
+from dpjax.data.readers import SAMPLE_DATA_DIR
 from tasks import pretraining  # also the gin configurables and constants
 
 CHECKSUMS_FILE = "SHA256SUMS"

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import jax
 
-from dpjax import reporting
+from dpjax.training import reporting
 from dpjax.models import dual_encoder, gpt2_disc, lora, trainable
 from dpjax.pretrained import peft, t5x
 from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_checkpoint,

@@ -51,7 +51,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from dpjax import fileio, reporting
+from dpjax import fileio
+from dpjax.training import reporting
 from dpjax.models import hf_common, lora
 from dpjax.pretrained import tensor_files
 from dpjax.pretrained.tensor_files import (  # noqa: F401  DictReader: importable from here

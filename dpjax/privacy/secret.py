@@ -14,7 +14,7 @@ nothing about another's): `noise_key()` (128 bits for `noise.privatizer`:
 two independent 64-bit threefry keys, since threefry's key is 64 bits),
 `sampling_seed()` (Poisson or shuffle sampling) and `purpose_key(name)`
 (e.g. SeqPATE's stored aggregator noise) and `meta_key()` (the MAC of each
-checkpoint's meta: `dpjax.checkpoints`). Randomness the guarantee does not
+checkpoint's meta: `dpjax.training.checkpoints`). Randomness the guarantee does not
 rest on (initialisation, dropout, the public coins of a redaction schedule,
 public batches) keeps the configured `seed`.
 

@@ -43,7 +43,7 @@ import re
 import string
 from typing import Callable
 
-from dpjax.datasets import text_corpus
+from dpjax.data.readers import text_corpus
 
 SEED = 20240517
 
@@ -1279,7 +1279,7 @@ def _public_readme(stats: dict, seed: int) -> str:
       "  files: shared words are all in the generator's source (less the",
       "  sample's first names), no first name or surname of a sample person",
       "  occurs, and no name of the corpus occurs in the sample.",
-      "* Canaries (`dpjax.experiments.canaries`): their queries are sample",
+      "* Canaries (`dpjax.pipelines.retrieval.canaries`): their queries are sample",
       "  queries (each names a sample entity) plus a 10-digit secret; the",
       "  corpus has no digit run longer than 4 and none of the default canaries'",
       "  queries or secrets (checked by the test).",

@@ -52,8 +52,8 @@ import os
 import random
 import re
 
-from dpjax.datasets import multidogo, text_corpus
-from dpjax.text import redaction
+from dpjax.data.readers import multidogo, text_corpus
+from dpjax.data.text import redaction
 from tasks.semparse_sample.generate import train_bpe
 
 SEEDS = {"AIRLINE": 8101, "MEDIA": 8102, "INSURANCE": 8103}

@@ -49,8 +49,8 @@ import random
 import re
 import string
 
-from dpjax.datasets import semparse, text_corpus
-from dpjax.text import lispress
+from dpjax.data.readers import semparse, text_corpus
+from dpjax.data.text import lispress
 from tasks import semparse as semparse_tasks
 
 SEEDS = {("smcalflow", "train"): 3101, ("smcalflow", "valid"): 3102,
@@ -1069,7 +1069,7 @@ def public_documents(dataset: str, split: str, seed: int = PUBLIC_SEED
 
   Dialogues come from the sample's intent grammar filled from PUBLIC_POOLS,
   are written in the dataflow-dialogue format and read back with
-  `dpjax.datasets.semparse.read_turns`, so the turns (skip dropped, programs
+  `dpjax.data.readers.semparse.read_turns`, so the turns (skip dropped, programs
   linearized, TreeDST domains) are exactly the examples the tasks would see.
   One document per turn, as the GPT-2 tasks join their prompt and target
   (`tasks.semparse`; the prompt's tokens followed by the target's):

@@ -41,7 +41,7 @@ import json
 import os
 import random
 
-from dpjax.datasets import seqpate, text_corpus
+from dpjax.data.readers import seqpate, text_corpus
 from tasks.semparse_sample.generate import EOS_TOKEN, train_bpe
 
 SEEDS = {"users": 6100, "train": 6101, "dev": 6102, "europarl": 6201}
@@ -547,7 +547,7 @@ def _public_readme(splits: dict[str, list[str]], sizes: dict[str, int],
       "## Format", "",
       "`train.jsonl`, `validation.jsonl`: one `{\"text\": doc}` per line "
       "(UTF-8). A", "document is one sentence, rendered exactly as the "
-      "private LM rows read", "theirs (`dpjax.datasets.seqpate`, "
+      "private LM rows read", "theirs (`dpjax.data.readers.seqpate`, "
       "`tasks.seqpate`): an AirDialogue utterance", "without its "
       "`customer:`/`agent:` tag (consecutive utterances of one speaker",
       "merged, as in the sample), or a Europarl sentence; only sentences of "

@@ -43,7 +43,7 @@ import os
 import random
 import re
 
-from dpjax.datasets import text_corpus, textcls
+from dpjax.data.readers import text_corpus, textcls
 from tasks.semparse_sample.generate import train_bpe
 
 SEEDS = {("sst2", "train"): 9201, ("sst2", "test"): 9202,
@@ -342,7 +342,7 @@ def sample_items(dataset: str, split: str):
 
 
 def render(dataset: str, item) -> str:
-  """The text the task reads for an item (`dpjax.datasets.textcls`: SST-2's
+  """The text the task reads for an item (`dpjax.data.readers.textcls`: SST-2's
   sentence, AG News' `title + " " + description`, whitespace runs as one
   space), without any label or separator token."""
   if dataset == "sst2":

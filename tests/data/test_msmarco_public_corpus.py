@@ -8,7 +8,7 @@ import re
 import pytest
 import sentencepiece as spm
 
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 from tasks.msmarco_sample import generate
 from tests import public_corpora
 
@@ -139,7 +139,7 @@ def test_no_sample_person_name_in_public_corpus(public_words, private_texts):
 def test_no_canary_in_public_corpus(tmp_path, docs):
   """The retrieval experiment's canaries (its default insertion into the
   sample) and any 10-digit secret never occur in the public corpus."""
-  from dpjax.experiments import canaries  # lazy: imports jax
+  from dpjax.pipelines.retrieval import canaries  # lazy: imports jax
 
   inserted = canaries.insert_canaries(SAMPLE_DIR, str(tmp_path / "canaries"))
   assert inserted

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 
 COLLECTION = """\
 0\tThe first passage is about apples.

@@ -8,7 +8,7 @@ import re
 import pytest
 import sentencepiece as spm
 
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 
 from tasks import msmarco as msmarco_tasks
 from tasks.msmarco_sample import generate

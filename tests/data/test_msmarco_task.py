@@ -11,7 +11,7 @@ import sentencepiece as spm
 import seqio
 
 from dpjax.data import arrays
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 from dpjax.eval import retrieval as retrieval_eval
 import tasks
 from tasks import msmarco as msmarco_tasks

@@ -15,8 +15,8 @@ import seqio
 import sentencepiece as spm
 from tokenizers import ByteLevelBPETokenizer
 
-from dpjax.datasets import semparse
-from dpjax.text import lispress
+from dpjax.data.readers import semparse
+from dpjax.data.text import lispress
 import tasks
 from tasks import semparse as semparse_tasks
 from tasks.semparse_sample import generate

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from dpjax.data import vocabularies
 from dpjax.data.vocabularies import ByteLevelBPEVocabulary, vocabulary_from_files
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 
 SAMPLE = msmarco.DEFAULT_SAMPLE_DIR
 SPM_MODEL = os.path.join(SAMPLE, "spm", "msmarco_sample.model")

@@ -6,10 +6,10 @@ import random
 import numpy as np
 import pytest
 
-from dpjax.datasets import multidogo
-from dpjax.dialog import classifier
+from dpjax.data.readers import multidogo
+from dpjax.pipelines.dialog import classifier
 from dpjax.models import bert
-from dpjax.text.redaction import REDACTED as R
+from dpjax.data.text.redaction import REDACTED as R
 
 _AIR = ["flight", "seat", "boarding", "gate", "runway", "pilot", "luggage", "terminal"]
 _INS = ["policy", "claim", "premium", "deductible", "adjuster", "coverage",

@@ -12,13 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, inference, trainer
-from dpjax.datasets import multidogo
-from dpjax.dialog import experiment, lira
+from dpjax import gin_cli
+from dpjax.generation import inference
+from dpjax.training import trainer
+from dpjax.data.readers import multidogo
+from dpjax.pipelines.dialog import experiment, lira
 from dpjax.models import gpt2
 from dpjax.privacy import accounting
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.text import redaction
+from dpjax.data.text import redaction
 
 LENGTHS = {"inputs": 1, "targets": 63}
 FAST = ["register_multidogo_tasks.domains = ['AIRLINE', 'MEDIA']",

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.datasets import multidogo
-from dpjax.dialog import lira
+from dpjax.data.readers import multidogo
+from dpjax.pipelines.dialog import lira
 from dpjax.models import gpt2
-from dpjax.text import redaction
+from dpjax.data.text import redaction
 
 CONFIG = gpt2.GPT2Config(vocab_size=40, n_positions=24, d_model=16, num_layers=1,
                          num_heads=2, dropout_rate=0.0)

@@ -1,4 +1,4 @@
-"""User-level LiRA (`dpjax.dialog.membership`): the statistic against an
+"""User-level LiRA (`dpjax.pipelines.dialog.membership`): the statistic against an
 explicit float64 loop over (target, user), the metrics against brute force,
 the splits' balance, the train-split filter of the MultiDoGo tasks, and the
 experiment end to end on a shrunk sample run."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpjax.dialog import membership
+from dpjax.pipelines.dialog import membership
 from dpjax.privacy import ledger as ledger_lib
 
 
@@ -124,7 +124,7 @@ def test_metrics_match_brute_force():
 def test_train_split_keeps_the_named_conversations_and_refuses_others(tmp_path):
   import tasks
   from dpjax.data import arrays
-  from dpjax.datasets import multidogo
+  from dpjax.data.readers import multidogo
   from tasks import multidogo as multidogo_tasks
   tasks.register_tasks()
   train = multidogo.load_split("train", multidogo.DEFAULT_DATA_DIR,
@@ -190,7 +190,7 @@ def test_row_and_table(experiment):
 
 
 def test_rerun_retrains_nothing(experiment, monkeypatch):
-  from dpjax import trainer
+  from dpjax.training import trainer
   out, result = experiment
   monkeypatch.setattr(trainer, "train", lambda: pytest.fail("retrained"))
   again = membership.run(out, settings=("user",), num_models=4,
@@ -199,7 +199,7 @@ def test_rerun_retrains_nothing(experiment, monkeypatch):
 
 
 def test_rerun_with_other_settings_is_refused(experiment):
-  from dpjax import checkpoints
+  from dpjax.training import checkpoints
   out, _ = experiment
   with pytest.raises(checkpoints.CheckpointMismatchError, match="num_models"):
     membership.run(out, settings=("user",), num_models=6, bindings=SHRUNK)
@@ -225,7 +225,7 @@ def test_settings_bind_their_unit_and_noise():
 
 def test_cli_refuses_unknown_settings(tmp_path):
   from dpjax import gin_cli
-  from dpjax.dialog import __main__ as dialog_cli
+  from dpjax.pipelines.dialog import __main__ as dialog_cli
   with pytest.raises(gin_cli.UsageError, match="--settings takes"):
     dialog_cli.main(["membership", f"--output_dir={tmp_path}",
                      "--settings=user,group"])

@@ -13,10 +13,10 @@ import pytest
 import seqio
 
 from dpjax.data import arrays
-from dpjax.datasets import multidogo
-from dpjax.datasets.multidogo import Conversation, Utterance
-from dpjax.text import redaction
-from dpjax.text.redaction import REDACTED as R
+from dpjax.data.readers import multidogo
+from dpjax.data.readers.multidogo import Conversation, Utterance
+from dpjax.data.text import redaction
+from dpjax.data.text.redaction import REDACTED as R
 from tasks import multidogo as multidogo_tasks
 from tasks.multidogo_sample import generate
 

@@ -15,7 +15,7 @@ import re
 import pytest
 import tokenizers
 
-from dpjax.datasets import multidogo
+from dpjax.data.readers import multidogo
 from tasks.multidogo_sample import generate
 from tests import public_corpora
 
@@ -161,7 +161,7 @@ def test_no_private_keyword_phrase(all_docs):
   companies and domain terms the keyword policy and the domain attacks look
   for) occurs as whole words in any letter case; and the keyword policy
   itself flags no document."""
-  from dpjax.text import redaction  # pylint: disable=g-import-not-at-top
+  from dpjax.data.text import redaction  # pylint: disable=g-import-not-at-top
 
   path = os.path.join(PRIVATE_DIR, "keywords.json")
   with open(path, encoding="utf-8") as f:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import checkpoints, train_step, verify
+from dpjax.training import checkpoints, train_step
+from dpjax import verify
 from dpjax.privacy import ledger as ledger_lib, sampling, secret as secret_lib
 
 STEPS = (2, 4, 6)

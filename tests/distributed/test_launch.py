@@ -12,7 +12,8 @@ import time
 import jax
 import pytest
 
-from dpjax import distributed, gin_cli, launch
+from dpjax.training import distributed
+from dpjax import gin_cli, launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))

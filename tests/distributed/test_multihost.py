@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from dpjax import checkpoints, launch
+from dpjax.training import checkpoints
+from dpjax import launch
 from dpjax.privacy import ledger as ledger_lib, secret
 from tests import numerics, test_trainer
 from tests.test_trainer import TINY

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dpjax import gin_cli
-from dpjax.datasets import beir, msmarco
+from dpjax.data.readers import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, retrieval, search
 from tasks import msmarco as msmarco_tasks
 
@@ -401,7 +401,7 @@ def test_cli_on_a_dual_encoder_run(tmp_path, monkeypatch):
   """`main` end to end with the dual encoder (a tiny random one standing in
   for a trained run directory)."""
   dual_encoder = pytest.importorskip("dpjax.models.dual_encoder")
-  from dpjax import inference
+  from dpjax.generation import inference
   from dpjax.models import t5
   config = dual_encoder.DualEncoderConfig(encoder=t5.T5Config(
       vocab_size=2000, d_model=16, d_kv=4, d_ff=32, num_heads=2,

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 from dpjax.eval import encoding, text_quality
 from dpjax.eval import mauve
 from dpjax.models import t5

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.datasets import msmarco
-from dpjax.experiments import canaries
+from dpjax.data.readers import msmarco
+from dpjax.pipelines.retrieval import canaries
 from dpjax.models import t5
 
 SAMPLE = msmarco.DEFAULT_SAMPLE_DIR

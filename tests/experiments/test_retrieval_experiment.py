@@ -9,9 +9,11 @@ import os
 
 import pytest
 
-from dpjax import gin_cli, inference, trainer
-from dpjax.datasets import msmarco
-from dpjax.experiments import canaries, retrieval
+from dpjax import gin_cli
+from dpjax.generation import inference
+from dpjax.training import trainer
+from dpjax.data.readers import msmarco
+from dpjax.pipelines.retrieval import canaries, experiment as retrieval
 from dpjax.privacy import ledger as ledger_lib
 
 SETTINGS = dict(

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from dpjax import partitioning
+from dpjax.training import partitioning
 from dpjax.models import bert, hf_bert, hf_common
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "models"

@@ -12,9 +12,11 @@ import pytest
 import sentencepiece as spm
 import seqio
 
-from dpjax import gin_cli, inference, trainer
+from dpjax import gin_cli
+from dpjax.generation import inference
+from dpjax.training import trainer
 from dpjax.data import arrays as data_arrays
-from dpjax.datasets import msmarco
+from dpjax.data.readers import msmarco
 from dpjax.models import dual_encoder, t5, trainable
 from tasks import msmarco as msmarco_tasks
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from dpjax import decoding
+from dpjax.generation import decoding
 from dpjax.models import gpt2, hf_gpt2
 from dpjax.pretrained import hf
 

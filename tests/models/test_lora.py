@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, pretrained, run_config, steps, train_step
+from dpjax import gin_cli, pretrained
+from dpjax.training import run_config, steps, train_step
 from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
 from dpjax.privacy import clipping, clipping_method, ghost
 from dpjax.pretrained import peft

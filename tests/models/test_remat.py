@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from jax.extend.core import primitives
 
-from dpjax import checkpoints, decoding, steps as steps_lib
+from dpjax.training import checkpoints, steps as steps_lib
+from dpjax.generation import decoding
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, ghost

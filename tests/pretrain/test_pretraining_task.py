@@ -1,5 +1,5 @@
 """The pretraining task (tasks.pretraining) and its corpus reader
-(dpjax.datasets.text_corpus): examples checked against the tokenizer and the
+(dpjax.data.readers.text_corpus): examples checked against the tokenizer and the
 span-corruption functions called directly."""
 import json
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dpjax.data import span_corruption
-from dpjax.datasets import malformed, text_corpus
+from dpjax.data.readers import malformed, text_corpus
 from tasks import pretraining
 
 DOCS = ["The river Olmaska runs north of the town.",

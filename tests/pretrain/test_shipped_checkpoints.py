@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, pretrain, pretrained, run_config
+from dpjax import gin_cli, pretrain, pretrained
+from dpjax.training import run_config
 from dpjax.models import trainable as trainable_lib
 from tasks import pretraining
 

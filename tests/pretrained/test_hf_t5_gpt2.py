@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from dpjax import partitioning  # noqa: E402
+from dpjax.training import partitioning  # noqa: E402
 from dpjax.models import gpt2, t5  # noqa: E402
 from dpjax.pretrained import hf  # noqa: E402
 import dpjax.pretrained as pretrained  # noqa: E402

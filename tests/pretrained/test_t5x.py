@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from dpjax import partitioning
+from dpjax.training import partitioning
 from dpjax.models import t5
 from dpjax.pretrained import t5x
 

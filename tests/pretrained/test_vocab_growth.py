@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from dpjax import partitioning
+from dpjax.training import partitioning
 from dpjax.models import gpt2, gpt2_disc, hf_gpt2, hf_t5, t5, trainable
 from dpjax.pretrained import hf
 import dpjax.pretrained as pretrained

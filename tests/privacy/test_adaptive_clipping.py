@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import gin_cli, plan as plan_lib, train_step
+from dpjax import gin_cli
+from dpjax.training import plan as plan_lib, train_step
 from dpjax.privacy import accounting, adaptive_clipping as adaptive
 from dpjax.privacy import clipping, clipping_method, noise, sampling
 from dpjax.privacy import ledger as ledger_lib, optimizers
@@ -304,7 +305,7 @@ def test_a_two_loss_step_moves_each_bound_by_its_own_count():
   release is its fixed-bound clipped sum at its C, and each C moves by its
   own fraction of unclipped examples."""
   import types
-  from dpjax import steps
+  from dpjax.training import steps
   losses = lambda p, ex: {"a": jnp.sum(p["w"] * ex["x"]),
                           "b": 10 * p["v"] * ex["x"][0]}
   model = types.SimpleNamespace(

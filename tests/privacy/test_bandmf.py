@@ -14,7 +14,8 @@ from jax_privacy.accounting import accountants, analysis
 import numpy as np
 import pytest
 
-from dpjax import checkpoints, gin_cli, plan as plan_lib, run_config, trainer
+from dpjax.training import checkpoints, plan as plan_lib, run_config, trainer
+from dpjax import gin_cli
 from dpjax.privacy import accounting, bandmf, ledger as ledger_lib, noise
 from dpjax.privacy import sampling, secret
 from tests import test_trainer

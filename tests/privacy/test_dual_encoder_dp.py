@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from dp_accounting import pld
 
-from dpjax import gin_cli, trainer
+from dpjax import gin_cli
+from dpjax.training import trainer
 from dpjax.models import dual_encoder, t5, trainable
 from dpjax.privacy import accounting, clipping, clipping_method
 from dpjax.privacy import ledger as ledger_lib

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import export, gin_cli, plan as plan_lib, run_config, trainer
+from dpjax import export, gin_cli
+from dpjax.training import plan as plan_lib, run_config, trainer
 from dpjax.privacy import clipping, ghost, ledger as ledger_lib, sampling
 from tests.privacy import test_ghost
 

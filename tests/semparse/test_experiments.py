@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from dpjax import trainer
-from dpjax.datasets import semparse
+from dpjax.training import trainer
+from dpjax.data.readers import semparse
 from dpjax.privacy import accounting
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.semparse import experiments, pipeline
+from dpjax.pipelines.semparse import experiments, pipeline
 
 FAST = ["BATCH_SIZE = 256", "MICROBATCH_SIZE = 128"]
 # One bucket: the parsers' trimmed microbatches keep one shape (6 steps of

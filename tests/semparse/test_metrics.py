@@ -1,4 +1,4 @@
-"""Tests of the synthetic-utterance metrics (dpjax.semparse.metrics).
+"""Tests of the synthetic-utterance metrics (dpjax.pipelines.semparse.metrics).
 
 The set metrics are checked against hand counts on small examples; text
 features against the model applied to each text alone (MAUVE itself:
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dpjax.models import gpt2
-from dpjax.semparse import metrics
+from dpjax.pipelines.semparse import metrics
 
 # Function types of two generated and two reference programs.
 GEN = [["Yield", "Event", "Yield"], ["Weather"]]

@@ -32,8 +32,8 @@ import pytest
 import sentencepiece as spm
 from tokenizers import ByteLevelBPETokenizer
 
-from dpjax.datasets import semparse
-from dpjax.text import lispress
+from dpjax.data.readers import semparse
+from dpjax.data.text import lispress
 from tasks import semparse as semparse_tasks
 from tasks.semparse_sample import generate
 from tests import public_corpora

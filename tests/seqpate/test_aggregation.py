@@ -13,7 +13,7 @@ from scipy import optimize, stats
 from dpjax.privacy import accounting as privacy_accounting
 from dpjax.privacy.ledger import BudgetExceededError
 from dpjax.privacy.secret import RunSecret
-from dpjax.seqpate import accounting, aggregation, cache
+from dpjax.pipelines.seqpate import accounting, aggregation, cache
 
 M, P, L, V, K = 5, 6, 4, 30, 7
 FP = "pseudo"

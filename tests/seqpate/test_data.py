@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from tokenizers import ByteLevelBPETokenizer
 
-from dpjax.datasets import seqpate
+from dpjax.data.readers import seqpate
 from dpjax.models import gpt2
-from dpjax.seqpate import pseudo_data
+from dpjax.pipelines.seqpate import pseudo_data
 from tasks import seqpate as seqpate_tasks
 from tasks.seqpate_sample import generate
 

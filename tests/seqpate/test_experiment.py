@@ -14,10 +14,10 @@ from dp_accounting import pld, rdp
 import numpy as np
 import pytest
 
-from dpjax import trainer
+from dpjax.training import trainer
 from dpjax.privacy import accounting as privacy_accounting
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.seqpate import (accounting, evaluation, experiment, partition,
+from dpjax.pipelines.seqpate import (accounting, evaluation, experiment, partition,
                            student, teachers)
 
 SETTINGS = experiment.Settings(  # the default model and its pretrained start
@@ -158,7 +158,7 @@ def test_rerun_trains_nothing(first_run, monkeypatch):
 def test_a_table_refuses_other_settings(first_run):
   """Rerunning into a table's directory with another ε (or any setting) is
   refused, naming the field, before anything is trained or reused."""
-  from dpjax import checkpoints
+  from dpjax.training import checkpoints
   out, _ = first_run
   other = dataclasses.replace(SETTINGS, epsilon=SETTINGS.epsilon + 1)
   with pytest.raises(checkpoints.CheckpointMismatchError, match="epsilon"):
@@ -171,7 +171,7 @@ def test_a_table_refuses_other_settings(first_run):
     (["--initial_checkpoint=some/gpt2"], os.path.abspath("some/gpt2"))])
 def test_initial_checkpoint_flag_sets_pub_gpts_start(monkeypatch, tmp_path,
                                                      flag, expected):
-  from dpjax.seqpate import __main__ as cli
+  from dpjax.pipelines.seqpate import __main__ as cli
   seen = {}
 
   def table1(output_dir, *, settings, **_):

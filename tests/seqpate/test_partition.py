@@ -4,7 +4,7 @@ import collections
 import numpy as np
 import pytest
 
-from dpjax.seqpate import partition
+from dpjax.pipelines.seqpate import partition
 
 
 def _pairs(assignment, users):

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from dpjax.datasets import seqpate
+from dpjax.data.readers import seqpate
 from tasks.seqpate_sample import generate
 from tests import public_corpora
 

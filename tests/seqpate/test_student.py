@@ -9,7 +9,7 @@ import pytest
 
 from dpjax.models import gpt2
 from dpjax.privacy.secret import RunSecret
-from dpjax.seqpate import accounting, aggregation, cache, student
+from dpjax.pipelines.seqpate import accounting, aggregation, cache, student
 
 CONFIG = gpt2.GPT2Config(vocab_size=24, n_positions=8, d_model=16,
                          num_layers=1, num_heads=2, dropout_rate=0.0)

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from dpjax.models import gpt2
-from dpjax.seqpate import cache, teachers
+from dpjax.pipelines.seqpate import cache, teachers
 
 CONFIG = gpt2.GPT2Config(vocab_size=50, n_positions=16, d_model=16,
                          num_layers=1, num_heads=2, dropout_rate=0.0)
@@ -134,7 +134,7 @@ def test_vmapped_group_equals_teachers_trained_alone(init_params, schedule,
 _SHARDED = textwrap.dedent("""
     import sys
     import jax, numpy as np
-    from dpjax.seqpate import teachers
+    from dpjax.pipelines.seqpate import teachers
     from tests.seqpate import test_teachers as t
     mesh = teachers.teacher_mesh()
     assert mesh.size == 2

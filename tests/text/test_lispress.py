@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from dpjax.datasets import semparse
-from dpjax.text import lispress
-from dpjax.text.lispress import Literal, LispressError, Meta, Str, Sym
+from dpjax.data.readers import semparse
+from dpjax.data.text import lispress
+from dpjax.data.text.lispress import Literal, LispressError, Meta, Str, Sym
 
 # (program in the compact form of the .jsonl files, its function types)
 PROGRAMS = [

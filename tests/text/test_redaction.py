@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from dpjax.datasets import multidogo
-from dpjax.text import redaction
-from dpjax.text.redaction import REDACTED as R
+from dpjax.data.readers import multidogo
+from dpjax.data.text import redaction
+from dpjax.data.text.redaction import REDACTED as R
 
 PHRASES = {
     "AIRLINE": ["seat", "window seat", "booking confirmation", "confirmation number",

@@ -1,4 +1,4 @@
-"""`python -m dpjax.textcls` on a shrunken setting: both tables are written
+"""`python -m dpjax.pipelines.textcls` on a shrunken setting: both tables are written
 from runs whose ledgers match, the baseline pipeline (naive LM, then a
 post-hoc head on it frozen) is one budget and trains only the head, and a
 rerun trains, generates and classifies nothing."""
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from dp_accounting import pld
 
-from dpjax import checkpoints, gin_cli, trainer, verify
+from dpjax.training import checkpoints, trainer
+from dpjax import gin_cli, verify
 from dpjax.models import gpt2_disc, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
-from dpjax.textcls import __main__ as cli, experiment
+from dpjax.pipelines.textcls import __main__ as cli, experiment
 
 # Few steps and a small head; the GPT-2 is the sample's, from its pretrained
 # start (gin/textcls_sample.gin).

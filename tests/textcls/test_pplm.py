@@ -1,10 +1,10 @@
-"""PPLM-steered sampling (dpjax.pplm): step size 0 is `generate_causal` bit
+"""PPLM-steered sampling (dpjax.generation.pplm): step size 0 is `generate_causal` bit
 for bit; a positive step raises the discriminator's p(a | x) of the
 generations, with a head set by hand; the baselines' row layout and filter."""
 import jax
 import numpy as np
 
-from dpjax import decoding, pplm
+from dpjax.generation import decoding, pplm
 from dpjax.models import gpt2_disc
 from tests.textcls.conftest import BOS, LABEL_IDS, SEP
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dpjax.datasets import textcls
+from dpjax.data.readers import textcls
 
 from tasks import textcls as textcls_tasks
 

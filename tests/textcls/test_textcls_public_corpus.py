@@ -9,7 +9,7 @@ import re
 import pytest
 import tokenizers
 
-from dpjax.datasets import textcls
+from dpjax.data.readers import textcls
 from tasks.textcls_sample import generate
 from tests import public_corpora
 

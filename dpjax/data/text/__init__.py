@@ -1,0 +1,1 @@
+"""Text formats: Lispress programs and the redaction of private spans."""

@@ -1,0 +1,2 @@
+"""The training engine: a run's plan, its DP step, the loop, checkpoints,
+sizing and compiled cost. No TensorFlow: it receives numpy arrays."""

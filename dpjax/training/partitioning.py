@@ -1,0 +1,211 @@
+"""Device mesh and logical-axis rules: how params, optimizer state and batches
+are laid out.
+
+Models name every parameter axis logically ('embed', 'mlp', 'heads', ...), as
+t5x does; a rule set maps logical names onto the mesh axes 'data', 'fsdp' and
+'tensor':
+
+* 'data_parallel' (default): params replicated;
+* 'fsdp': every parameter with a d_model ('embed') axis is split along it over
+  'fsdp', and so are its gradient sum and optimizer moments (each stored once
+  across the 'fsdp' devices, gathered where used). Parameters without one
+  (T5's [heads, buckets] relative-position tables, GPT-2's biases of width
+  d_ff or heads * d_head) are O(d_ff) scalars each and stay replicated;
+* 'tensor': 'heads', 'mlp', 'vocab' and 'joined_kv' over 'tensor'
+  (Megatron-style: each device holds a slice of the heads and MLP units);
+* 'fsdp_tensor': both.
+
+In every set the example axis of a batch ('batch') is split over all
+data-like axes, 'data' and 'fsdp', so the per-example work of DP clipping
+stays on the devices that hold the examples.
+
+A rule's mesh axes that the mesh lacks are dropped, so one rule set works on
+any mesh ('fsdp' rules on a {'data': 8} mesh replicate), and a dimension its
+mesh axes do not divide is replicated (T5's vocabulary of 32128 over 3
+devices, GPT-2's 50257 over any): sharding moves work, never changes results.
+Nothing here imports TensorFlow.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import gin
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dpjax.training import train_step
+from dpjax.privacy import bandmf, optimizers
+
+PyTree = Any
+# (logical axis name, mesh axis | tuple of mesh axes | None = replicated).
+# A logical name may have several rules: the first that fits wins.
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+_BATCH = ("batch", ("data", "fsdp"))
+
+DATA_PARALLEL_RULES: Rules = (_BATCH,)
+FSDP_RULES: Rules = (_BATCH, ("embed", "fsdp"))
+TENSOR_PARALLEL_RULES: Rules = (
+    _BATCH,
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("joined_kv", "tensor"),
+)
+FSDP_TENSOR_RULES: Rules = TENSOR_PARALLEL_RULES + (("embed", "fsdp"),)
+
+RULE_SETS: dict[str, Rules] = {
+    "data_parallel": DATA_PARALLEL_RULES,
+    "fsdp": FSDP_RULES,
+    "tensor": TENSOR_PARALLEL_RULES,
+    "fsdp_tensor": FSDP_TENSOR_RULES,
+}
+
+
+@gin.configurable
+def make_mesh(mesh_shape: Mapping[str, int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh over all devices; `mesh_shape` like {'data': -1} (-1 = the rest)."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = dict(mesh_shape or {"data": -1})
+  known = math.prod(v for v in shape.values() if v != -1)
+  if list(shape.values()).count(-1) > 1:
+    raise ValueError(f"mesh_shape {shape}: at most one axis may be -1")
+  shape = {k: (len(devices) // known if v == -1 else v) for k, v in shape.items()}
+  if math.prod(shape.values()) != len(devices):
+    raise ValueError(f"mesh_shape {shape} does not cover the {len(devices)} "
+                     "available devices")
+  grid = np.asarray(devices).reshape(tuple(shape.values()))
+  return Mesh(grid, tuple(shape.keys()))
+
+
+@gin.configurable
+def logical_axis_rules(name: str = "data_parallel") -> Rules:
+  """The rule set called `name` (gin: `logical_axis_rules.name = 'fsdp'`)."""
+  if name not in RULE_SETS:
+    raise ValueError(f"unknown logical_axis_rules {name!r}; choose from "
+                     f"{sorted(RULE_SETS)}")
+  return RULE_SETS[name]
+
+
+def mesh_axes(logical: Sequence[str | None], mesh: Mesh, rules: Rules,
+              shape: Sequence[int] | None = None) -> P:
+  """The PartitionSpec of one array with logical axis names `logical`.
+
+  Dimension by dimension, the first rule for its name whose mesh axes (those
+  in `mesh`) are not taken by an earlier dimension and, if `shape` is given,
+  divide its size; no such rule: replicated.
+  """
+  taken: set[str] = set()
+  spec = []
+  for i, name in enumerate(logical):
+    chosen = ()
+    for rule_name, target in rules:
+      if rule_name != name or target is None:
+        continue
+      axes = tuple(a for a in _as_tuple(target) if a in mesh.shape)
+      if not axes or taken.intersection(axes):
+        continue
+      if shape is not None and shape[i] % math.prod(mesh.shape[a] for a in axes):
+        continue
+      chosen = axes
+      break
+    taken.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1
+                else chosen)
+  return P(*spec)
+
+
+def param_shardings(mesh: Mesh, logical_axes: PyTree, rules: Rules | None = None,
+                    shapes: PyTree | None = None) -> PyTree:
+  """NamedShardings for a pytree of logical PartitionSpecs.
+
+  `shapes` (params or ShapeDtypeStructs, same tree) enables the divisibility
+  fallback; without it every rule that fits the mesh applies.
+  """
+  rules = rules if rules is not None else logical_axis_rules()
+  is_spec = lambda x: isinstance(x, P)
+  if shapes is None:
+    return jax.tree.map(lambda s: NamedSharding(mesh, mesh_axes(s, mesh, rules)),
+                        logical_axes, is_leaf=is_spec)
+  return jax.tree.map(
+      lambda s, x: NamedSharding(mesh, mesh_axes(s, mesh, rules, np.shape(x))),
+      logical_axes, shapes, is_leaf=is_spec)
+
+
+def _moment_axes(param_axes: P, param_shape, shape) -> tuple:
+  """Logical axes of an optimizer-state leaf that mirrors a parameter: its own
+  if the shapes agree, minus the reduced axis for a factored moment
+  (Adafactor's row/column statistics), else none (a placeholder)."""
+  if tuple(shape) == tuple(param_shape):
+    return tuple(param_axes)
+  for i in range(len(param_shape)):
+    if tuple(shape) == tuple(param_shape[:i]) + tuple(param_shape[i + 1:]):
+      return tuple(param_axes[:i]) + tuple(param_axes[i + 1:])
+  return (None,) * len(shape)
+
+
+def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
+                    optimizers.DPOptimizer, params: PyTree,
+                    logical_axes: PyTree, rules: Rules | None = None
+                    ) -> train_step.TrainState:
+  """Shardings of `train_step.init_state(params, optimizer)`.
+
+  Optimizer states that mirror the params (Adam's moments, Adafactor's
+  factored statistics, momentum; found structurally by
+  `optax.tree_map_params`) are laid out like their parameters; everything
+  else (step and update counters, the noise counter) is replicated.
+  `params` may be arrays or ShapeDtypeStructs.
+  """
+  rules = rules if rules is not None else logical_axis_rules()
+  state = jax.eval_shape(lambda p: train_step.init_state(p, optimizer), params)
+  everywhere = replicated(mesh)
+
+  def mirror(leaf, param, axes):
+    if isinstance(leaf, optax.MaskedNode):  # a frozen leaf keeps no state
+      return leaf
+    logical = _moment_axes(axes, np.shape(param), leaf.shape)
+    return NamedSharding(mesh, mesh_axes(logical, mesh, rules, leaf.shape))
+
+  base = (optimizer.base if isinstance(optimizer, optimizers.DPOptimizer)
+          else optimizer)
+  opt = optax.tree_map_params(
+      base, mirror, state.opt_state, params, logical_axes,
+      transform_non_params=lambda t: jax.tree.map(lambda _: everywhere, t),
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  params_sh = param_shardings(mesh, logical_axes, rules, shapes=params)
+  noise_state = None
+  if state.noise_state is not None:  # BandMF: band buffers like the params
+    noise_state = bandmf.state_shardings(state.noise_state, params_sh,
+                                         everywhere)
+  return train_step.TrainState(
+      step=everywhere, params=params_sh, opt_state=opt, noise_count=everywhere,
+      clip_norms=jax.tree.map(lambda _: everywhere, state.clip_norms),
+      noise_state=noise_state)
+
+
+def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,
+                   rules: Rules | None = None) -> NamedSharding:
+  """Sharding for an array whose `batch_dim` axis holds examples."""
+  rules = rules if rules is not None else logical_axis_rules()
+  names = [None] * rank
+  names[batch_dim] = "batch"
+  return NamedSharding(mesh, mesh_axes(names, mesh, rules))
+
+
+def data_parallel_size(mesh: Mesh, rules: Rules | None = None) -> int:
+  """How many ways the example axis is split: microbatch sizes must be a
+  multiple of it."""
+  spec = batch_sharding(mesh, 1, rules=rules).spec[0]
+  return math.prod(mesh.shape[a] for a in _as_tuple(spec)) if spec else 1
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def _as_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
+  return (axes,) if isinstance(axes, str) else tuple(axes)

@@ -1,0 +1,335 @@
+"""Automatic sizing: the fastest microbatch and remat whose step fits.
+
+`MICROBATCH_SIZE = 'auto'` and a model config's `remat = 'auto'` leave the
+trade of memory for time to `choose`: it measures candidate steps by their
+compiled peak bytes per device (`dpjax.training.step_cost`, abstract shapes: nothing
+is allocated) and takes the fastest that fits `headroom` x the device
+memory. Faster means fewer accumulation calls (larger microbatches) first,
+then no remat before layer remat: the order is (calls, remat).
+
+A step's peak grows with its microbatch, so for each remat the whole
+padded batch is tried first (one compile where memory is ample), then the
+largest fitting microbatch is searched over the rest (m halving down to one
+example per data-parallel device) by interpolation on the near-affine
+peak, safeguarded by bisection (`choose`): two or three more compiles
+where the peak is affine in m; remat is tried only if it could beat the
+best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
+set, else the backend's `bytes_limit`, else (a CPU) the host's RAM.
+
+The choice and its figures are printed and written to
+MODEL_DIR/auto_sizing.json with a fingerprint of everything it depends on
+(backend, devices, mesh, model, lengths, batch, clipping, memory, jax
+version); a rerun with the same fingerprint takes it without compiling.
+Nothing here touches privacy: the sampled batch, its noise and its
+accounting are the same whatever the microbatch (tested: same result).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from dpjax.training import checkpoints, partitioning, reporting
+from dpjax import fileio, gin_cli
+from dpjax.training import step_cost, targets
+
+FILENAME = "auto_sizing.json"
+AUTO = "auto"
+REMAT_ORDER = ("none", "layer")  # cheaper first
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+  """12e9, '80GiB', '16 GB', '512MiB' -> bytes."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if value > 0:
+      return int(value)
+  elif isinstance(value, str):
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if match and match.group(2).lower() in _UNITS:
+      try:
+        number = float(match.group(1))
+      except ValueError:
+        number = 0
+      if number > 0:
+        return int(number * _UNITS[match.group(2).lower()])
+  raise gin_cli.UsageError(
+      "train.device_memory must be a positive number of bytes or a size "
+      f"like '80GiB' or '16GB', got {value!r}")
+
+
+def device_memory(setting: int | float | str | None,
+                  target: targets.Target | None = None) -> tuple[int, str]:
+  """(bytes one device may use, where that figure came from):
+  `train.device_memory`, else a compile target's HBM per device, else this
+  backend's."""
+  if setting is not None:
+    return parse_bytes(setting), "train.device_memory"
+  if target is not None:
+    return target.memory_bytes, f"{target.spec} HBM per device"
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), "backend bytes_limit"
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return int(host // max(jax.local_device_count(), 1)), "host RAM"
+
+
+def microbatch_candidates(max_batch: int, multiple: int) -> list[int]:
+  """Microbatch sizes, largest first: the padded batch split into 1, 2, 4,
+  ... calls, each rounded up to a multiple of the data-parallel devices."""
+  sizes, calls = [], 1
+  while True:
+    m = -(-max_batch // calls)
+    m = -(-m // multiple) * multiple
+    if not sizes or m < sizes[-1]:
+      sizes.append(m)
+    if m <= multiple:
+      return sizes
+    calls *= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The sizing a run uses, and how it was found."""
+  microbatch_size: int
+  remat: str | None  # None: the model's remat was not 'auto'
+  accumulation_steps: int  # microbatches per logical step
+  peak_bytes: int | None  # per device, compiled (None: not measured)
+  limit_bytes: int | None
+  memory_source: str | None
+  fits: bool = True
+  tried: tuple[dict, ...] = ()  # {'microbatch_size', 'remat', 'peak_bytes'}
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def summary(self) -> str:
+    remat = "" if self.remat is None else f", remat {self.remat!r}"
+    if self.peak_bytes is None:
+      return f"microbatch {self.microbatch_size}{remat}"
+    return (f"microbatch {self.microbatch_size} x {self.accumulation_steps} "
+            f"calls{remat}: peak {self.peak_bytes / 2**30:.2f} GiB of "
+            f"{self.limit_bytes / 2**30:.2f} GiB usable ({self.memory_source})"
+            f"{'' if self.fits else ' -- DOES NOT FIT'}; "
+            f"{len(self.tried)} candidates compiled")
+
+
+def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
+           max_batch: int, remats: Sequence[str], limit_bytes: int,
+           memory_source: str, floor_bytes: int = 0) -> Choice:
+  """The fastest (fewest calls, then cheapest remat) candidate whose
+  `peak_bytes(m, remat)` is at most `limit_bytes`, over microbatch `sizes`
+  (largest first, e.g. `microbatch_candidates`) for a padded batch of
+  `max_batch`. If none fits, the smallest candidate, marked `fits=False`
+  (the trainer refuses it).
+
+  The search is a safeguarded interpolation: a step's peak is close to
+  affine in m, so the next size measured is the largest that the line
+  through the bracket's ends (the smallest size that did not fit, and the
+  largest that did, else `floor_bytes` at m = 0) predicts to fit, or the
+  one just above a size that fit, to confirm it. Once a prediction is
+  wrong the rest is bisection: two or three compiles where the peak is
+  affine, never more than about twice log2(len(sizes))."""
+  tried: list[dict] = []
+  measured: dict[tuple[int, str], int] = {}
+
+  def fits(i: int, remat: str) -> bool:
+    peak = int(peak_bytes(sizes[i], remat))
+    tried.append({"microbatch_size": sizes[i], "remat": remat,
+                  "peak_bytes": peak})
+    measured[i, remat] = peak
+    return peak <= limit_bytes
+
+  def predicted(lo: int, hi: int, remat: str) -> tuple[int, bool] | None:
+    """(the index in sizes[lo:hi] the line picks, whether the line says it
+    fits); None where there is no usable line."""
+    m_up, p_up = sizes[lo - 1], measured[lo - 1, remat]
+    m_low, p_low = ((sizes[hi], measured[hi, remat])
+                    if (hi, remat) in measured else (0, floor_bytes))
+    if p_up <= p_low or m_up <= m_low:
+      return None
+    m_fit = m_low + (limit_bytes - p_low) * (m_up - m_low) / (p_up - p_low)
+    i = next((i for i in range(lo, hi) if sizes[i] <= m_fit), hi - 1)
+    return i, sizes[i] <= m_fit
+
+  best = None  # (index into sizes, remat)
+  for remat in sorted(remats, key=REMAT_ORDER.index):
+    hi = len(sizes) if best is None else best[0]  # must beat the best
+    if hi == 0:
+      break
+    if fits(0, remat):  # the whole batch: the common case, one compile
+      best = (0, remat)
+      break
+    lo, found, interpolate = 1, None, True
+    while lo < hi:  # the first (largest) size that fits, in sizes[1:hi]
+      guess = predicted(lo, hi, remat) if interpolate else None
+      i, expected = ((lo + hi) // 2, None) if guess is None else guess
+      ok = fits(i, remat)
+      if ok:
+        found, hi = i, i
+      else:
+        lo = i + 1
+      interpolate = interpolate and ok == expected  # bisect once it misses
+    if found is not None:
+      best = (found, remat)
+  fit = best is not None
+  if not fit:
+    best = (len(sizes) - 1, sorted(remats, key=REMAT_ORDER.index)[-1])
+  peak = next((t["peak_bytes"] for t in reversed(tried)
+               if (t["microbatch_size"], t["remat"]) == (sizes[best[0]],
+                                                         best[1])), None)
+  return Choice(microbatch_size=sizes[best[0]], remat=best[1],
+                accumulation_steps=-(-max_batch // sizes[best[0]]),
+                peak_bytes=peak, limit_bytes=limit_bytes,
+                memory_source=memory_source, fits=fit, tried=tuple(tried))
+
+
+def config_values(model_config, name: str) -> list:
+  """The values of field `name` in a model config and its nested configs
+  (e.g. GPT2DiscConfig.lm), outermost first."""
+  values = []
+
+  def visit(config):
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+      if hasattr(config, name):
+        values.append(getattr(config, name))
+      for field in dataclasses.fields(config):
+        visit(getattr(config, field.name))
+
+  visit(model_config)
+  return values
+
+
+def model_remat(model_config) -> str | None:
+  """The model config's `remat` ('auto' if any part of it says so)."""
+  values = config_values(model_config, "remat")
+  return AUTO if AUTO in values else (values[0] if values else None)
+
+
+def with_remat(model_config, remat: str):
+  """`model_config` with every `remat = 'auto'` in it (its own, or a
+  part's, e.g. GPT2DiscConfig.lm) set to `remat`."""
+  if not dataclasses.is_dataclass(model_config) or isinstance(model_config,
+                                                              type):
+    return model_config
+  changes = {f.name: with_remat(getattr(model_config, f.name), remat)
+             for f in dataclasses.fields(model_config)
+             if dataclasses.is_dataclass(getattr(model_config, f.name))}
+  if getattr(model_config, "remat", None) == AUTO:
+    changes["remat"] = remat
+  return dataclasses.replace(model_config, **changes) if changes else model_config
+
+
+def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
+               place: Callable[[str], Any], model_dir: str, dry_run: bool,
+               target: targets.Target | None = None
+               ) -> tuple[Choice, str | None]:
+  """(the microbatch and remat a run uses, the fingerprint of an automatic
+  choice): `config`'s (a `RunConfig`) as given, or `choose`'s over the
+  steps `place(remat)` (`steps.place_steps` of the model with that remat)
+  on batches of `rows` (one example's abstract features), taken from
+  MODEL_DIR when recorded there under the same fingerprint. A choice that
+  does not fit is refused unless `dry_run` (which reports it)."""
+  data_devices = partitioning.data_parallel_size(mesh, rules)
+  auto_m = config.microbatch_size == AUTO
+  remat = model_remat(config.model_config)
+  sizes = (microbatch_candidates(max_batch, data_devices) if auto_m
+           else [-(-(config.microbatch_size or max_batch) // data_devices)
+                 * data_devices])
+  if not auto_m and remat != AUTO:
+    return Choice(
+        microbatch_size=sizes[0], remat=None,
+        accumulation_steps=-(-max_batch // sizes[0]), peak_bytes=None,
+        limit_bytes=None, memory_source=None), None
+  memory, source = device_memory(config.device_memory, target)
+  limit = int(memory * config.memory_headroom)
+  key = fingerprint(
+      mesh, model=checkpoints.config_json(config.model_config),
+      lengths=config.task_feature_lengths, max_batch=max_batch,
+      microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
+      clipping=config.clipping_method, optimizer=config.optimizer,
+      limit=limit)
+  choice = load(model_dir, key)
+  if choice is not None:
+    reporting.say(f"auto sizing (recorded in {model_dir}): "
+                  f"{choice.summary()}")
+    return choice, key
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+  remats = (REMAT_ORDER if remat == AUTO else (remat,))
+  placed = place(remats[-1])
+  # The state and one clipped sum per loss stay resident whatever the
+  # microbatch: if they alone overflow, no candidate is worth compiling.
+  floor = step_cost.device_bytes(placed.abstract_state) + (
+      step_cost.device_bytes(step_cost.abstract_like(
+          jax.eval_shape(placed.zero_grads, placed.abstract_state.params),
+          placed.grads_shardings)))
+
+  def peak(m: int, remat_choice: str) -> int:
+    # A large model's compile takes minutes on a CPU: say what is compiling.
+    start = time.perf_counter()
+    bytes_ = step_cost.step_cost(
+        place(remat_choice), rows, m=m, k=-(-max_batch // m),
+        batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes
+    reporting.say(
+        f"auto sizing: microbatch {m}, remat {remat_choice!r}: peak "
+        f"{bytes_ / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB "
+        f"(compiled in {time.perf_counter() - start:.0f} s)")
+    return bytes_
+
+  if floor > limit:
+    choice = Choice(
+        microbatch_size=sizes[-1], remat=remats[-1],
+        accumulation_steps=-(-max_batch // sizes[-1]), peak_bytes=floor,
+        limit_bytes=limit, memory_source=source, fits=False)
+  else:
+    choice = choose(peak, sizes=sizes, max_batch=max_batch, remats=remats,
+                    limit_bytes=limit, memory_source=source,
+                    floor_bytes=floor)
+  reporting.say(f"auto sizing: {choice.summary()}")
+  if not choice.fits and not dry_run:
+    raise gin_cli.UsageError(
+        f"no microbatch fits: even {choice.microbatch_size} example(s) per "
+        f"call with remat {choice.remat!r} needs at least "
+        f"{choice.peak_bytes / 2**30:.2f} GiB per device, over the "
+        f"{limit / 2**30:.2f} GiB usable ({source} x train.memory_headroom "
+        f"{config.memory_headroom}). Shard the params "
+        "(gin/performance/fsdp.gin: logical_axis_rules.name = 'fsdp' on an 'fsdp' "
+        "mesh), use more devices, or set train.device_memory")
+  return choice, key
+
+
+def fingerprint(device_mesh, **facts: Any) -> str:
+  """A digest of what a choice depends on, with the mesh's devices (the
+  backend's, or a compile target's) and the jax version."""
+  device = device_mesh.devices.flat[0]
+  facts.update(jax=jax.__version__, platform=device.platform,
+               device_kind=device.device_kind,
+               devices=device_mesh.devices.size)
+  text = json.dumps(facts, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load(model_dir: str, key: str) -> Choice | None:
+  """The choice recorded in `model_dir` for this fingerprint, if any."""
+  try:
+    with open(os.path.join(model_dir, FILENAME)) as f:
+      saved = json.load(f)
+    if saved.get("fingerprint") != key:
+      return None
+    fields = saved["choice"]
+    return Choice(**{**fields, "tried": tuple(fields.get("tried", ()))})
+  except (OSError, ValueError, KeyError, TypeError):
+    return None  # absent or unreadable: measured again
+
+
+def save(model_dir: str, key: str, choice: Choice) -> None:
+  fileio.write_atomic(os.path.join(model_dir, FILENAME), json.dumps(
+      {"fingerprint": key, "choice": choice.to_json()}, indent=2))

@@ -1,0 +1,187 @@
+"""What a compiled training step costs, read from XLA before it runs.
+
+`step_cost` compiles a run's two DP halves (`dpjax.training.steps.PlacedSteps`:
+`accumulate` over one group of k microbatches of m, then `apply`) for
+abstract shapes (`jax.ShapeDtypeStruct`s carrying their shardings), so
+nothing is allocated: a T5-XL step on a laptop's CPU is measured as it
+would be compiled there. It gives
+
+* `peak_bytes`, per device: the larger of `accumulate`'s peak while the
+  optimizer state it does not take stays resident, and `apply`'s peak (XLA's
+  `memory_analysis`: arguments + outputs + temporaries - donated aliases);
+* `flops` and `bytes_accessed` of one logical step, k x accumulate of one
+  microbatch + apply (XLA's `cost_analysis`; XLA counts a loop body once,
+  whatever its trip count, so the scan's body is costed alone and scaled).
+
+Limits: the figures are XLA's estimates for the backend compiled for (a
+CPU's are not a GPU's), and they ignore the runtime's own reserve and
+fragmentation; `dpjax.training.sizing` leaves headroom for that. A GPU compiled for
+without a device reports no cost analysis: its optimized module's generic
+HLO cost analysis stands in (`generic_cost_analysis`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+def memory_analysis(compiled) -> dict:
+  """XLA's memory analysis of a compiled program, with `peak_estimate_bytes`
+  (donated inputs alias outputs, so they are counted once)."""
+  m = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes",
+            "temp_size_in_bytes", "alias_size_in_bytes",
+            "generated_code_size_in_bytes")
+  out = {f: int(getattr(m, f)) for f in fields}
+  out["peak_estimate_bytes"] = (out["argument_size_in_bytes"]
+                                + out["output_size_in_bytes"]
+                                + out["temp_size_in_bytes"]
+                                - out["alias_size_in_bytes"])
+  return out
+
+
+def cost_analysis(compiled) -> dict:
+  """XLA's `flops` and `bytes_accessed` of a compiled program, the while
+  loops left in it (`while_loops`: XLA counts a loop's body once, whatever
+  its trip count) and, where the compiler estimates it (TPU), the program's
+  time (`seconds`: None where it does not, or cannot: a `while` loop)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
+    (analysis,) = analysis
+  if analysis is None:  # the GPU compiler without a device gives none
+    analysis = generic_cost_analysis(compiled)
+  text = compiled.as_text()
+  calls = custom_calls(text)
+  seconds = analysis.get("optimal_seconds")
+  if seconds is not None:
+    # The TPU compiler's estimate is the sum of its ops' estimates, an op it
+    # has no model for counting -1 s. Its memory-space assignment brings a
+    # buffer into fast memory in slices and joins them with a
+    # "ConcatBitcast" call that moves no data: those are added back. Any
+    # other unknown op leaves the sum at or below zero (these programs
+    # take well under a second per unknown op), reported as None.
+    seconds = float(seconds) + sum(calls.get(c, 0) for c in FREE_CUSTOM_CALLS)
+  while_loops = len(re.findall(r"\swhile\(", text))
+  return {"flops": float(analysis["flops"]),
+          "bytes_accessed": float(analysis["bytes accessed"]),
+          "seconds": (seconds if seconds and seconds > 0 and not while_loops
+                      else None),  # a loop's body is counted once
+          "while_loops": while_loops, "custom_calls": calls}
+
+
+# Custom calls the TPU compiler leaves out of its time estimate (see
+# `cost_analysis`) that cost nothing: relayouts of bytes already in place.
+FREE_CUSTOM_CALLS = ("ConcatBitcast",)
+
+
+def custom_calls(hlo_text: str) -> dict[str, int]:
+  """How many custom calls of each target a compiled module's text has."""
+  return dict(collections.Counter(
+      re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
+def generic_cost_analysis(compiled) -> dict:
+  """XLA's target-independent HLO cost analysis of a compiled program's
+  optimized module (its text, parsed and analysed by this host's CPU
+  client): the FLOPs and bytes of the ops the target's compiler kept, for
+  a compiler that reports none itself. jaxlib exposes this only privately."""
+  from jax._src.lib import xla_client
+  import jaxlib._hlo as hlo
+  module = hlo.hlo_module_from_text(compiled.as_text())
+  return xla_client._xla.hlo_module_cost_analysis(
+      jax.devices("cpu")[0].client, module)
+
+
+def device_bytes(tree: PyTree) -> int:
+  """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s (the
+  largest shard of each leaf)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = (x.sharding.shard_shape(x.shape) if x.sharding is not None
+             else x.shape)
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """A logical step's compiled cost (see the module docstring)."""
+  peak_bytes: int  # per device
+  accumulate_peak_bytes: int  # with the optimizer state resident
+  apply_peak_bytes: int
+  state_bytes: int  # per device: params, optimizer state, counters
+  flops: float | None = None  # None unless asked for (`with_flops`)
+  bytes_accessed: float | None = None
+  seconds: float | None = None  # the compiler's estimate (TPU), if any
+
+
+def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
+  """`ShapeDtypeStruct`s of `tree`'s leaves carrying `shardings`."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      tree, shardings)
+
+
+def logical_step(accumulate, apply, k: int) -> dict:
+  """XLA's flops and bytes accessed of a logical step from its compiled
+  parts: k x (`accumulate` of one microbatch) + `apply`, each compiled alone
+  (XLA counts a loop's body once, so a whole step's own analysis would count
+  one microbatch); the parts' analyses under `parts`."""
+  parts = {"accumulate": cost_analysis(accumulate),
+           "apply": cost_analysis(apply)}
+  total = {f: k * parts["accumulate"][f] + parts["apply"][f]
+           for f in ("flops", "bytes_accessed")}
+  times = [parts[p]["seconds"] for p in parts]
+  total["seconds"] = (None if None in times else k * times[0] + times[1])
+  return {**total, "parts": parts}
+
+
+def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
+              m: int, k: int, batch_sharding, mask_sharding,
+              with_flops: bool = False) -> StepCost:
+  """The compiled cost of one DP step of `placed` (`steps.place_steps`) on
+  batches [k, m, ...] of rows shaped like `batch_rows` (one example's
+  features, e.g. {'inputs': (384,) int32}), split as the trainer splits
+  them. Compiles `accumulate` and `apply` once each (and, with `with_flops`
+  and k > 1, `accumulate` of one microbatch for the per-step FLOPs)."""
+  state = placed.abstract_state
+  group = lambda kk: (
+      {f: jax.ShapeDtypeStruct((kk, m, *x.shape), x.dtype,
+                               sharding=batch_sharding)
+       for f, x in batch_rows.items()},
+      jax.ShapeDtypeStruct((kk, m), np.float32, sharding=mask_sharding))
+  # Scalars and the key replicated on the batch's mesh (a compile target's
+  # devices are not the default device).
+  replicated = jax.sharding.NamedSharding(batch_sharding.mesh,
+                                          jax.sharding.PartitionSpec())
+  index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
+  grads = abstract_like(jax.eval_shape(placed.zero_grads, state.params),
+                        placed.grads_shardings)
+  accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
+                                       index, state.clip_norms).compile()
+  apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
+      (4,), np.uint32, sharding=replicated)).compile()  # the noise key
+  state_bytes = device_bytes(state)
+  resident = state_bytes - device_bytes(state.params)  # not accumulate's args
+  acc_peak = memory_analysis(accumulate)["peak_estimate_bytes"] + resident
+  apply_peak = memory_analysis(apply)["peak_estimate_bytes"]
+  flops = bytes_accessed = seconds = None
+  if with_flops:
+    one = (accumulate if k == 1 else placed.accumulate.lower(
+        state.params, grads, *group(1), index, index,
+        state.clip_norms).compile())
+    total = logical_step(one, apply, k)
+    flops, bytes_accessed = total["flops"], total["bytes_accessed"]
+    seconds = total["seconds"]
+  return StepCost(peak_bytes=max(acc_peak, apply_peak),
+                  accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
+                  state_bytes=state_bytes, flops=flops,
+                  bytes_accessed=bytes_accessed, seconds=seconds)

@@ -1,0 +1,582 @@
+"""DP training of a T5 or GPT-2 model on a seqio task (`python -m dpjax.train`).
+
+  python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin \\
+      --gin.MODEL_DIR=/runs/xl_eps3 [--gin.NAME=VALUE ...]
+
+A run is plan -> step -> loop. The plan (`dpjax.training.plan.make_plan`, from the
+typed `RunConfig` and the data) is made before anything is written: the data
+is loaded and counted, the sampler fixed, the noise multiplier calibrated
+with dp-accounting for the target (ε, δ) over all planned steps, and a run
+that would exceed its budget refuses to start. The steps (`dpjax.training.steps`: one
+jit-compiled DP step per logical batch, see dpjax.training.train_step) are placed on
+the mesh, and the loop (`dpjax.training.loop.fit`) runs them, its callbacks writing
+eval loss, TensorBoard summaries, a console progress line and orbax
+checkpoints (`dpjax.training.checkpoints`) that carry the privacy ledger and resume
+exactly: batches and noise are pure functions of (secret, step), where the
+secret is the run's 256 bits of OS entropy (`privacy.secret`, in
+MODEL_DIR/secret_key.json, never published); `train.seed` keys only what the
+guarantee does not rest on (initialisation, dropout, the redaction coins).
+
+With `train.public_task_name` and `train.redaction_schedule` the run follows a
+redaction schedule (dpjax.privacy.redaction_schedule, Kabra & Elenberg,
+Findings of EMNLP 2023, arXiv 2305.14208): each step is, by a public coin
+flipped before training, either a DP step on the original task or a non-private
+step on the public (redacted) task, both updating one optimizer state. Only the
+DP steps are releases: σ is calibrated for exactly their number, and only they
+enter the ledger. A finished dpjax run directory is also a valid
+INITIAL_CHECKPOINT_PATH, e.g. JFT: a DP run started from a run trained on
+redacted data. Its model must be this run's, or a field of this run's config
+(the GPT-2 that a GPT-2 + discriminator head extends, the post-hoc head of the
+ICLR 2023 submission on conditional generation); the top-level param subtrees
+its checkpoint lacks (the head) are freshly initialised, and said so.
+
+A model with several named per-example losses (`Trainable.example_losses`:
+GPT-2 + discriminator head, an ICLR 2023 submission, OpenReview LUql3ZOFwFD)
+makes one release per loss each step: every per-example gradient of loss k
+(w.r.t. the trainable params; frozen layers get none) is clipped to its own C_k
+(`train.clip_norms`, default `clip_norm` for every loss), each clipped sum gets
+its own Gaussian noise σ C_k, and the noisy sums are added before the one base
+optimizer. One σ serves all k releases, calibrated so that T steps of k
+Gaussians on the same Poisson sample, `PoissonGaussian(q, (σ,)*k, T)`, meet the
+target; the ledger records exactly that event. (Separate clipping, not one
+joint clip of the summed gradient: the paper's Algorithm 1.)
+
+The same command runs on every host of a multi-host job (dpjax.training.distributed):
+each process reads only the sampled rows its devices hold, process 0 alone
+writes the console, summaries and ledger file, and a SIGTERM reaching any host
+checkpoints all of them at one step boundary.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import gin
+import jax
+import numpy as np
+
+from dpjax.training import (checkpoints, distributed, loop, padding, partitioning, plan as plan_lib, prefetch, reporting, run_config, sizing as sizing_lib, steps as steps_lib, targets, train_step)
+from dpjax import fileio, gin_cli, pretrained, verify
+from dpjax.generation import inference
+from dpjax.models import trainable as trainable_lib
+from dpjax.privacy import ledger as ledger_lib
+from dpjax.privacy import sampling, secret as secret_lib
+import tasks
+
+RunConfig = run_config.RunConfig
+
+
+class Built(NamedTuple):
+  """A run assembled before anything is written (`build`): its data, plan,
+  sizing and steps placed on the mesh, not yet initialised."""
+  config: RunConfig
+  model_dir: str
+  target_epsilon: float
+  model: trainable_lib.Trainable
+  lengths: dict
+  splits: "_Splits"
+  tokenizer: dict | None
+  init_run: tuple | None
+  mngr: Any  # the existing run's orbax manager, or None
+  resume: tuple | None  # (step, RunMeta) of its newest readable checkpoint
+  run_secret: secret_lib.RunSecret
+  plan: plan_lib.RunPlan
+  plan_for: Callable  # saved RunMeta | None -> RunPlan
+  mesh: Any
+  rules: Any
+  sizing: sizing_lib.Choice
+  sizing_key: str | None  # an automatic choice's fingerprint, to record
+  placed: steps_lib.PlacedSteps
+  schedule: Any
+  batch_rows: dict  # one training example's features, as abstract shapes
+
+
+def build(config: RunConfig, *, dry_run: bool = False,
+          target: targets.Target | None = None) -> Built:
+  """Everything a run needs before its first write: inputs checked, data
+  loaded, plan made (σ calibrated, budget checked), microbatch and remat
+  sized, steps placed. With `dry_run` nothing is ever written: a new run's
+  secret is drawn and kept in memory only. `target` (a dry run's): the mesh
+  is over its devices and sized to its memory (`dpjax.training.targets`)."""
+  if target is not None and not dry_run:
+    raise ValueError("a compile target is for dry runs: its devices are "
+                     "not this host's")
+  model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
+  target_epsilon = plan_lib.check_run_inputs(config)
+
+  # --- The run already here: its secret, its state verified. ---------------
+  mngr = _existing_manager(model_dir, config.keep_checkpoints)
+  resuming = bool(mngr and mngr.all_steps())
+  if dry_run and not secret_lib.exists(model_dir):
+    run_secret = (secret_lib.RunSecret.pinned(config.pinned_secret_seed)
+                  if config.pinned_secret_seed is not None
+                  else secret_lib.RunSecret.draw())
+  else:
+    run_secret = _run_secret(model_dir, resuming=resuming,
+                             pinned_seed=config.pinned_secret_seed)
+  resume = _verified_resume(mngr, run_secret, model_dir) if resuming else None
+
+  # --- Data: validated before anything is written. -------------------------
+  init_run = (verify.read_run(os.path.expanduser(
+      config.initial_checkpoint_path)) if config.initial_checkpoint_path
+              else None)
+  tokenizer = initial_tokenizer_files(config.initial_checkpoint_path)
+  tasks.register_tasks(tokenizer_files=tokenizer)
+  lengths = dict(config.task_feature_lengths)
+  model_config = config.model_config
+  try:  # the data layer needs the model's converter, not its remat
+    model = trainable_lib.trainable(
+        sizing_lib.with_remat(model_config, "none"), lengths)
+  except (TypeError, KeyError) as e:
+    raise gin_cli.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
+  if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
+    # or the one this model extends (`checkpoints.init_from_run`)
+    checkpoints.check_initialises(init_run[2], model_config)
+  splits = _load_splits(config, model, lengths)
+  n = len(splits.tokens)
+
+  # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
+  adaptive = plan_lib.adaptive_settings(config)
+  bounds = steps_lib.loss_clip_norms(  # adaptive: the losses' first bounds
+      model, adaptive.initial_clip_norm if adaptive else config.clip_norm,
+      config.clip_norms)
+
+  def plan_for(saved: checkpoints.RunMeta | None) -> plan_lib.RunPlan:
+    return plan_lib.make_plan(
+        config, n=n, sampling_seed=run_secret.sampling_seed(),
+        secret_source=run_secret.source, clip_norms=bounds,
+        public_n=(None if splits.public is None
+                  else len(splits.public_tokens)),
+        saved=saved, user_ids=splits.users)
+
+  plan = plan_for(resume[1] if resume else None)
+  if resume:
+    checkpoints.check_model(resume[1], model_config)
+  reporting.say(plan.summary())
+  if plan.privacy.bandmf and not resume and len(
+      plan.privacy.bandmf["candidates"]) > 1:
+    reporting.say("BandMF bands (σ calibrated for the target, expected "
+                  "error σ x prefix error): " + ", ".join(
+                      f"{r['bands']}: σ={r['noise_multiplier']:.4f} error="
+                      f"{r['error']:.4g}" for r in
+                      plan.privacy.bandmf["candidates"]))
+  if run_secret.is_pinned:
+    reporting.say(
+        "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"
+        " whoever knows the seed can regenerate them, and this run's (ε, δ) "
+        "does not hold against them; the ledger records the secret as pinned")
+
+  # --- Steps on the mesh, sized to the device. ------------------------------
+  mesh = partitioning.make_mesh(devices=target and target.devices)
+  rules = partitioning.logical_axis_rules()
+  schedule = (config.learning_rate if config.learning_rate is not None else
+              steps_lib.learning_rate_schedule(total_steps=plan.steps))
+
+  def place(remat: str) -> tuple[trainable_lib.Trainable,
+                                 steps_lib.PlacedSteps]:
+    sized = trainable_lib.trainable(
+        sizing_lib.with_remat(model_config, remat), lengths)
+    return sized, steps_lib.place_steps(
+        sized, mesh=mesh, rules=rules, optimizer=config.optimizer,
+        learning_rate=schedule, clip_norm=plan.privacy.clip_norm,
+        clip_norms=None if plan.adaptive_clipping else bounds,
+        noise_multiplier=float(plan.noise_multiplier),
+        normalizer=plan.normalizer, seed=config.seed,
+        clipping_method=config.clipping_method,
+        adaptive_clipping=plan.adaptive_clipping, strategy=plan.strategy)
+
+  rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+          for f, x in splits.train.items()}
+  choice, key = sizing_lib.size_steps(
+      config, plan.sampler.max_batch_size, mesh=mesh, rules=rules, rows=rows,
+      place=lambda remat: place(remat)[1], model_dir=model_dir,
+      dry_run=dry_run, target=target)
+  model, placed = place(choice.remat or "none")
+  return Built(
+      config=config, model_dir=model_dir, target_epsilon=target_epsilon,
+      model=model, lengths=lengths, splits=splits, tokenizer=tokenizer,
+      init_run=init_run, mngr=mngr, resume=resume, run_secret=run_secret,
+      plan=plan, plan_for=plan_for, mesh=mesh, rules=rules, sizing=choice,
+      sizing_key=key, placed=placed, schedule=schedule, batch_rows=rows)
+
+
+def train(config: RunConfig | None = None) -> dict:
+  """Runs (or resumes) one DP training job; returns a summary dict.
+
+  `config`: the run's settings (default: `RunConfig()` as gin configures it,
+  the `train.*` bindings). See `RunConfig` for each setting, the module
+  docstring for what a run does.
+  """
+  config = config or RunConfig()
+  distributed.initialize()  # before any other JAX use; single process: no-op
+  from dpjax.data import arrays as data_arrays  # TF: the DP core needs none
+  wall_start = time.perf_counter()
+  built = build(config)
+  (model_dir, target_epsilon, model, lengths, splits, tokenizer, init_run,
+   mngr, resume, run_secret, plan, mesh, rules, placed, schedule) = (
+       built.model_dir, built.target_epsilon, built.model, built.lengths,
+       built.splits, built.tokenizer, built.init_run, built.mngr,
+       built.resume, built.run_secret, built.plan, built.mesh, built.rules,
+       built.placed, built.schedule)
+  task = config.mixture_or_task_name
+  m, k = built.sizing.microbatch_size, built.sizing.accumulation_steps
+  start_step = 0
+  if resume:  # restored straight into place (any saved mesh: re-sharded)
+    start_step, state, saved = checkpoints.restore_newest(
+        mngr, placed.abstract_state, model_dir, run_secret.meta_key())
+    if start_step != resume[0]:  # newer ones unreadable: this one's ledger
+      verify.check_run(saved, checkpoint_step=start_step,
+                       noise_count=int(state.noise_count))
+      plan = built.plan_for(saved)
+    reporting.say(f"resumed {model_dir} at step {start_step}, "
+                  f"ε spent {plan.ledger.epsilon_spent():.4f}")
+  else:  # built in place on the mesh, the same on every process
+    params = _initial_params(config, model, init_run,
+                             placed.state_shardings.params)
+    state = jax.jit(lambda p: train_step.init_state(p, placed.optimizer),
+                    out_shardings=placed.state_shardings)(params)
+    mngr = mngr or checkpoints.manager(model_dir,
+                                       max_to_keep=config.keep_checkpoints)
+  if init_run:  # read; orbax's threads need not live through the run
+    init_run[0].close()
+  _write_run_files(model_dir, run_secret, plan.ledger)
+  reporting.log_libraries_to(model_dir)
+  if built.sizing_key and distributed.is_primary():
+    sizing_lib.save(model_dir, built.sizing_key, built.sizing)
+
+  # --- The loop. ------------------------------------------------------------
+  step_fn = step_function(
+      plan, placed, splits, mesh=mesh, rules=rules, m=m, k=k,
+      noise_secret=distributed.global_array(run_secret.noise_key(),
+                                            partitioning.replicated(mesh)))
+
+  def meta(step: int) -> checkpoints.RunMeta:
+    dp_steps = plan.dp_steps_before(step)
+    return checkpoints.RunMeta(
+        ledger=plan.ledger.to_json(), plan=plan.privacy.guarantee(),
+        model_class=type(config.model_config).__name__,
+        model_config=checkpoints.config_json(config.model_config),
+        data_position=checkpoints.DataPosition(
+            step=step, seed=config.seed, dp_steps=dp_steps,
+            public_steps=step - dp_steps),
+        sampler=plan.sampler.describe(), mixture_or_task_name=task,
+        task_feature_lengths=lengths,
+        initial_checkpoint_path=config.initial_checkpoint_path,
+        tokenizer_files=tokenizer or {})
+
+  summaries = reporting.Summaries(model_dir)
+  reporter = loop.Reporter(
+      period=config.log_period, ledger=plan.ledger, summaries=summaries,
+      progress=reporting.Progress(plan.steps, start_step),
+      target_epsilon=target_epsilon, schedule=schedule,
+      mixed=bool(config.redaction_schedule))
+  callbacks = [reporter]
+  evaluator = None
+  if config.eval_period:
+    eval_data = data_arrays.load_task_arrays(
+        task, config.eval_split, lengths, converter=model.converter)
+    evaluator = loop.Evaluator(
+        period=config.eval_period, summaries=summaries,
+        evaluate=_eval_loss_fn(placed.eval, eval_data, mesh, rules, m,
+                               config.eval_examples))
+    callbacks.append(evaluator)
+  callbacks.append(loop.Checkpointer(period=config.checkpoint_period,
+                                     manager=mngr, model_dir=model_dir,
+                                     meta=meta, key=run_secret.meta_key()))
+  with distributed.preemption_watch() as preempted:
+    state, done = loop.fit(state, step_fn, start_step=start_step,
+                           end_step=plan.steps, callbacks=callbacks,
+                           should_stop=preempted)
+  if done < plan.steps:  # said by every process, in every host's log
+    print(f"dpjax: SIGTERM: checkpointed step {done}; rerun the same "
+          "command to resume", flush=True)
+  summaries.close()
+  mngr.close()  # orbax's threads and event loops; a long job trains many runs
+  ledger = plan.ledger
+  eps = ledger.epsilon_spent()
+  result = {"model_dir": model_dir, "steps": plan.steps, "steps_done": done,
+            "epsilon_spent": eps, "target_epsilon": target_epsilon,
+            "delta": plan.delta, "noise_multiplier": plan.noise_multiplier,
+            "wall_seconds": time.perf_counter() - wall_start, **reporter.last,
+            "dp_steps": ledger.steps, "public_steps": done - ledger.steps}
+  if evaluator and evaluator.last_loss is not None:
+    result["eval_loss"] = evaluator.last_loss
+  spent = (f"({ledger.steps} DP steps): ε spent {eps:.4f} of "
+           f"{target_epsilon} (δ={plan.delta:.3g})"
+           if math.isfinite(target_epsilon) else "without noise (ε = ∞)")
+  reporting.say(
+      f"{'trained' if done == plan.steps else 'stopped'} {model_dir} at "
+      f"step {done}/{plan.steps} {spent}; checkpoints in "
+      f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
+      f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}")
+  if config.generate_after_training and done == plan.steps:
+    if jax.process_count() == 1:
+      result["generation"] = inference.generate_synthetic(model_dir=model_dir)
+    else:
+      reporting.say("generation runs on one host: python -m dpjax.infer "
+                    f"--model_dir={model_dir}")
+  if distributed.is_primary():
+    fileio.write_atomic(os.path.join(model_dir, "train_summary.json"),
+                        json.dumps(result, indent=2, default=str))
+  return result
+
+
+class _Splits(NamedTuple):
+  """The training split (feature arrays and each row's real tokens) and, with
+  a redaction schedule, the public split and its shuffled sampler."""
+  train: dict
+  tokens: np.ndarray
+  users: np.ndarray | None = None  # each row's user (user-level DP)
+  public: dict | None = None
+  public_tokens: np.ndarray | None = None
+  public_sampler: sampling.ShuffleSampler | None = None
+  # train.trim_padding: the training rows of a microbatch, cut to a few
+  # bucket widths (`padding.Trimmer`).
+  trim: padding.Trimmer | None = None
+
+
+def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
+                 lengths: dict) -> _Splits:
+  """The run's splits, checked (registered tasks, the model's features, a
+  batch no larger than the data) before anything is written."""
+  from dpjax.data import arrays as data_arrays  # TF: only where data is read
+  task = config.mixture_or_task_name
+  _check_registered("MIXTURE_OR_TASK_NAME", task)
+  if config.public_task_name:
+    _check_registered("train.public_task_name", config.public_task_name)
+  data = data_arrays.load_task_arrays(task, "train", lengths,
+                                      converter=model.converter)
+  try:
+    model.check_arrays(data)
+  except ValueError as e:
+    raise gin_cli.UsageError(f"{task}: {e}") from None
+  tokens = data_arrays.real_token_counts(data)
+  users = None
+  if config.privacy_unit == "user":
+    users = _user_ids(config, model, task, lengths, len(tokens))
+    reporting.say(f"{task}: {np.unique(users).size} users "
+                  f"({config.user_column}), the unit of privacy")
+  else:
+    plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
+  reporting.say(f"{task} train split: {len(tokens)} examples, feature "
+                f"lengths {lengths}")
+  trim = None
+  if config.trim_padding:
+    try:
+      trim = padding.Trimmer(data, config.length_buckets)
+    except ValueError as e:
+      raise gin_cli.UsageError(f"train.trim_padding: {e}") from None
+    reporting.say("microbatches of like-length examples, token axes cut to "
+                  f"{ {a: w.tolist() for a, w in trim.widths.items()} }")
+  if not config.redaction_schedule:
+    return _Splits(data, tokens, users, trim=trim)
+  public = data_arrays.load_task_arrays(
+      config.public_task_name, "train", lengths, converter=model.converter)
+  public_tokens = data_arrays.real_token_counts(public)
+  reporting.say(f"{config.public_task_name} train split (public): "
+                f"{len(public_tokens)} examples")
+  return _Splits(data, tokens, users, public, public_tokens,
+                 plan_lib.public_sampler(len(public_tokens), config.batch_size,
+                                         config.seed), trim)
+
+
+def _user_ids(config: RunConfig, model: trainable_lib.Trainable, task: str,
+              lengths: dict, n: int) -> np.ndarray:
+  """Each training row's user, from the task's `train.user_column`."""
+  from dpjax.data import arrays as data_arrays  # TF: only where data is read
+  if not isinstance(model.converter, str):  # dual_encoder.PairGroups
+    raise gin_cli.UsageError(
+        "train.privacy_unit = 'user': the dual encoder's row is a group of "
+        "pairs, not one user's example; use the default 'example' unit")
+  try:
+    users = data_arrays.load_task_column(task, "train", lengths,
+                                         config.user_column)
+  except ValueError as e:
+    raise gin_cli.UsageError(
+        f"train.privacy_unit = 'user' needs train.user_column: {e}") from None
+  if len(users) != n:
+    raise gin_cli.UsageError(
+        f"{task}: {len(users)} values of {config.user_column!r} for {n} "
+        "training rows (a task that packs or filters rows has no per-row "
+        "user)")
+  return users
+
+
+def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
+                   splits: _Splits, *, mesh, rules, m: int, k: int,
+                   noise_secret):
+  """`step_fn(state, step) -> (state, loop.StepOutput)`: the plan's step t,
+  a DP step (sample, clip per group of k microbatches of m, or with
+  `train.trim_padding` per microbatch of like-length rows cut to its
+  widths; one noisy release, recorded in the ledger) or a public step of
+  the redaction schedule. Step t + 1's batches are sampled and placed while
+  the devices run step t (`prefetch.Ahead`)."""
+  # Batches [K, m, ...] split over the example axis m: each process reads
+  # only the sampled rows its own devices hold.
+  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
+  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+
+  def inputs(step: int):
+    """The step's host work, done a step ahead (`prefetch.Ahead`): its
+    index, its batches placed on the mesh, and its real tokens."""
+    # A DP step's index is its release number (sample, dropout and noise
+    # keys, ledger), a public step's its place in the public stream.
+    index = int(plan.kind_index[step])
+    if plan.public[step]:
+      idx, mask = splits.public_sampler.microbatches(index, m)
+      return index, [(distributed.global_rows(splits.public, idx, batch_sh),
+                      distributed.global_array(mask, mask_sh))], int(
+                          splits.public_tokens[idx[mask > 0]].sum())
+    idx, mask = plan.sampler.microbatches(index, m)
+    tokens = int(splits.tokens[idx[mask > 0]].sum())
+    if splits.trim is None:
+      calls = [(splits.train, i, mk)
+               for i, mk in steps_lib.microbatch_groups(idx, mask, k)]
+    else:  # one call per microbatch of like-length rows, cut to its widths
+      calls = [(splits.trim(i[mk > 0]), i, mk)
+               for i, mk in steps_lib.microbatch_groups(
+                   *padding.by_length(idx, mask, splits.tokens), 1)]
+    return index, [(distributed.global_rows(rows, i, batch_sh),
+                    distributed.global_array(mk, mask_sh))
+                   for rows, i, mk in calls], tokens
+
+  ahead = prefetch.Ahead(inputs, stop=plan.steps)
+
+  def step_fn(state, step: int):
+    index, batches, tokens = ahead(step)
+    if plan.public[step]:
+      state, metrics = placed.public(state, *batches[0], index)
+      return state, loop.StepOutput(False, [metrics], tokens)
+    grads, metrics = placed.zero_grads(state.params), []
+    for call, (batch, mask) in enumerate(batches):
+      grads, call_metrics = placed.accumulate(state.params, grads, batch, mask,
+                                              index, call, state.clip_norms)
+      metrics.append(call_metrics)
+    state = placed.apply(state, grads, noise_secret)
+    plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)
+    return state, loop.StepOutput(True, metrics, tokens)
+
+  return step_fn
+
+
+def _existing_manager(model_dir: str, keep_checkpoints: int):
+  """The checkpoint manager of the run already in `model_dir`, None if
+  there is none."""
+  if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+    return None
+  return checkpoints.manager(model_dir, max_to_keep=keep_checkpoints)
+
+
+def _verified_resume(mngr, run_secret: secret_lib.RunSecret, model_dir: str
+                     ) -> tuple[int, checkpoints.RunMeta]:
+  """(step, meta) of the newest checkpoint that reads back, authenticated
+  and verified (`verify.newest`): a run is never silently trained over
+  unreadable checkpoints, nor resumed from one that fails a check."""
+  step, meta, _ = verify.newest(mngr, run_secret.meta_key(), say=False)
+  if len(set(distributed.all_processes(step))) > 1:
+    raise gin_cli.UsageError(
+        f"the processes see different checkpoints in {model_dir}: MODEL_DIR "
+        "must be on a filesystem all hosts share (e.g. GCS or NFS)")
+  return step, meta
+
+
+def _run_secret(model_dir: str, *, resuming: bool,
+                pinned_seed: int | None) -> secret_lib.RunSecret:
+  """The run's secret (`secret.for_run`), process 0's on every process."""
+  try:
+    found = secret_lib.for_run(model_dir, resuming=resuming,
+                               pinned_seed=pinned_seed)
+  except secret_lib.SecretFileError as e:
+    raise gin_cli.UsageError(str(e)) from None
+  packed = distributed.from_primary(found.key + bytes([found.is_pinned]))
+  return secret_lib.RunSecret(packed[:-1], bool(packed[-1]))
+
+
+def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
+                    init_run, shardings):
+  """The params a new run starts from, placed by `shardings`: a dpjax run's
+  (`init_run`), a pretrained checkpoint's, or `model.init_params(seed)`."""
+  seed = config.seed
+  if init_run:
+    params = checkpoints.init_from_run(model, init_run[0], init_run[1],
+                                       shardings, seed)
+    reporting.say(f"initialised from step {init_run[1]} of the run "
+                  f"{config.initial_checkpoint_path}")
+    return params
+  if config.initial_checkpoint_path:
+    # The run's init key: parts the checkpoint lacks (a discriminator
+    # head) start as they would without it.
+    params = pretrained.load_pretrained(
+        config.initial_checkpoint_path, model.config,
+        shardings=shardings, rng=jax.random.PRNGKey(seed))
+    reporting.say(f"initialised from {config.initial_checkpoint_path}")
+    return params
+  return jax.jit(lambda: model.init_params(jax.random.PRNGKey(seed))[0],
+                 out_shardings=shardings)()
+
+
+def _write_run_files(model_dir: str, run_secret: secret_lib.RunSecret,
+                     ledger: ledger_lib.PrivacyLedger) -> None:
+  """The secret (before any release is saved), config.gin, and the ledger
+  file rewritten from the checkpoint's ledger (process 0)."""
+  os.makedirs(model_dir, exist_ok=True)
+  if not distributed.is_primary():
+    return
+  if not secret_lib.exists(model_dir):
+    run_secret.save(model_dir)
+  fileio.write_atomic(os.path.join(model_dir, "config.gin"), gin.config_str())
+  if checkpoints.write_ledger(model_dir, ledger.to_json()):
+    reporting.say(
+        f"repaired {os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}: "
+        f"it did not match the checkpoint's ledger ({ledger.steps} DP "
+        f"steps, ε spent {ledger.epsilon_spent():.4f})")
+
+
+def _eval_loss_fn(eval_step, eval_data, mesh, rules, m: int,
+                  eval_examples: int):
+  """params -> the mean loss of the first `eval_examples` eval rows, in
+  batches of m (the last one wrapped around and masked)."""
+  eval_sh = partitioning.batch_sharding(mesh, 2, rules=rules)
+  eval_mask_sh = partitioning.batch_sharding(mesh, 1, rules=rules)
+
+  def evaluate(params) -> float:
+    total, count = 0.0, 0.0
+    num = min(eval_examples, len(next(iter(eval_data.values()))))
+    for s in range(0, num, m):
+      idx = np.arange(s, s + m) % num
+      mask = (np.arange(s, s + m) < num).astype(np.float32)
+      loss_sum, c = eval_step(
+          params, distributed.global_rows(eval_data, idx, eval_sh),
+          distributed.global_array(mask, eval_mask_sh))
+      total, count = total + float(loss_sum), count + float(c)
+    return total / max(count, 1)
+
+  return evaluate
+
+
+def _check_registered(binding: str, name: str) -> None:
+  from dpjax.data import arrays as data_arrays  # TF: only where data is read
+  known = data_arrays.registered_names()
+  if name not in known:
+    raise gin_cli.UsageError(
+        f"{binding} = {name!r} is no registered seqio task or mixture; "
+        f"registered: {', '.join(known)}. A pipeline's own tasks are "
+        "registered by its command (e.g. 'seqpate_private_lm' by "
+        "python -m dpjax.pipelines.seqpate)")
+
+
+def initial_tokenizer_files(initial_checkpoint_path: str | None
+                            ) -> dict[str, str] | None:
+  """The tokenizer files a run starting from `initial_checkpoint_path` registers
+  its tasks with: those the dpjax run there recorded, else the pretrained
+  checkpoint's (`pretrained.tokenizer_files`); None without a checkpoint."""
+  if not initial_checkpoint_path:
+    return None
+  run = verify.read_run(os.path.expanduser(initial_checkpoint_path))
+  if run:
+    run[0].close()
+    return dict(run[2].tokenizer_files)
+  return pretrained.tokenizer_files(initial_checkpoint_path)
