@@ -57,7 +57,7 @@ import numpy as np
 from flax import traverse_util
 
 from dpjax.training import checkpoints
-from dpjax import fileio, gin_cli, pretrained
+from dpjax import errors, fileio, gin_cli, pretrained
 from dpjax.generation import inference
 from dpjax.models import dual_encoder
 from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
@@ -95,25 +95,25 @@ def check_paths(model_dir: str, output_dir: str, overwrite: bool) -> None:
   """Raises UsageError if R may not receive the release of D."""
   d, r = os.path.realpath(model_dir), os.path.realpath(output_dir)
   if _inside(r, d) or _inside(d, r):
-    raise gin_cli.UsageError(f"--output_dir {output_dir} must lie outside "
+    raise errors.UsageError(f"--output_dir {output_dir} must lie outside "
                              f"--model_dir {model_dir} (and not hold it)")
   if os.path.exists(r) and not os.path.isdir(r):
-    raise gin_cli.UsageError(f"--output_dir {output_dir} is a file")
+    raise errors.UsageError(f"--output_dir {output_dir} is a file")
   if not os.path.isdir(r) or not os.listdir(r):
     return
   if not overwrite:
-    raise gin_cli.UsageError(f"--output_dir {output_dir} is not empty; pass "
+    raise errors.UsageError(f"--output_dir {output_dir} is not empty; pass "
                              "--overwrite to replace it")
   names = sorted(os.listdir(r))
   if "checkpoints" in names or secret_lib.SECRET_FILENAME in names:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"--output_dir {output_dir} holds a dpjax run (checkpoints/ or "
         f"{secret_lib.SECRET_FILENAME}); --overwrite replaces only an earlier "
         "release")
   foreign = [n for n in names if n not in RELEASE_FILES
              or not os.path.isfile(os.path.join(r, n))]
   if foreign or STATEMENT_FILE not in names:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"--output_dir {output_dir} is not an earlier dpjax release (it holds "
         f"{', '.join(foreign[:5]) or f'no {STATEMENT_FILE}'}); --overwrite "
         "replaces only a release")
@@ -125,7 +125,7 @@ def load_run(model_dir: str):
     config, params, meta = inference.load_trained(model_dir)
   except (FileNotFoundError, checkpoints.UnreadableCheckpointError,
           checkpoints.CheckpointMismatchError) as e:
-    raise gin_cli.UsageError(" ".join(str(e).split())) from None
+    raise errors.UsageError(" ".join(str(e).split())) from None
   return config, jax.device_get(params), meta
 
 
@@ -295,11 +295,11 @@ def copy_tokenizer(files: dict, out: str) -> list[str]:
   """Copies the recorded tokenizer files under their Hugging Face names."""
   unknown = sorted(set(files) - set(TOKENIZER_NAMES))
   if unknown:
-    raise gin_cli.UsageError(f"unknown tokenizer file kinds {unknown}; "
+    raise errors.UsageError(f"unknown tokenizer file kinds {unknown}; "
                              f"known: {sorted(TOKENIZER_NAMES)}")
   for kind, path in files.items():
     if not os.path.isfile(path):
-      raise gin_cli.UsageError(f"the run's {kind} tokenizer file {path} is "
+      raise errors.UsageError(f"the run's {kind} tokenizer file {path} is "
                                "missing")
     shutil.copyfile(path, os.path.join(out, TOKENIZER_NAMES[kind]))
   return sorted(TOKENIZER_NAMES[k] for k in files)

@@ -20,16 +20,15 @@ import sys
 import tokenize
 
 import gin
-import numpy as np
 
+from dpjax import errors
 from dpjax.training import reporting
 
 REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "gin")
 
 
-class UsageError(ValueError):
-  """Bad command line or configuration; reported as one line, exit status 2."""
+UsageError = errors.UsageError  # the command lines' user error
 
 
 class _Binding(str):
@@ -41,28 +40,6 @@ def _binding(text: str, flag: str) -> _Binding:
   b = _Binding(text)
   b.flag = flag
   return b
-
-
-def is_int(value) -> bool:
-  """An integer setting (bool is not one)."""
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-  """A numeric setting (bool is not one)."""
-  return isinstance(value, (int, float, np.integer, np.floating)) and \
-      not isinstance(value, bool)
-
-
-def as_float(value) -> float | None:
-  """`value` (a number or its text, e.g. 'inf') as a float; None if it is
-  neither."""
-  if not (is_number(value) or isinstance(value, str)):
-    return None
-  try:
-    return float(value)
-  except ValueError:
-    return None
 
 
 def _as_gin_value(value: str) -> str:

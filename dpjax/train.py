@@ -15,7 +15,7 @@ from typing import Sequence
 from absl import logging as absl_logging
 
 from dpjax.training import checkpoints, dry_run, trainer
-from dpjax import gin_cli
+from dpjax import errors, gin_cli
 from dpjax.data.readers import malformed
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dry_run.use_memory_scheduler()  # before the backend starts
   gin_cli.configure(files, bindings, args.gin_search_paths)
   if args.target and not args.dry_run:
-    raise gin_cli.UsageError("--target plans a run for other devices: use it "
+    raise errors.UsageError("--target plans a run for other devices: use it "
                              "with --dry_run")
   if args.dry_run or args.dry_run_steps:
     return dry_run.dry_run(steps=args.dry_run_steps, target=args.target)
@@ -56,7 +56,7 @@ def _add_arguments(parser) -> None:
 
 def user_errors() -> tuple[type[Exception], ...]:
   """Errors caused by the user's input: reported in one message, exit 2."""
-  return (gin_cli.UsageError, FileNotFoundError, malformed.MalformedLineError,
+  return (errors.UsageError, FileNotFoundError, malformed.MalformedLineError,
           checkpoints.CheckpointMismatchError, ledger_lib.BudgetExceededError,
           hf.CheckpointError, checkpoints.UnreadableCheckpointError)
 

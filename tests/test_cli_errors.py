@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, infer, train, verify
+from dpjax import errors, gin_cli, infer, train, verify
 from dpjax.generation import inference
 from dpjax.training import plan as plan_lib
 from tests import test_outsider, test_trainer
@@ -119,9 +119,9 @@ def test_a_plan_over_the_budget_is_refused_in_one_line(tmp_path, capsys):
 
 
 def test_check_batch_size_empty_split_and_delta_1_over_n():
-  with pytest.raises(gin_cli.UsageError, match=r"no examples \(n = 0\)"):
+  with pytest.raises(errors.UsageError, match=r"no examples \(n = 0\)"):
     plan_lib.check_batch_size(1, 0)
-  with pytest.raises(gin_cli.UsageError, match="'1/n' is 1"):
+  with pytest.raises(errors.UsageError, match="'1/n' is 1"):
     plan_lib.check_batch_size(1, 1, "1/n")
   plan_lib.check_batch_size(2, 2, "1/n")
 
@@ -198,7 +198,7 @@ def test_infer_greedy_needs_no_temperature(tmp_path, capsys):
 
 
 def test_generate_synthetic_names_its_gin_binding():
-  with pytest.raises(gin_cli.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r"generate_synthetic\.top_p must be in \(0, 1\]"):
     inference.generate_synthetic(model_dir="/nonexistent", top_p=1.5)
 
@@ -233,7 +233,7 @@ def test_a_runs_config_gin_from_before_the_packages_still_parses(tmp_path):
   # A module that exists under no name is still an error.
   user_file = tmp_path / "mine.gin"
   user_file.write_text("import dpjax.not_a_module_ever\n")
-  with pytest.raises(gin_cli.UsageError, match="mine.gin:1: No module named"):
+  with pytest.raises(errors.UsageError, match="mine.gin:1: No module named"):
     gin_cli.configure([str(user_file)], [])
   gin.clear_config()
 
@@ -281,8 +281,8 @@ def test_os_faults_exit_2_in_one_line(capsys, error, message):
 
 
 def test_user_error_drops_gins_call_context(capsys):
-  line = _exit(capsys, lambda: _writes(gin_cli.UsageError("bad value")),
-               (gin_cli.UsageError,))
+  line = _exit(capsys, lambda: _writes(errors.UsageError("bad value")),
+               (errors.UsageError,))
   assert line == "error: bad value"
 
 

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from dpjax.training import checkpoints
-from dpjax import gin_cli
+from dpjax import errors, gin_cli
 from dpjax.pipelines import harness
 
 
@@ -113,7 +113,7 @@ def test_prefixed_gin_flags_configure_runs_apart():
   assert args.parser_gin_bindings == ["BATCH_SIZE = 4", "EPOCHS = 3"]
   args, _, _ = gin_cli.parse_args([], "test", extra_prefixes=("parser_gin",))
   assert (args.parser_gin_file, args.parser_gin_bindings) == (None, [])
-  with pytest.raises(gin_cli.UsageError, match="--parser_gin.NAME=VALUE"):
+  with pytest.raises(errors.UsageError, match="--parser_gin.NAME=VALUE"):
     gin_cli.parse_args(["--parser_gin.EPOCHS"], "test",
                        extra_prefixes=("parser_gin",))
 

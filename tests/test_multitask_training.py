@@ -13,7 +13,7 @@ import optax
 import pytest
 from dp_accounting import rdp
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.training import plan as plan_lib, steps as steps_lib
 from dpjax.models import gpt2, gpt2_disc, trainable
 from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
@@ -267,23 +267,23 @@ def test_per_loss_clip_norms_override_the_default():
 
 
 def test_ghost_clipping_of_several_losses_is_a_usage_error():
-  with pytest.raises(gin_cli.UsageError, match="ghost"):
+  with pytest.raises(errors.UsageError, match="ghost"):
     build_step(trainable.trainable(_config(), LENGTHS),
                clipping_method="ghost")
 
 
 def test_clip_norm_of_an_unknown_loss_names_the_losses():
-  with pytest.raises(gin_cli.UsageError, match="'lm', 'disc'"):
+  with pytest.raises(errors.UsageError, match="'lm', 'disc'"):
     build_step(trainable.trainable(_config(), LENGTHS),
                clip_norms={"dsic": 0.1})
 
 
 def test_per_loss_clip_norms_for_a_single_loss_model_are_refused():
   single = trainable.trainable(_config().lm, LENGTHS)
-  with pytest.raises(gin_cli.UsageError, match="has one"):
+  with pytest.raises(errors.UsageError, match="has one"):
     build_step(single, clip_norms={"lm": 0.1})
 
 
 def test_misspelt_delta_is_a_usage_error_naming_1_over_n():
-  with pytest.raises(gin_cli.UsageError, match="1/n"):
+  with pytest.raises(errors.UsageError, match="1/n"):
     plan_lib.resolve_delta("1/N", 800)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dpjax.training import checkpoints, trainer
-from dpjax import export, gin_cli, infer, pretrained, train, verify
+from dpjax import errors, export, gin_cli, infer, pretrained, train, verify
 from dpjax.generation import inference
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib, noise, sampling
@@ -293,15 +293,15 @@ def _refused_by_every_command(d, tmp_path, capsys) -> list[str]:
       (lambda: run(d, "TRAIN_STEPS = 2"), train.user_errors()),
       (lambda: export.main([f"--model_dir={d}",
                             f"--output_dir={tmp_path / 'release'}"]),
-       (gin_cli.UsageError,)),
+       (errors.UsageError,)),
       (lambda: infer.main([f"--model_dir={d}",
                            f"--output_dir={tmp_path / 'synthetic'}"]),
        infer.user_errors()))
-  for command, errors in commands:
+  for command, user_errors in commands:
     gin.clear_config()
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-      gin_cli.exit_on_user_error(command, errors)
+      gin_cli.exit_on_user_error(command, user_errors)
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert err.startswith("error: ") and err.count("\n") == 1, err

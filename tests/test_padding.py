@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.training import padding, plan as plan_lib, trainer
 from dpjax.models import gpt2, t5
 from dpjax.privacy import ledger as ledger_lib
@@ -135,7 +135,7 @@ def test_by_length_reorders_the_same_examples_and_weights():
 
 
 def test_length_buckets_must_be_positive():
-  with pytest.raises(gin_cli.UsageError, match="length_buckets"):
+  with pytest.raises(errors.UsageError, match="length_buckets"):
     test_trainer.configure("/tmp/unused", "train.length_buckets = 0")
     plan_lib.check_run_inputs(trainer.RunConfig())
   gin.clear_config()

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 from dpjax.training import checkpoints, plan as plan_lib, train_step, trainer
-from dpjax import gin_cli, verify
+from dpjax import errors, gin_cli, verify
 from dpjax.data import arrays as data_arrays
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
@@ -653,6 +653,6 @@ def test_jft_from_another_architecture_is_refused_before_writing(
 
 
 def test_public_task_without_a_schedule_is_a_usage_error(tmp_path):
-  with pytest.raises(gin_cli.UsageError, match="go together"):
+  with pytest.raises(errors.UsageError, match="go together"):
     run(tmp_path / "never_written", *REDACTED, "TRAIN_STEPS = 1")
   assert not (tmp_path / "never_written").exists()

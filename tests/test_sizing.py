@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.training import partitioning, sizing
 from dpjax.models import gpt2, gpt2_disc, t5
 
@@ -144,7 +144,7 @@ def test_parse_bytes(text, expected):
 @pytest.mark.parametrize("bad", ["", "GiB", "-3GB", "80 furlongs", 0, -1,
                                  True, None, "1.2.3GB"])
 def test_parse_bytes_refuses_nonsense(bad):
-  with pytest.raises(gin_cli.UsageError, match="train.device_memory"):
+  with pytest.raises(errors.UsageError, match="train.device_memory"):
     sizing.parse_bytes(bad)
 
 

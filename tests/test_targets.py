@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dpjax.training import dry_run, step_cost, targets, trainer
-from dpjax import gin_cli, train
+from dpjax import errors, gin_cli, train
 from dpjax.training.run_config import RunConfig
 
 GiB = 2**30
@@ -190,14 +190,14 @@ def test_without_libtpu_the_line_names_the_extra(monkeypatch):
                        "topology.")
 
   monkeypatch.setattr(topologies, "get_topology_desc", missing)
-  with pytest.raises(gin_cli.UsageError, match=r'pip install -e "\.\[tpu\]"'):
+  with pytest.raises(errors.UsageError, match=r'pip install -e "\.\[tpu\]"'):
     targets.resolve("tpu:v5e:2x2")
 
   def no_plugin(**_):
     raise NotImplementedError("topology not implemented for cuda")
 
   monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
-  with pytest.raises(gin_cli.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r'pip install "jax\[cuda12-local\]"'):
     targets.resolve("gpu:h100")
 

@@ -17,7 +17,7 @@ import pytest
 
 import tasks
 from dpjax.training import (checkpoints, loop, sizing, steps as steps_lib, train_step, trainer)
-from dpjax import gin_cli, verify
+from dpjax import errors, gin_cli, verify
 from dpjax.generation import inference
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
@@ -676,7 +676,7 @@ def test_second_stage_ledger_holds_its_steps_and_the_composed_epsilon(
 
 
 def test_missing_prior_ledger_is_a_usage_error(tmp_path):
-  with pytest.raises(gin_cli.UsageError, match="no ledger"):
+  with pytest.raises(errors.UsageError, match="no ledger"):
     run(tmp_path / "stage3", "TRAIN_STEPS = 1",
         f"train.prior_ledger = '{tmp_path / 'missing'}'")
 
@@ -708,12 +708,12 @@ def test_ghost_clipping_and_fsdp_rules_train_the_vmap_params(ghost_fsdp,
 
 
 def test_unknown_clipping_method_is_a_usage_error(tmp_path):
-  with pytest.raises(gin_cli.UsageError, match="clipping_method"):
+  with pytest.raises(errors.UsageError, match="clipping_method"):
     run(tmp_path / "bad", "TRAIN_STEPS = 1", "train.clipping_method = 'fast'")
 
 
 def test_unknown_task_is_a_usage_error_naming_the_known_ones(tmp_path):
-  with pytest.raises(gin_cli.UsageError,
+  with pytest.raises(errors.UsageError,
                      match="MIXTURE_OR_TASK_NAME = 'no_such_task' is no "
                      "registered.*msmarco_query_gen"):
     run(tmp_path / "unknown", "TRAIN_STEPS = 1",

@@ -84,7 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import gin_cli
+from dpjax import errors, gin_cli
 from dpjax.training import partitioning, step_cost, targets, train_step
 from dpjax.training import steps as steps_lib
 from dpjax.models import gpt2, lora, t5
@@ -547,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   try:
     args.target = args.target and targets.resolve(args.target)
-  except gin_cli.UsageError as e:
+  except errors.UsageError as e:
     print(json.dumps({"error": str(e)}), flush=True)
     return 1
   context = machine_context("dpjax.bench", argv, args.target)

@@ -40,7 +40,7 @@ import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.training import run_config, sizing, targets
 from dpjax.bench import suite
 
@@ -293,7 +293,7 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
     names = args.models.split(",")
     unknown = set(names) - {m.name for m in spec.models}
     if unknown:
-      raise gin_cli.UsageError(f"--models: {sorted(unknown)} not in the "
+      raise errors.UsageError(f"--models: {sorted(unknown)} not in the "
                                f"suite's {[m.name for m in spec.models]}")
     spec = spec._replace(models=tuple(m for m in spec.models
                                       if m.name in names))
@@ -305,7 +305,7 @@ def main(argv: Sequence[str]) -> int:
   try:
     spec = select(SUITES[args.suite], args)
     memory = {t: targets.resolve(t).memory_bytes for t in spec.targets}
-  except gin_cli.UsageError as e:  # before anything is compiled or written
+  except errors.UsageError as e:  # before anything is compiled or written
     print(f"error: {e}", file=sys.stderr)
     return 2
   done = []

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import sentencepiece as spm
 
-from dpjax import fileio, gin_cli
+from dpjax import errors, fileio
 from dpjax.training import partitioning, reporting
 
 PAD_ID, EOS_ID = 0, 1  # T5's ids, those of every seqio task here
@@ -214,7 +214,7 @@ def encode_corpus(docs: Iterable[tuple[str, str]], num_docs: int, out_dir: str,
     with open(spec_path, encoding="utf-8") as f:
       previous = json.load(f)
     if previous != json.loads(json.dumps(spec)):
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           f"{out_dir} holds embeddings made with {previous}, not {spec}: use "
           "another output directory")
   else:

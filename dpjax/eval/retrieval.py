@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dpjax import fileio, gin_cli
+from dpjax import errors, fileio, gin_cli
 from dpjax.generation import inference
 from dpjax.training import partitioning, reporting
 from dpjax.data.readers import beir, msmarco
@@ -95,7 +95,7 @@ def evaluate_retrieval(dataset: ir_data.IRDataset,
     backend: search back end, "device" | "cpu" (`search.search`).
   """
   if top_k < CUTOFF:
-    raise gin_cli.UsageError(f"--top_k must be at least {CUTOFF}, got {top_k}")
+    raise errors.UsageError(f"--top_k must be at least {CUTOFF}, got {top_k}")
   start = time.perf_counter()
   corpus = dataset.corpus
   k = min(top_k, corpus.num_docs)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
   for flag in ("top_k", "shard_size", "batch_size", "doc_length", "query_length"):
     if getattr(args, flag) < 1:
-      raise gin_cli.UsageError(f"--{flag} must be positive")
+      raise errors.UsageError(f"--{flag} must be positive")
   split = args.split or DEFAULT_SPLITS[args.dataset]
   dataset = load_dataset(args.dataset, args.data_dir, split)  # fail fast on data
   mesh = partitioning.make_mesh()
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
       backend=args.backend, run_name=args.run_name, mesh=mesh)
 
 
-USER_ERRORS = (gin_cli.UsageError, FileNotFoundError, ir_data.MalformedLineError,
+USER_ERRORS = (errors.UsageError, FileNotFoundError, ir_data.MalformedLineError,
                ir_data.DatasetError)
 
 

@@ -26,9 +26,9 @@ import gin
 import jax
 import numpy as np
 
-from dpjax.training import checkpoints, partitioning
+from dpjax.training import checkpoints, partitioning, run_config
 from dpjax.generation import decoding
-from dpjax import fileio, gin_cli, verify
+from dpjax import errors, fileio, verify
 from dpjax.models import t5, trainable
 import tasks
 
@@ -62,10 +62,10 @@ def check_decoding_args(*, top_p, top_k, temperature, greedy, batch_size,
   the setting (`prefix`: "--" for `dpjax.infer`'s flags, else gin's
   `generate_synthetic.`): top_p in (0, 1], temperature > 0 unless greedy,
   top_k >= 0, batch_size >= 1, limit and max_decode_length None or >= 1."""
-  number, integer = gin_cli.is_number, gin_cli.is_int
+  number, integer = run_config.is_number, run_config.is_int
 
   def refuse(name, want, got):
-    raise gin_cli.UsageError(f"{prefix}{name} must be {want}, got {got!r}")
+    raise errors.UsageError(f"{prefix}{name} must be {want}, got {got!r}")
 
   if not number(top_p) or not 0 < top_p <= 1:
     refuse("top_p", "in (0, 1] (1: no nucleus truncation)", top_p)
@@ -100,7 +100,7 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
   model_dir = os.path.abspath(model_dir)
   config, params, meta = load_trained(model_dir)
   if not isinstance(config, t5.T5Config):
-    raise gin_cli.UsageError(f"{model_dir} holds a {type(config).__name__} "
+    raise errors.UsageError(f"{model_dir} holds a {type(config).__name__} "
                             "run; synthetic queries need a T5 model")
   tasks.register_tasks(tokenizer_files=meta.tokenizer_files)
   task_name = meta.mixture_or_task_name

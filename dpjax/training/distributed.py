@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from dpjax import gin_cli
+from dpjax import errors
 
 ENV_COORDINATOR = "DPJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "DPJAX_NUM_PROCESSES"
@@ -82,7 +82,7 @@ def initialize(coordinator_address: str | None = None,
               "process_id": index}
   given = {k for k, v in explicit.items() if v is not None}
   if given and given != set(explicit):
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"multi-host: {sorted(given)} set but {sorted(set(explicit) - given)} "
         f"missing; give all three (gin initialize.* or {ENV_COORDINATOR}, "
         f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})")

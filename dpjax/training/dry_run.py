@@ -44,7 +44,7 @@ import time
 import jax
 
 from dpjax.training import (distributed, partitioning, run_config, sizing, step_cost, targets, trainer, train_step)
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.privacy import clipping_method as clipping_lib
 
 RunConfig = run_config.RunConfig
@@ -80,7 +80,7 @@ def dry_run(config: RunConfig | None = None, steps: int = 0,
   `dpjax.training.targets` spec), for that TPU slice. Writes nothing."""
   config = config or RunConfig()
   if target and steps:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"--dry_run_steps runs steps on this host; --target {target} "
         "compiles for devices that are not here: use one or the other")
   compile_target = targets.resolve(target) if target else None
@@ -149,7 +149,7 @@ def _dry_run(config: RunConfig, steps: int,
   if distributed.is_primary():
     print(json.dumps(record), flush=True)
   if compile_target and not record["fits"]:  # a preflight's answer: no
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"the run does not fit {compile_target.spec}: peak "
         f"{cost.peak_bytes / 2**30:.2f} GiB per device at microbatch {m} "
         f"({record['remat']} remat), {limit / 2**30:.2f} GiB usable "

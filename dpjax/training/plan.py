@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from dpjax.training import checkpoints, run_config
-from dpjax import gin_cli, verify
+from dpjax import errors, verify
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import adaptive_clipping as adaptive_lib
 from dpjax.privacy import bandmf as bandmf_lib
@@ -129,7 +129,7 @@ def steps_for(train_steps, epochs, n, batch_size) -> int:
     return int(train_steps)
   if epochs:
     return math.ceil(epochs * n / batch_size)
-  raise gin_cli.UsageError("set TRAIN_STEPS or train.epochs")
+  raise errors.UsageError("set TRAIN_STEPS or train.epochs")
 
 
 def make_sampler(kind: str, n: int, batch_size: int, seed: int,
@@ -149,7 +149,7 @@ def make_sampler(kind: str, n: int, batch_size: int, seed: int,
                                    overflow_probability=overflow_probability)
   if kind == "shuffle":
     return sampling.ShuffleSampler(n, batch_size, seed=seed)
-  raise gin_cli.UsageError(f"train.sampling_method must be 'poisson' or 'shuffle', "
+  raise errors.UsageError(f"train.sampling_method must be 'poisson' or 'shuffle', "
                            f"got {kind!r}")
 
 
@@ -199,7 +199,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
     except ValueError as e:
       if not counts:
         raise
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           f"no noise multiplier reaches ε = {target_epsilon} when adaptive "
           f"clipping's counts alone (noise stddev "
           f"{adaptive.count_stddev:g} examples) spend the budget: raise "
@@ -227,7 +227,7 @@ def plan_privacy(sampler, *, saved_meta: dict | None, steps: int,
       try:
         ledger.compose_after(prior)
       except ValueError as e:
-        raise gin_cli.UsageError(f"train.prior_ledger: {e}") from None
+        raise errors.UsageError(f"train.prior_ledger: {e}") from None
   try:
     ledger.check_budget(ledger.planned_events(releases,
                                               plan_multipliers(plan)))
@@ -270,7 +270,7 @@ def resolve_delta(delta: float | str | None, n: int) -> float:
   try:
     return float(delta)
   except ValueError:
-    raise gin_cli.UsageError(f"train.delta must be a number, '1/n' or "
+    raise errors.UsageError(f"train.delta must be a number, '1/n' or "
                              f"'1/(2n)', got {delta!r}") from None
 
 
@@ -285,7 +285,7 @@ def read_prior_ledger(path: str | None) -> ledger_lib.PrivacyLedger | None:
   if os.path.isdir(path):
     path = os.path.join(path, ledger_lib.LEDGER_FILENAME)
   if not os.path.isfile(path):
-    raise gin_cli.UsageError(f"train.prior_ledger: no ledger at {path}")
+    raise errors.UsageError(f"train.prior_ledger: no ledger at {path}")
   return ledger_lib.PrivacyLedger.load(path)
 
 
@@ -313,7 +313,7 @@ def plan_redaction(schedule: str, *, total_steps: int, eta: float,
     probs = redaction_lib.probabilities(schedule, total_steps, eta=eta,
                                         p=probability)
   except ValueError as e:
-    raise gin_cli.UsageError(f"train.redaction_schedule: {e}") from None
+    raise errors.UsageError(f"train.redaction_schedule: {e}") from None
   public = redaction_lib.public_steps(probs, seed)
   return public, {
       "schedule": schedule, "eta": eta, "probability": probability,
@@ -335,7 +335,7 @@ def adaptive_settings(config: run_config.RunConfig
   try:
     return run_config.adaptive_clipping()
   except ValueError as e:
-    raise gin_cli.UsageError(str(e)) from None
+    raise errors.UsageError(str(e)) from None
 
 
 def check_run_inputs(config: run_config.RunConfig) -> float:
@@ -351,49 +351,49 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
   batch_size, microbatch_size = config.batch_size, config.microbatch_size
   train_steps, epochs = config.train_steps, config.epochs
   clip_norm, clip_norms = config.clip_norm, config.clip_norms
-  eps = gin_cli.as_float(target_epsilon)
+  eps = run_config.as_float(target_epsilon)
   if eps is None or not eps > 0:  # NaN too
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         "TARGET_EPSILON (train.target_epsilon) must be a positive number or "
         f"'inf', got {target_epsilon!r}")
   if delta is not None and delta not in ("1/n", "1/(2n)"):
-    value = gin_cli.as_float(delta)
+    value = run_config.as_float(delta)
     if value is None or not 0 < value < 1:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           "DELTA (train.delta) must be a number strictly between 0 and 1, "
           f"'1/n' or '1/(2n)' (None: 1/(2n)), got {delta!r}")
-  if not gin_cli.is_int(batch_size) or batch_size < 1:
-    raise gin_cli.UsageError("BATCH_SIZE (train.batch_size) must be a "
+  if not run_config.is_int(batch_size) or batch_size < 1:
+    raise errors.UsageError("BATCH_SIZE (train.batch_size) must be a "
                              f"positive integer, got {batch_size!r}")
   if microbatch_size not in (None, "auto") and (
-      not gin_cli.is_int(microbatch_size) or microbatch_size < 1):
-    raise gin_cli.UsageError(
+      not run_config.is_int(microbatch_size) or microbatch_size < 1):
+    raise errors.UsageError(
         "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer, "
         f"'auto' or None, got {microbatch_size!r}")
   buckets = config.length_buckets
-  if not gin_cli.is_int(buckets) or buckets < 1:
-    raise gin_cli.UsageError("train.length_buckets must be a positive "
+  if not run_config.is_int(buckets) or buckets < 1:
+    raise errors.UsageError("train.length_buckets must be a positive "
                              f"integer, got {buckets!r}")
   headroom = config.memory_headroom
-  if not gin_cli.is_number(headroom) or not 0 < headroom <= 1:
-    raise gin_cli.UsageError("train.memory_headroom must be in (0, 1], got "
+  if not run_config.is_number(headroom) or not 0 < headroom <= 1:
+    raise errors.UsageError("train.memory_headroom must be in (0, 1], got "
                              f"{headroom!r}")
-  if train_steps is not None and (not gin_cli.is_int(train_steps)
+  if train_steps is not None and (not run_config.is_int(train_steps)
                                   or train_steps < 1):
-    raise gin_cli.UsageError("TRAIN_STEPS (train.train_steps) must be a "
+    raise errors.UsageError("TRAIN_STEPS (train.train_steps) must be a "
                              f"positive integer or None, got {train_steps!r}")
-  if epochs is not None and (not gin_cli.is_number(epochs)
+  if epochs is not None and (not run_config.is_number(epochs)
                              or not 0 < epochs < math.inf):
-    raise gin_cli.UsageError("EPOCHS (train.epochs) must be a positive "
+    raise errors.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
   if config.mechanism not in bandmf_lib.MECHANISMS:
-    raise gin_cli.UsageError(f"train.mechanism must be one of "
+    raise errors.UsageError(f"train.mechanism must be one of "
                              f"{bandmf_lib.MECHANISMS}, got "
                              f"{config.mechanism!r}")
   if config.mechanism == "bandmf":
     bands = config.bands
-    if bands is not None and (not gin_cli.is_int(bands) or bands < 1):
-      raise gin_cli.UsageError("train.bands must be a positive integer or "
+    if bands is not None and (not run_config.is_int(bands) or bands < 1):
+      raise errors.UsageError("train.bands must be a positive integer or "
                                f"None, got {bands!r}")
     clashes = {
         "train.sampling_method = 'shuffle'": config.sampling_method != "poisson",
@@ -402,54 +402,54 @@ def check_run_inputs(config: run_config.RunConfig) -> float:
         "a redaction schedule": config.redaction_schedule is not None}
     for what, clash in clashes.items():
       if clash:
-        raise gin_cli.UsageError(
+        raise errors.UsageError(
             f"train.mechanism = 'bandmf' (cyclic Poisson sampling of "
             f"examples, every step a DP step at one bound) does not combine "
             f"with {what}")
   if config.privacy_unit not in PRIVACY_UNITS:
-    raise gin_cli.UsageError(f"train.privacy_unit must be one of "
+    raise errors.UsageError(f"train.privacy_unit must be one of "
                              f"{PRIVACY_UNITS}, got {config.privacy_unit!r}")
   if config.privacy_unit == "user":
     k = config.max_examples_per_user
-    if not gin_cli.is_int(k) or k < 1:
-      raise gin_cli.UsageError("train.max_examples_per_user must be a "
+    if not run_config.is_int(k) or k < 1:
+      raise errors.UsageError("train.max_examples_per_user must be a "
                                f"positive integer, got {k!r}")
     if config.sampling_method != "poisson":
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           "train.privacy_unit = 'user' samples users by Poisson sampling: "
           f"train.sampling_method must be 'poisson', got "
           f"{config.sampling_method!r}")
     if clip_norm == ADAPTIVE:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           "train.clip_norm = 'adaptive' counts unclipped examples, not "
           "users: use a fixed CLIP_NORM with train.privacy_unit = 'user'")
   if clip_norm == ADAPTIVE:
     clip_norm = adaptive_settings(config).initial_clip_norm
     if clip_norms:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           "train.clip_norms sets fixed bounds; with train.clip_norm = "
           "'adaptive' every loss starts at adaptive_clipping.initial_clip_norm")
   for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
                   *((f"train.clip_norms[{k!r}]", v)
                     for k, v in dict(clip_norms or {}).items())]:
-    if not gin_cli.is_number(c) or not 0 < c < math.inf:
-      raise gin_cli.UsageError(f"{name} must be a positive finite number, "
+    if not run_config.is_number(c) or not 0 < c < math.inf:
+      raise errors.UsageError(f"{name} must be a positive finite number, "
                                f"got {c!r}")
   if os.path.lexists(model_dir) and not os.path.isdir(model_dir):
-    raise gin_cli.UsageError(f"MODEL_DIR (train.model_dir) {model_dir} exists "
+    raise errors.UsageError(f"MODEL_DIR (train.model_dir) {model_dir} exists "
                              "and is not a directory")
   existing = model_dir
   while not os.path.lexists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    raise gin_cli.UsageError(f"MODEL_DIR (train.model_dir) {model_dir}: "
+    raise errors.UsageError(f"MODEL_DIR (train.model_dir) {model_dir}: "
                              f"{existing} is not a directory")
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"MODEL_DIR (train.model_dir) {model_dir} is not writable: no write "
         f"permission on {existing}")
   if (config.public_task_name is None) != (config.redaction_schedule is None):
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         "train.public_task_name and train.redaction_schedule go together: "
         f"got {config.public_task_name!r} and {config.redaction_schedule!r}")
   return eps
@@ -460,14 +460,14 @@ def check_batch_size(batch_size: int, n: int, delta=None,
   """BATCH_SIZE against the n examples (or users) of the training split
   (and δ = '1/n' of a one-unit set); a UsageError naming both."""
   if n < 1:
-    raise gin_cli.UsageError(f"the training split has no {unit}s (n = 0): "
+    raise errors.UsageError(f"the training split has no {unit}s (n = 0): "
                              "check the task's training data")
   if batch_size > n:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"BATCH_SIZE (train.batch_size) = {batch_size} must be <= the number "
         f"of training {unit}s n = {n}")
   if delta == "1/n" and n < 2:
-    raise gin_cli.UsageError(f"DELTA (train.delta) = '1/n' is 1 for a "
+    raise errors.UsageError(f"DELTA (train.delta) = '1/n' is 1 for a "
                              f"one-{unit} training set: set a number < 1")
 
 
@@ -481,7 +481,7 @@ def public_sampler(n: int, batch_size: int, seed: int
   try:
     return sampling.ShuffleSampler(n, batch_size, seed=public_seed)
   except ValueError as e:
-    raise gin_cli.UsageError(f"train.public_task_name: {e}") from None
+    raise errors.UsageError(f"train.public_task_name: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,7 +593,7 @@ def plan_bandmf(config: run_config.RunConfig, *, n: int, steps: int,
     return saved_plan["bandmf"]
   if config.bands is not None and config.bands > bandmf_lib.max_bands(
       steps, n, config.batch_size):
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"train.bands = {config.bands}: each example must be eligible only "
         f"every bands-th step, so bands <= min(n // BATCH_SIZE = "
         f"{n // config.batch_size}, steps = {steps})")
@@ -602,7 +602,7 @@ def plan_bandmf(config: run_config.RunConfig, *, n: int, steps: int,
     return {"bands": strategy.bands, "coefs": list(strategy.coefs),
             "candidates": [{"bands": strategy.bands}]}
   if math.isinf(target_epsilon) or config.noise_multiplier is not None:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         "train.mechanism = 'bandmf' chooses its bands at the σ calibrated for "
         "a finite TARGET_EPSILON: with train.noise_multiplier or ε = inf, "
         "set train.bands")

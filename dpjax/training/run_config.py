@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import gin
+import numpy as np
 import optax
 
 from dpjax.privacy import adaptive_clipping as adaptive_lib
@@ -23,6 +24,28 @@ from dpjax.privacy import adaptive_clipping as adaptive_lib
 # (`adaptive_clipping.target_quantile = 0.5`, ...).
 adaptive_clipping = gin.external_configurable(
     adaptive_lib.AdaptiveClipping, "adaptive_clipping")
+
+
+def is_int(value) -> bool:
+  """An integer setting (bool is not one)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+  """A numeric setting (bool is not one)."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and \
+      not isinstance(value, bool)
+
+
+def as_float(value) -> float | None:
+  """`value` (a number or its text, e.g. 'inf') as a float; None if it is
+  neither."""
+  if not (is_number(value) or isinstance(value, str)):
+    return None
+  try:
+    return float(value)
+  except ValueError:
+    return None
 
 
 @gin.configurable("train")

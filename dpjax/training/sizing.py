@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from dpjax.training import checkpoints, partitioning, reporting
-from dpjax import fileio, gin_cli
+from dpjax import errors, fileio
 from dpjax.training import step_cost, targets
 
 FILENAME = "auto_sizing.json"
@@ -60,7 +60,7 @@ def parse_bytes(value: int | float | str) -> int:
         number = 0
       if number > 0:
         return int(number * _UNITS[match.group(2).lower()])
-  raise gin_cli.UsageError(
+  raise errors.UsageError(
       "train.device_memory must be a positive number of bytes or a size "
       f"like '80GiB' or '16GB', got {value!r}")
 
@@ -295,7 +295,7 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
                     floor_bytes=floor)
   reporting.say(f"auto sizing: {choice.summary()}")
   if not choice.fits and not dry_run:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"no microbatch fits: even {choice.microbatch_size} example(s) per "
         f"call with remat {choice.remat!r} needs at least "
         f"{choice.peak_bytes / 2**30:.2f} GiB per device, over the "

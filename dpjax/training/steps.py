@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.training import partitioning, train_step
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import adaptive_clipping as adaptive
@@ -53,7 +53,7 @@ def learning_rate_schedule(learning_rate: float = 1e-3, *,
     after = lambda s: learning_rate * jax.lax.rsqrt(
         jnp.maximum(s, 1.0) / max(warmup_steps, 1))
   else:
-    raise gin_cli.UsageError(f"unknown learning-rate schedule {name!r}")
+    raise errors.UsageError(f"unknown learning-rate schedule {name!r}")
   if warmup_steps <= 0:
     return after
   return optax.join_schedules(
@@ -73,7 +73,7 @@ def base_optimizer(model: trainable_lib.Trainable, optimizer: str,
                    ) -> optax.GradientTransformation:
   """The named optax optimizer, frozen where the model's mask says so."""
   if optimizer not in OPTIMIZERS:
-    raise gin_cli.UsageError(f"unknown optimizer {optimizer!r}; choose from "
+    raise errors.UsageError(f"unknown optimizer {optimizer!r}; choose from "
                              f"{sorted(OPTIMIZERS)}")
   base = OPTIMIZERS[optimizer](learning_rate)
   mask = trainable_mask(model)
@@ -89,13 +89,13 @@ def loss_clip_norms(model: trainable_lib.Trainable, clip_norm: float,
   for every loss); None for a one-loss model."""
   if model.example_losses is None:
     if clip_norms:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           f"train.clip_norms {dict(clip_norms)} is for a model with several "
           "losses; this one has one: set train.clip_norm")
     return None
   extra = set(clip_norms or {}) - set(model.loss_names)
   if extra:
-    raise gin_cli.UsageError(f"train.clip_norms names {sorted(extra)}; the "
+    raise errors.UsageError(f"train.clip_norms names {sorted(extra)}; the "
                              f"model's losses are {list(model.loss_names)}")
   return {k: float((clip_norms or {}).get(k, clip_norm))
           for k in model.loss_names}
@@ -135,12 +135,12 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   fixed bound.
   """
   if clipping_method not in CLIPPING_METHODS:
-    raise gin_cli.UsageError("train.clipping_method must be 'vmap', 'ghost' "
+    raise errors.UsageError("train.clipping_method must be 'vmap', 'ghost' "
                              f"or 'auto', got {clipping_method!r}")
   example_loss, example_losses = model.example_loss, model.example_losses
   if adaptive_clipping is not None:
     if clip_norms:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           "train.clip_norms sets fixed bounds; with train.clip_norm = "
           "'adaptive' every loss starts at adaptive_clipping.initial_clip_norm")
     clip_norm, clip_norms = 1.0, None  # in units of each loss's bound
@@ -155,7 +155,7 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
                                 method=clipping_method,
                                 trainable=trainable_mask(model))
   elif clipping_method == "ghost":
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         "train.clipping_method = 'ghost' does not support a model with "
         "several losses; use 'vmap'")
   else:
@@ -164,7 +164,7 @@ def build_dp_step(model: trainable_lib.Trainable, *, clip_norm: float,
   sensitivities = train_step.sensitivities(clipped)
   if strategy is not None:
     if len(sensitivities) != 1 or adaptive_clipping is not None:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           "train.mechanism = 'bandmf' noises one loss at a fixed clip norm: "
           "not a model with several losses or train.clip_norm = 'adaptive'")
     (sensitivity,) = sensitivities.values()

@@ -44,7 +44,7 @@ import re
 
 import jax
 
-from dpjax import gin_cli
+from dpjax import errors
 
 GiB = 2**30
 
@@ -112,7 +112,7 @@ def accelerator_topology(accelerator_type: str) -> str:
   largest doubled, all equal: the last)."""
   match = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type)
   if not match or match.group(1) not in _ACCELERATOR_TYPES:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"--target tpu:{accelerator_type}: expected a Cloud TPU accelerator "
         f"type like v4-32, v5p-8, v5litepod-16 or v6e-8")
   generation, per_chip = _ACCELERATOR_TYPES[match.group(1)]
@@ -121,7 +121,7 @@ def accelerator_topology(accelerator_type: str) -> str:
   if chips < 4 or chips & (chips - 1):
     if chips == 1 and len(dims) == 2:
       return f"tpu:{generation}:1x1"
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"--target tpu:{accelerator_type}: give the topology instead "
         f"(tpu:{generation}:{'x'.join(['2'] * len(dims))})")
   while math.prod(dims) < chips:
@@ -143,14 +143,14 @@ def parse(spec: str) -> tuple[str, str, tuple[int, ...]]:
   kind, name = (match.group(1), match.group(2)) if match else (None, None)
   known = TPU_CHIPS if kind == "tpu" else GPUS
   if not match or name not in known or (kind == "tpu" and not match.group(3)):
-    raise gin_cli.UsageError(f"--target {spec!r}: expected one of {_known()}"
+    raise errors.UsageError(f"--target {spec!r}: expected one of {_known()}"
                              " (any topology of that shape)")
   shape = tuple(int(d) for d in (match.group(3) or "1x1").split("x"))
   dims = TPU_CHIPS[name].dims if kind == "tpu" else 2
   if len(shape) != dims or 0 in shape:
     example = ("x".join(["2"] * dims) if kind == "tpu" else "1x8")
     what = f"a {name} topology" if kind == "tpu" else "gpu:NAME:HOSTSxGPUS"
-    raise gin_cli.UsageError(f"--target {spec!r}: {what} has {dims} "
+    raise errors.UsageError(f"--target {spec!r}: {what} has {dims} "
                              f"dimensions, e.g. {kind}:{name}:{example}")
   return kind, name, shape
 
@@ -181,10 +181,10 @@ def resolve(spec: str) -> Target:
     if "support not installed" in reason or "not implemented" in reason:
       install = ('pip install -e ".[tpu]"' if kind == "tpu" else
                  'pip install "jax[cuda12-local]" (the plugin, no driver)')
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           f"--target {spec}: the {kind.upper()} compiler is not installed "
           f"here ({reason}): {install}") from None
-    raise gin_cli.UsageError(f"--target {spec}: {reason}") from None
+    raise errors.UsageError(f"--target {spec}: {reason}") from None
   devices = tuple(topology.devices)
   if kind == "gpu":
     memory = int(re.search(r"device_memory_size:\s*(\d+)", config).group(1))

@@ -59,7 +59,7 @@ import jax
 import numpy as np
 
 from dpjax.training import (checkpoints, distributed, loop, padding, partitioning, plan as plan_lib, prefetch, reporting, run_config, sizing as sizing_lib, steps as steps_lib, targets, train_step)
-from dpjax import fileio, gin_cli, pretrained, verify
+from dpjax import errors, fileio, pretrained, verify
 from dpjax.generation import inference
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
@@ -131,7 +131,7 @@ def build(config: RunConfig, *, dry_run: bool = False,
     model = trainable_lib.trainable(
         sizing_lib.with_remat(model_config, "none"), lengths)
   except (TypeError, KeyError) as e:
-    raise gin_cli.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
+    raise errors.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
   if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
     # or the one this model extends (`checkpoints.init_from_run`)
     checkpoints.check_initialises(init_run[2], model_config)
@@ -352,7 +352,7 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
   try:
     model.check_arrays(data)
   except ValueError as e:
-    raise gin_cli.UsageError(f"{task}: {e}") from None
+    raise errors.UsageError(f"{task}: {e}") from None
   tokens = data_arrays.real_token_counts(data)
   users = None
   if config.privacy_unit == "user":
@@ -368,7 +368,7 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
     try:
       trim = padding.Trimmer(data, config.length_buckets)
     except ValueError as e:
-      raise gin_cli.UsageError(f"train.trim_padding: {e}") from None
+      raise errors.UsageError(f"train.trim_padding: {e}") from None
     reporting.say("microbatches of like-length examples, token axes cut to "
                   f"{ {a: w.tolist() for a, w in trim.widths.items()} }")
   if not config.redaction_schedule:
@@ -388,17 +388,17 @@ def _user_ids(config: RunConfig, model: trainable_lib.Trainable, task: str,
   """Each training row's user, from the task's `train.user_column`."""
   from dpjax.data import arrays as data_arrays  # TF: only where data is read
   if not isinstance(model.converter, str):  # dual_encoder.PairGroups
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         "train.privacy_unit = 'user': the dual encoder's row is a group of "
         "pairs, not one user's example; use the default 'example' unit")
   try:
     users = data_arrays.load_task_column(task, "train", lengths,
                                          config.user_column)
   except ValueError as e:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"train.privacy_unit = 'user' needs train.user_column: {e}") from None
   if len(users) != n:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"{task}: {len(users)} values of {config.user_column!r} for {n} "
         "training rows (a task that packs or filters rows has no per-row "
         "user)")
@@ -477,7 +477,7 @@ def _verified_resume(mngr, run_secret: secret_lib.RunSecret, model_dir: str
   unreadable checkpoints, nor resumed from one that fails a check."""
   step, meta, _ = verify.newest(mngr, run_secret.meta_key(), say=False)
   if len(set(distributed.all_processes(step))) > 1:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"the processes see different checkpoints in {model_dir}: MODEL_DIR "
         "must be on a filesystem all hosts share (e.g. GCS or NFS)")
   return step, meta
@@ -490,7 +490,7 @@ def _run_secret(model_dir: str, *, resuming: bool,
     found = secret_lib.for_run(model_dir, resuming=resuming,
                                pinned_seed=pinned_seed)
   except secret_lib.SecretFileError as e:
-    raise gin_cli.UsageError(str(e)) from None
+    raise errors.UsageError(str(e)) from None
   packed = distributed.from_primary(found.key + bytes([found.is_pinned]))
   return secret_lib.RunSecret(packed[:-1], bool(packed[-1]))
 
@@ -561,7 +561,7 @@ def _check_registered(binding: str, name: str) -> None:
   from dpjax.data import arrays as data_arrays  # TF: only where data is read
   known = data_arrays.registered_names()
   if name not in known:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"{binding} = {name!r} is no registered seqio task or mixture; "
         f"registered: {', '.join(known)}. A pipeline's own tasks are "
         "registered by its command (e.g. 'seqpate_private_lm' by "

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from dpjax import errors
 from dpjax.pipelines.dialog import membership
 from dpjax.privacy import ledger as ledger_lib
 
@@ -224,8 +225,7 @@ def test_settings_bind_their_unit_and_noise():
 
 
 def test_cli_refuses_unknown_settings(tmp_path):
-  from dpjax import gin_cli
   from dpjax.pipelines.dialog import __main__ as dialog_cli
-  with pytest.raises(gin_cli.UsageError, match="--settings takes"):
+  with pytest.raises(errors.UsageError, match="--settings takes"):
     dialog_cli.main(["membership", f"--output_dir={tmp_path}",
                      "--settings=user,group"])

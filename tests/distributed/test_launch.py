@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from dpjax.training import distributed
-from dpjax import gin_cli, launch
+from dpjax import errors, launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -32,11 +32,11 @@ def test_single_process_needs_no_setup(monkeypatch):
 
 def test_partial_explicit_settings_are_refused(monkeypatch):
   monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
-  with pytest.raises(gin_cli.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r"\['num_processes'\] set but "
                            r"\['coordinator_address', 'process_id'\] missing"):
     distributed.initialize()
-  with pytest.raises(gin_cli.UsageError, match=r"\['process_id'\] missing"):
+  with pytest.raises(errors.UsageError, match=r"\['process_id'\] missing"):
     distributed.initialize(coordinator_address="localhost:1234")
   assert not jax.distributed.is_initialized()
 

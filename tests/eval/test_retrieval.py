@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.data.readers import beir, msmarco
 from dpjax.eval import encoding, ir_data, ir_metrics, retrieval, search
 from tasks import msmarco as msmarco_tasks
@@ -241,7 +241,7 @@ def test_resumable_encoder_skips_finished_shards(tmp_path, tokenizer):
   finished = _Counting(stand_in)
   _encode_corpus(out, finished, tokenizer, docs)
   assert finished.calls == 0
-  with pytest.raises(gin_cli.UsageError, match="another output directory"):
+  with pytest.raises(errors.UsageError, match="another output directory"):
     _encode_corpus(out, finished, tokenizer, docs, fingerprint={"model": "other"})
   with pytest.raises(ValueError, match="corpus ended after 22"):
     embed = encoding.TextEncoder(stand_in, tokenizer, length=12, batch_size=2)
@@ -393,7 +393,7 @@ def test_cli_errors_before_loading_a_model(tmp_path):
   root = _beir_dir(tmp_path, corpus='{"_id": "d1"}\n')
   with pytest.raises(ir_data.MalformedLineError, match="corpus.jsonl:1: missing field 'text'"):
     retrieval.main(["--model_dir=x", "--dataset=beir", f"--data_dir={root}"])
-  with pytest.raises(gin_cli.UsageError, match="top_k"):
+  with pytest.raises(errors.UsageError, match="top_k"):
     retrieval.main(["--model_dir=x", "--top_k=0"])
 
 

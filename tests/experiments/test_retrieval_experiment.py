@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.generation import inference
 from dpjax.training import trainer
 from dpjax.data.readers import msmarco
@@ -112,7 +112,7 @@ def test_bandmf_generator_is_recorded_by_its_ledger(experiment):
 
 
 def test_unknown_mechanism_is_refused(tmp_path):
-  with pytest.raises(gin_cli.UsageError, match="mechanisms"):
+  with pytest.raises(errors.UsageError, match="mechanisms"):
     retrieval.run_experiment(str(tmp_path), mechanisms=("dpftrl",))
   assert not os.listdir(tmp_path)  # refused before anything ran
 

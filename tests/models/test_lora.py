@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import gin_cli, pretrained
+from dpjax import errors, gin_cli, pretrained
 from dpjax.training import run_config, steps, train_step
 from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
 from dpjax.privacy import clipping, clipping_method, ghost
@@ -196,7 +196,7 @@ def test_a_ghost_lora_step_builds_and_multi_loss_ghost_is_refused():
   disc = trainable.trainable(
       gpt2_disc.GPT2DiscConfig(lm=GPT2, label_token_ids=(5, 6)),
       LENGTHS["gpt2"])
-  with pytest.raises(gin_cli.UsageError, match="several losses"):
+  with pytest.raises(errors.UsageError, match="several losses"):
     steps.build_dp_step(disc, clip_norm=1.0, optimizer="sgd",
                         learning_rate=1.0, noise_multiplier=1.0,
                         normalizer=1.0, seed=0, clipping_method="ghost")

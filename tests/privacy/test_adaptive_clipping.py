@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.training import plan as plan_lib, train_step
 from dpjax.privacy import accounting, adaptive_clipping as adaptive
 from dpjax.privacy import clipping, clipping_method, noise, sampling
@@ -230,7 +230,7 @@ def test_the_count_costs_gradient_noise():
 
 
 def test_a_count_that_spends_the_budget_alone_is_refused():
-  with pytest.raises(gin_cli.UsageError, match="count_stddev"):
+  with pytest.raises(errors.UsageError, match="count_stddev"):
     adaptive_plan("rdp", count_stddev=0.01)
 
 

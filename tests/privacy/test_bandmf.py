@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dpjax.training import checkpoints, plan as plan_lib, run_config, trainer
-from dpjax import gin_cli
+from dpjax import errors, gin_cli
 from dpjax.privacy import accounting, bandmf, ledger as ledger_lib, noise
 from dpjax.privacy import sampling, secret
 from tests import test_trainer
@@ -199,7 +199,7 @@ def test_bands_are_those_of_least_error(planned):
     (dict(mechanism="dpftrl"), "train.mechanism must be one of"),
 ])
 def test_bad_bandmf_settings_are_refused(overrides, message):
-  with pytest.raises(gin_cli.UsageError, match=message):
+  with pytest.raises(errors.UsageError, match=message):
     plan_lib.make_plan(config(**overrides), n=1000, sampling_seed=1,
                        secret_source="os_entropy")
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import export, gin_cli
+from dpjax import errors, export, gin_cli
 from dpjax.training import plan as plan_lib, run_config, trainer
 from dpjax.privacy import clipping, ghost, ledger as ledger_lib, sampling
 from tests.privacy import test_ghost
@@ -233,7 +233,7 @@ def test_user_level_epsilon_is_dp_accountings_at_the_user_count():
     (dict(batch_size=41), "of training users n = 40"),
 ])
 def test_bad_user_level_settings_are_refused(overrides, message):
-  with pytest.raises(gin_cli.UsageError, match=message):
+  with pytest.raises(errors.UsageError, match=message):
     user_plan(**overrides)
 
 
@@ -286,7 +286,7 @@ def test_a_task_without_the_user_column_is_refused(tmp_path):
     gin_cli.configure(["dialog_sample_user_level.gin"],
                       [f"MODEL_DIR = '{tmp_path / 'run'}'", *TINY,
                        "register_multidogo_tasks.pack = True"])
-    with pytest.raises(gin_cli.UsageError, match="has no feature 'user_id'"):
+    with pytest.raises(errors.UsageError, match="has no feature 'user_id'"):
       trainer.train()
   finally:
     gin.clear_config()

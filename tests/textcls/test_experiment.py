@@ -15,7 +15,7 @@ import pytest
 from dp_accounting import pld
 
 from dpjax.training import checkpoints, trainer
-from dpjax import gin_cli, verify
+from dpjax import errors, gin_cli, verify
 from dpjax.models import gpt2_disc, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.pipelines.textcls import __main__ as cli, experiment
@@ -188,5 +188,5 @@ def test_task_data_follows_the_gin_task_files_and_vocabulary(tmp_path):
   assert data.vocabulary.encode("<|positive|><|sep|>") == [1502, 1500]
   news = experiment.task_data(bindings=["MIXTURE_OR_TASK_NAME = 'ag_news_conditional_lm'"])
   assert news.dataset == "ag_news" and {e.label for e in news.train} == {0, 1, 2, 3}
-  with pytest.raises(gin_cli.UsageError, match="label-conditioned"):
+  with pytest.raises(errors.UsageError, match="label-conditioned"):
     experiment.task_data(bindings=["MIXTURE_OR_TASK_NAME = 'multidogo_lm'"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from dpjax import gin_cli
+from dpjax import errors
 from dpjax.pipelines import harness
 from dpjax.pipelines.dialog import experiment, lira, membership
 
@@ -61,7 +61,7 @@ def _run(args, gin_files, bindings) -> dict:
             ("policies", args.policies, experiment.POLICIES)))
   for name, given, known in lists:
     if not given or set(given) - set(known):
-      raise gin_cli.UsageError(f"--{name} takes a comma-separated subset of "
+      raise errors.UsageError(f"--{name} takes a comma-separated subset of "
                                f"{','.join(known)}, got {','.join(given)!r}")
   if args.experiment == "membership":
     return membership.run(

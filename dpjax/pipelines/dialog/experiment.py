@@ -50,7 +50,7 @@ from typing import Sequence
 import gin
 
 import tasks
-from dpjax import fileio, gin_cli, verify
+from dpjax import errors, fileio, verify
 from dpjax.pipelines import harness
 from dpjax.generation import inference
 from dpjax.training import run_config
@@ -196,7 +196,7 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   data = settings.multidogo()
   domains = tuple(data.domains or multidogo.PAPER_DOMAINS)
   if prompt_domain not in domains or len(domains) < 2:
-    raise gin_cli.UsageError(f"prompt_domain {prompt_domain!r} must be one of "
+    raise errors.UsageError(f"prompt_domain {prompt_domain!r} must be one of "
                              f"at least two domains {list(domains)}")
   others = [d for d in domains if d != prompt_domain]
   targets = target_runs(prompt_domain, modes, policies, epsilon)

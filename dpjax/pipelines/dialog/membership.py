@@ -32,7 +32,7 @@ Design (Carlini et al.'s online attack, leave-one-model-out):
 Cost: M trainings per setting; scoring is one forward pass per model over
 the train and validation splits. No TensorFlow here but in `run` (the data
 layer, imported lazily). Bad settings, model counts or a gin that is not
-user-level are `gin_cli.UsageError`s, raised before anything is written.
+user-level are `errors.UsageError`s, raised before anything is written.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import numpy as np
 from sklearn import metrics as sk_metrics
 
 import tasks
-from dpjax import fileio, gin_cli, verify
+from dpjax import errors, fileio, verify
 from dpjax.pipelines import harness
 from dpjax.generation import inference
 from dpjax.training import run_config
@@ -68,7 +68,7 @@ def membership_splits(num_users: int, num_models: int,
 
 def _check_model_count(num_models: int) -> None:
   if num_models < 4 or num_models % 2:
-    raise gin_cli.UsageError(
+    raise errors.UsageError(
         f"num_models must be even and >= 4 (each user needs >= 2 IN and OUT "
         f"shadows besides the target), got {num_models}")
 
@@ -168,7 +168,7 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
 
   unknown = set(settings) - set(SETTINGS)
   if unknown or not settings:
-    raise gin_cli.UsageError(f"settings are a non-empty subset of "
+    raise errors.UsageError(f"settings are a non-empty subset of "
                              f"{SETTINGS}, got {list(settings)}")
   _check_model_count(num_models)
   root = os.path.abspath(out_dir)
@@ -179,7 +179,7 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
       gin_files=list(gin_files), bindings=list(bindings)))
   base = harness.configured(run_config.RunConfig, gin_files, bindings)
   if base.privacy_unit != "user":
-    raise gin_cli.UsageError("the shared gin must configure a user-level "
+    raise errors.UsageError("the shared gin must configure a user-level "
                              "run (train.privacy_unit = 'user')")
   tasks.register_tasks()
   lengths, task = base.task_feature_lengths, base.mixture_or_task_name

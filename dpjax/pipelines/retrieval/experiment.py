@@ -53,7 +53,7 @@ import gin
 import numpy as np
 
 import tasks  # noqa: F401  (gin configurables of the data layer)
-from dpjax import fileio, gin_cli, verify
+from dpjax import errors, fileio, gin_cli, verify
 from dpjax.pipelines import harness
 from dpjax.generation import inference
 from dpjax.training import trainer  # noqa: F401  (gin configurables)
@@ -163,7 +163,7 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
   `{"rows", "canaries", "table_md", "plot"}`."""
   unknown = set(mechanisms) - set(MECHANISMS)
   if unknown or not mechanisms:
-    raise gin_cli.UsageError(f"mechanisms are a non-empty subset of "
+    raise errors.UsageError(f"mechanisms are a non-empty subset of "
                              f"{sorted(MECHANISMS)}, got {list(mechanisms)}")
   root = os.path.abspath(out_dir)
   data = [] if data_dir is None else [f"MSMARCO_DIR = {data_dir!r}"]
@@ -327,7 +327,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run(args, gin_files, bindings) -> dict:
   if gin_files:
-    raise gin_cli.UsageError("use --generator_gin / --dual_encoder_gin")
+    raise errors.UsageError("use --generator_gin / --dual_encoder_gin")
   dual_encoder_bindings = args.dual_encoder_gin_bindings
   if args.dual_encoder_gin_file is None:
     dual_encoder_bindings = [*SAMPLE_DUAL_ENCODER_BINDINGS,

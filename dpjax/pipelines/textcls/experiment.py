@@ -69,7 +69,7 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import fileio, gin_cli
+from dpjax import errors, fileio, gin_cli
 from dpjax.pipelines import harness, text_classifier
 from dpjax.generation import inference, pplm
 from dpjax.training import plan as plan_lib, run_config, trainer
@@ -140,7 +140,7 @@ def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
         config.initial_checkpoint_path))
     name = config.mixture_or_task_name
     if name not in by_task:
-      raise gin_cli.UsageError(
+      raise errors.UsageError(
           f"MIXTURE_OR_TASK_NAME = {name!r}: the label-conditioned experiments "
           f"run on {sorted(by_task)}")
     task = seqio.get_mixture_or_task(name)
