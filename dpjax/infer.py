@@ -13,9 +13,8 @@ import argparse
 import os
 import sys
 
-from dpjax import gin_cli, train  # noqa: F401  (trainer: config.gin)
+from dpjax import configurables, gin_cli, train
 from dpjax.generation import inference
-from dpjax.training import trainer
 import tasks  # noqa: F401  (gin configurables of the data layer)
 
 
@@ -44,7 +43,7 @@ def main(argv=None) -> dict:
   gin_cli.configure(files, bindings, args.gin_search_paths,
                     run_files=[config_gin] if os.path.isfile(config_gin)
                     else [])
-  return inference.generate_synthetic(
+  return configurables.generate_synthetic(
       model_dir=args.model_dir, output_dir=args.output_dir, top_p=args.top_p,
       top_k=args.top_k, temperature=args.temperature, greedy=args.greedy,
       batch_size=args.batch_size, seed=args.seed, limit=args.limit)

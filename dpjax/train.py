@@ -4,8 +4,8 @@
       [--gin_file=G ...] [--gin.NAME=VALUE ...] [--gin_bindings='NAME = VALUE']
       [--dry_run [--dry_run_steps=K | --target=tpu:v5e:16x16]]
 
-The work is done by `dpjax.training.trainer.train`, configured by gin; this module only
-parses the command line (it is kept apart so gin sees one `train`).
+The work is done by `dpjax.training.trainer.train` on the run the gin files
+describe (`dpjax.configurables`); this module parses the command line.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Sequence
 
 from absl import logging as absl_logging
 
-from dpjax.training import checkpoints, dry_run, trainer
-from dpjax import errors, gin_cli
+from dpjax import configurables, errors, gin_cli
+from dpjax.training import checkpoints, dry_run
 from dpjax.data.readers import malformed
 from dpjax.pretrained import hf
 from dpjax.privacy import ledger as ledger_lib
@@ -34,9 +34,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if args.target and not args.dry_run:
     raise errors.UsageError("--target plans a run for other devices: use it "
                              "with --dry_run")
+  configurables.initialize()  # a multi-host job's: before any other JAX use
   if args.dry_run or args.dry_run_steps:
-    return dry_run.dry_run(steps=args.dry_run_steps, target=args.target)
-  return trainer.train()
+    return dry_run.dry_run(configurables.run_config(),
+                           steps=args.dry_run_steps, target=args.target)
+  return configurables.train()
 
 
 def _add_arguments(parser) -> None:

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.training import checkpoints, partitioning, run_config, sizing
+from dpjax.training import checkpoints, partitioning, sizing
+from dpjax import configurables
 from dpjax import gin_cli, train
 from dpjax.models import trainable
 
@@ -104,7 +105,7 @@ def test_dry_run_sizes_match_the_model(timed):
   _, r = timed
   gin_cli.configure(["quickstart.gin"], [])
   try:
-    config = run_config.RunConfig().model_config
+    config = configurables.run_config().model_config
   finally:
     gin.clear_config()
   params = sum(x.size for x in jax.tree.leaves(trainable.trainable(
@@ -213,8 +214,8 @@ def test_paper_gin_files_run_the_fast_path_with_pld(gin_file):
   with FSDP rules."""
   gin_cli.configure([gin_file], [])
   try:
-    config = run_config.RunConfig()
-    rules = partitioning.logical_axis_rules()
+    config = configurables.run_config()
+    rules = partitioning.logical_axis_rules(config.axis_rules)
   finally:
     gin.clear_config()
   model = config.model_config

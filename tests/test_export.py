@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax import export, gin_cli, pretrained, verify
+from dpjax import configurables, export, gin_cli, pretrained, verify
 from dpjax.models import dual_encoder, t5
 from dpjax.privacy import accounting, secret as secret_lib
 from tests import console, test_trainer
@@ -34,10 +34,11 @@ def run_dir(tmp_path_factory):
   one more secret file."""
   tmp = tmp_path_factory.mktemp("export")
   test_trainer.configure(tmp / "unused")
-  params, _ = t5.init_params(t5.T5Config(), jax.random.PRNGKey(3),
+  config = configurables.T5Config()  # the tiny run's, as gin binds it
+  params, _ = t5.init_params(config, jax.random.PRNGKey(3),
                              input_length=8, target_length=8)
   ckpt = tmp / "hf_t5"
-  pretrained.export_hf(params, t5.T5Config(), str(ckpt))
+  pretrained.export_hf(params, config, str(ckpt))
   shutil.copy(tasks.DEFAULT_VOCABULARY_PATH, ckpt / "spiece.model")
   model_dir = tmp / "run"
   test_trainer.run(model_dir, "TRAIN_STEPS = 2", f"train.seed = {SEED}",

@@ -163,6 +163,28 @@ def test_the_engine_imports_no_pipeline():
   assert not bad, bad
 
 
+def _top_level_imports(module: str) -> set[str]:
+  """The top-level package of everything `module` imports, anywhere in it."""
+  tops = set()
+  for node in ast.walk(ast.parse(MODULES[module].read_text())):
+    if isinstance(node, ast.Import):
+      tops.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      tops.add((node.module or "").split(".")[0])
+  return tops
+
+
+def test_the_engine_reads_no_gin():
+  # Configuration is parsed at the edge (`dpjax.configurables`, the command
+  # lines); the engine takes typed records.
+  engine = [m for m in MODULES
+            if _within(m, ("dpjax.privacy", "dpjax.models", "dpjax.training",
+                           "dpjax.generation"))]
+  assert len(engine) > 40
+  assert not [m for m in engine if "gin" in _top_level_imports(m)]
+  assert "gin" in _top_level_imports("dpjax.configurables")  # the guard
+
+
 def test_few_modules_at_the_top():
   # The top holds the command lines and the edge (gin, file writes); the
   # system is in its packages.

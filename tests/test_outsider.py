@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.training import checkpoints, trainer
+from dpjax.training import checkpoints
+from dpjax import configurables
 from dpjax import errors, export, gin_cli, infer, pretrained, train, verify
 from dpjax.generation import inference
 from dpjax.models import trainable
@@ -42,7 +43,7 @@ def run(model_dir, *extra) -> dict:
   gin.clear_config()
   gin_cli.configure(["quickstart.gin"],
                     [f"MODEL_DIR = '{model_dir}'", *RUN, *extra])
-  return trainer.train()
+  return configurables.train()
 
 
 @pytest.fixture(scope="module")

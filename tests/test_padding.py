@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from dpjax import configurables
 from dpjax import errors
-from dpjax.training import padding, plan as plan_lib, trainer
+from dpjax.training import padding, plan as plan_lib
 from dpjax.models import gpt2, t5
 from dpjax.privacy import ledger as ledger_lib
 
@@ -137,7 +138,7 @@ def test_by_length_reorders_the_same_examples_and_weights():
 def test_length_buckets_must_be_positive():
   with pytest.raises(errors.UsageError, match="length_buckets"):
     test_trainer.configure("/tmp/unused", "train.length_buckets = 0")
-    plan_lib.check_run_inputs(trainer.RunConfig())
+    plan_lib.check_run_inputs(configurables.run_config())
   gin.clear_config()
 
 

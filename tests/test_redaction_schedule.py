@@ -22,7 +22,8 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax.training import checkpoints, plan as plan_lib, train_step, trainer
+from dpjax.training import checkpoints, plan as plan_lib, train_step
+from dpjax import configurables
 from dpjax import errors, gin_cli, verify
 from dpjax.data import arrays as data_arrays
 from dpjax.models import trainable
@@ -345,7 +346,7 @@ def run(model_dir, *extra) -> dict:
   gin_cli.configure(["semparse_sample.gin"],
                     [f"MODEL_DIR = '{model_dir}'", *TINY, *extra])
   try:
-    return trainer.train()
+    return configurables.train()
   finally:
     gin.clear_config()
 

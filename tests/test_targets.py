@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dpjax.training import dry_run, step_cost, targets, trainer
+from dpjax import configurables
 from dpjax import errors, gin_cli, train
-from dpjax.training.run_config import RunConfig
 
 GiB = 2**30
 TINY = [  # the quickstart's tiny T5, one layer each, short rows, 4 steps
@@ -38,7 +38,7 @@ def v5e(tmp_path_factory):
   sized automatically."""
   model_dir = tmp_path_factory.mktemp("v5e") / "run"
   configure(model_dir, "MICROBATCH_SIZE = 'auto'")
-  return model_dir, dry_run.dry_run(target="tpu:v5e:2x2")
+  return model_dir, dry_run.dry_run(configurables.run_config(), target="tpu:v5e:2x2")
 
 
 def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
@@ -48,7 +48,7 @@ def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
   assert line["mesh"] == {"data": 4} and line["chips"] == 4
   # Sized against the slice's HBM (16 GiB a chip), not this host's memory.
   assert line["device_memory_bytes"] == int(
-      16 * GiB * RunConfig().memory_headroom)
+      16 * GiB * configurables.run_config().memory_headroom)
   assert line["device_memory_source"] == "tpu:v5e:2x2 HBM per device"
   assert line["auto_sizing"] and line["fits"]
   assert line["microbatch_size"] % 4 == 0 and line["accumulation_calls"] == 1
@@ -72,7 +72,7 @@ def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
   devices = topologies.get_topology_desc(
       platform="tpu", topology_name="v5e:2x2").devices
   with targets.without_persistent_cache():
-    built = trainer.build(RunConfig(), dry_run=True,
+    built = trainer.build(configurables.run_config(), dry_run=True,
                           target=targets.resolve("tpu:v5e:2x2"))
   assert [(d.id, d.device_kind) for d in built.mesh.devices.flat] == [
       (d.id, d.device_kind) for d in devices]
@@ -136,12 +136,12 @@ def test_a_run_that_does_not_fit_the_slice_is_refused_with_the_numbers(
 
 def test_a_gpu_plan_is_for_the_gpus_and_their_memory(tmp_path):
   configure(tmp_path / "run", "MICROBATCH_SIZE = 16")
-  line = dry_run.dry_run(target="gpu:h100:1x2")
+  line = dry_run.dry_run(configurables.run_config(), target="gpu:h100:1x2")
   assert (line["backend"], line["device_kind"], line["devices"]) == (
       "gpu", "NVIDIA H100 80GB HBM3", 2)
   assert line["mesh"] == {"data": 2}
   assert line["device_memory_bytes"] == int(
-      81559 * 2**20 * RunConfig().memory_headroom)
+      81559 * 2**20 * configurables.run_config().memory_headroom)
   assert line["fits"] and line["peak_bytes_per_device"] > 0
   assert line["flops_per_step"] > 0  # the optimized module's, generically
   assert line["step_time_estimate_s"] is None  # the GPU compiler gives none

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import tasks
-from dpjax.training import (checkpoints, loop, sizing, steps as steps_lib, train_step, trainer)
-from dpjax import errors, gin_cli, verify
+from dpjax import configurables, errors, gin_cli, verify
+from dpjax.training import (checkpoints, loop, sizing, steps as steps_lib,
+                            train_step)
 from dpjax.generation import inference
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
@@ -47,13 +48,13 @@ def configure(model_dir, *extra):
 
 def run(model_dir, *extra) -> dict:
   configure(model_dir, *extra)
-  return trainer.train()
+  return configurables.train()
 
 
 def initial_params():
   """The params every TINY run starts from (train.seed 0, random init)."""
   configure("unused")
-  params = t5.init_params(t5.T5Config(), jax.random.PRNGKey(0),
+  params = t5.init_params(configurables.T5Config(), jax.random.PRNGKey(0),
                           input_length=64, target_length=16)[0]
   gin.clear_config()
   return params
@@ -193,7 +194,7 @@ def test_dp_steps_lower_the_loss(tmp_path):
                "train.eval_period = 30", "train.eval_examples = 128")
   configure(tmp_path)
   tasks.register_tasks()
-  config = t5.T5Config()
+  config = configurables.T5Config()
   lengths = {"inputs": 64, "targets": 16}
   params, _ = t5.init_params(config, jax.random.PRNGKey(0),
                              input_length=lengths["inputs"],
@@ -339,7 +340,7 @@ def xl_eps3_step():
   it): the params, the accumulated grads and the applied state."""
   gin.clear_config()
   gin_cli.configure(["msmarco_t5_xl_eps3.gin"], [])
-  config = sizing.with_remat(t5.T5Config(), "layer")  # the gin's is 'auto'
+  config = sizing.with_remat(configurables.T5Config(), "layer")  # the gin's is 'auto'
   model = trainable.trainable(config, {"inputs": 384, "targets": 128})
   params, _ = model.abstract_params()
   tx, accumulate, apply = steps_lib.build_dp_step(
@@ -505,7 +506,7 @@ def from_pretrained(tmp_path_factory):
   from dpjax import pretrained
   root = tmp_path_factory.mktemp("from_pretrained")
   configure(root / "unused")
-  config = t5.T5Config()
+  config = configurables.T5Config()
   params, _ = t5.init_params(config, jax.random.PRNGKey(7), input_length=8,
                              target_length=8)
   ckpt = root / "hf_t5"
@@ -597,7 +598,7 @@ def gpt2_run(tmp_path_factory):
                     [f"MODEL_DIR = '{model_dir}'", *TINY, *GPT2_ON_SAMPLE,
                      "TRAIN_STEPS = 30", "LEARNING_RATE = 1e-2",
                      "train.eval_period = 30", "train.eval_examples = 128"])
-  result = trainer.train()
+  result = configurables.train()
   config = gpt2.GPT2Config.from_json(verify.run_meta(
       str(model_dir))[1].model_config)
   model = trainable.trainable(config, {"inputs": 48, "targets": 16})

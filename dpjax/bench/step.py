@@ -84,16 +84,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpjax import errors, gin_cli
+from dpjax import configurables, errors, gin_cli
 from dpjax.training import partitioning, step_cost, targets, train_step
 from dpjax.training import steps as steps_lib
-from dpjax.models import gpt2, lora, t5
+from dpjax.models import lora, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, clipping_method, ghost, optimizers, secret
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 MODEL_DIR = os.path.join(gin_cli.REPO_GIN_DIR, "models")
-CONFIGS = {"gpt2": gpt2.GPT2Config, "t5": t5.T5Config}
+CONFIGS = {"gpt2": configurables.GPT2Config, "t5": configurables.T5Config}
 
 # Peak dense bf16 FLOP/s of one device, by a substring of `device_kind`; the
 # first match wins (so the H100 PCIe comes before other H100s).

@@ -22,7 +22,6 @@ import json
 import os
 import time
 
-import gin
 import jax
 import numpy as np
 
@@ -84,7 +83,6 @@ def check_decoding_args(*, top_p, top_k, temperature, greedy, batch_size,
            max_decode_length)
 
 
-@gin.configurable(denylist=["model_dir"])
 def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
                        top_p: float = 0.8, top_k: int = 0,
                        temperature: float = 1.0, greedy: bool = False,

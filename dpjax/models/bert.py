@@ -40,7 +40,7 @@ checkpoints onto these params and back. The token embedding row of [PAD] is an
 ordinary trainable row here (HF's `padding_idx` only freezes it in torch);
 with padding masked it gets no gradient from padded positions anyway.
 
-No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+No TensorFlow anywhere in here: only jax, flax and numpy.
 """
 from __future__ import annotations
 
@@ -49,7 +49,6 @@ import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -66,7 +65,6 @@ _POOLINGS = ("cls", "mean")
 _INIT_STDDEV = 0.02  # BERT's initializer_range
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class BertConfig(common.ModelConfig):
   """Hyperparameters of a BERT classifier. Frozen, so it can be a static jit arg."""

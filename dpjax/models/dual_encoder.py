@@ -60,7 +60,7 @@ Here the clipped unit is the group instead:
   query, against B/g independently clipped rows per batch (the clipped sum is
   at most (B/g)·C against the same noise σC).
 
-No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+No TensorFlow anywhere in here: only jax, flax and numpy.
 """
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +85,6 @@ _MASKED_LOGIT = -1e9
 _GROUP_STREAM = 0x67727073  # "grps": the grouping's own random stream
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class DualEncoderConfig:
   """A shared T5 encoder, its pooling, the softmax temperature and the

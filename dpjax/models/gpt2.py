@@ -20,7 +20,7 @@ kernels). Parameters are always float32; `GPT2Config.dtype` only sets the
 compute dtype, with norms, softmax and logits in float32.
 `dpjax.models.hf_gpt2` maps Hugging Face checkpoints onto these params.
 
-No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+No TensorFlow anywhere in here: only jax, flax and numpy.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +46,6 @@ _MASK_VALUE = -1e10
 _INIT_STDDEV = 0.02  # GPT-2's initializer_range
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class GPT2Config(common.ModelConfig):
   """Hyperparameters of a GPT-2 model. Frozen, so it can be a static jit arg."""

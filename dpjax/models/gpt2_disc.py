@@ -42,7 +42,7 @@ same sample, which `privacy.accounting.PoissonGaussian(q, (σ_lm, σ_disc), T)`
 composes. With `head_only` only the disc release is made (the post-hoc
 discriminator of the paper's Baseline 2, on a frozen fine-tuned LM).
 
-No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+No TensorFlow anywhere in here: only jax, flax and numpy.
 """
 from __future__ import annotations
 
@@ -53,7 +53,6 @@ import re
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +67,6 @@ _INIT_STDDEV = 0.02
 _LAYER = re.compile(r"layers_(\d+)")
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class GPT2DiscConfig(common.ModelConfig):
   """The GPT-2, the head and the layout of a conditioned row. Frozen and

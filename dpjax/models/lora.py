@@ -28,7 +28,6 @@ import dataclasses
 from typing import Any, Mapping
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -42,7 +41,6 @@ _NAMES = {"query": "q", "key": "k", "value": "v", "out": "o", "wi": "mlp",
 SUFFIX = "_lora"
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
   """Which projections get adapters, and their shape."""

@@ -21,7 +21,7 @@ Parameter names and logical axis names follow t5x
 the compute dtype.
 `dpjax.models.hf_t5` maps Hugging Face checkpoints onto these params.
 
-No TensorFlow anywhere in here: only jax, flax, numpy and gin.
+No TensorFlow anywhere in here: only jax, flax and numpy.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +51,6 @@ REMATS = ("none", "layer")
 CONFIG_REMATS = REMATS + ("auto",)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class T5Config(common.ModelConfig):
   """Hyperparameters of a T5 model. Frozen, so it can be a static jit arg."""

@@ -26,8 +26,8 @@ import gin
 import numpy as np
 from absl import logging as absl_logging
 
-from dpjax.training import checkpoints, trainer
-from dpjax import fileio, gin_cli, train
+from dpjax import configurables, fileio, gin_cli, train
+from dpjax.training import checkpoints
 import tasks  # noqa: F401  (the data layer's gin configurables)
 
 SUMMARY_FILENAME = "train_summary.json"
@@ -71,7 +71,8 @@ def ensure_trained(run_dir: str, train: Callable[[], dict]) -> dict:
 
 def configured(make: Callable[[], Any], gin_files: Sequence[str],
                bindings: Sequence[str]) -> Any:
-  """`make()` (a typed record such as `RunConfig()`, or a training run) as
+  """`make()` (a typed record such as `configurables.run_config()`, or a
+  training run) as
   `gin_files` and `bindings` alone configure it: the gin config is cleared
   first, and stays bound afterwards."""
   gin.clear_config()
@@ -84,7 +85,8 @@ def train_run(run_dir: str, gin_files: Sequence[str],
   """The summary of the run in `run_dir` configured by `gin_files` and
   `bindings` (MODEL_DIR = run_dir), trained or resumed unless finished."""
   return ensure_trained(run_dir, lambda: configured(
-      trainer.train, gin_files, [f"MODEL_DIR = '{run_dir}'", *bindings]))
+      configurables.train, gin_files,
+      [f"MODEL_DIR = '{run_dir}'", *bindings]))
 
 
 def check_settings(root: str, settings: Any) -> None:

@@ -34,9 +34,9 @@ import tempfile
 import gin
 import jax
 
-from dpjax import export, fileio
+from dpjax import configurables, export, fileio
 from dpjax.pipelines import harness
-from dpjax.training import reporting, run_config, trainer
+from dpjax.training import reporting, run_config
 from dpjax.data.readers import SAMPLE_DATA_DIR
 from tasks import pretraining  # also the gin configurables and constants
 
@@ -93,7 +93,7 @@ def write_release(model_dir: str, out: str, tokenizer: dict[str, str],
 def pretrain(output_dir: str = gin.REQUIRED, verify: bool = False) -> dict:
   """Trains the configured public run and writes (or, with `verify`,
   rebuilds and checks) its release at `output_dir`."""
-  config = public_run(run_config.RunConfig())
+  config = public_run(configurables.run_config())
   output_dir = os.path.abspath(os.path.expanduser(output_dir))
   work = tempfile.mkdtemp(prefix="dpjax-pretrain-") if verify else None
   try:
@@ -103,7 +103,7 @@ def pretrain(output_dir: str = gin.REQUIRED, verify: bool = False) -> dict:
     # A finished run resumes at its end and evaluates nothing.
     previous = harness.finished_summary(
         os.path.abspath(os.path.expanduser(config.model_dir))) or {}
-    summary = trainer.train(config)
+    summary = configurables.train(config)
     summary.setdefault("eval_loss", previous.get("eval_loss"))
     source = pretraining.SOURCES[config.mixture_or_task_name]
     provenance = {

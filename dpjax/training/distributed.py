@@ -31,7 +31,6 @@ import signal
 import threading
 from typing import Callable, Iterator, Mapping
 
-import gin
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -50,7 +49,6 @@ def _setting(value, env: str, cast=str):
   return None if value is None else cast(value)
 
 
-@gin.configurable
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None, *,

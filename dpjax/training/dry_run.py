@@ -73,12 +73,11 @@ def clipping_method(built: trainer.Built) -> str:
       trainable=model.trainable_mask and model.trainable_mask(abstract))
 
 
-def dry_run(config: RunConfig | None = None, steps: int = 0,
+def dry_run(config: RunConfig, steps: int = 0,
             target: str | None = None) -> dict:
   """The run's plan and compiled cost as one JSON line (printed and
   returned); with `steps` > 0, also K timed steps; with `target` (a
   `dpjax.training.targets` spec), for that TPU slice. Writes nothing."""
-  config = config or RunConfig()
   if target and steps:
     raise errors.UsageError(
         f"--dry_run_steps runs steps on this host; --target {target} "

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-import gin
 import jax
 import numpy as np
 import optax
@@ -65,7 +64,6 @@ RULE_SETS: dict[str, Rules] = {
 }
 
 
-@gin.configurable
 def make_mesh(mesh_shape: Mapping[str, int] | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A mesh over all devices; `mesh_shape` like {'data': -1} (-1 = the rest)."""
@@ -82,9 +80,8 @@ def make_mesh(mesh_shape: Mapping[str, int] | None = None,
   return Mesh(grid, tuple(shape.keys()))
 
 
-@gin.configurable
 def logical_axis_rules(name: str = "data_parallel") -> Rules:
-  """The rule set called `name` (gin: `logical_axis_rules.name = 'fsdp'`)."""
+  """The rule set called `name` (`RULE_SETS`)."""
   if name not in RULE_SETS:
     raise ValueError(f"unknown logical_axis_rules {name!r}; choose from "
                      f"{sorted(RULE_SETS)}")

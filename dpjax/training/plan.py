@@ -328,14 +328,11 @@ PRIVACY_UNITS = ("example", "user")  # train.privacy_unit
 
 def adaptive_settings(config: run_config.RunConfig
                       ) -> adaptive_lib.AdaptiveClipping | None:
-  """`adaptive_clipping.*` of a run with `train.clip_norm = 'adaptive'`
-  (None otherwise); a bad value is a UsageError."""
+  """The adaptive clipping of a run with `train.clip_norm = 'adaptive'`
+  (its `adaptive_clipping`, else the defaults); None otherwise."""
   if config.clip_norm != ADAPTIVE:
     return None
-  try:
-    return run_config.adaptive_clipping()
-  except ValueError as e:
-    raise errors.UsageError(str(e)) from None
+  return config.adaptive_clipping or adaptive_lib.AdaptiveClipping()
 
 
 def check_run_inputs(config: run_config.RunConfig) -> float:

@@ -1,10 +1,13 @@
-"""The settings of one training run: a typed, frozen, gin-configurable record.
+"""The settings of one training run: a typed, frozen record.
 
-`RunConfig` is registered with gin as `train`, so the t5x-style bindings of
-every gin file (`train.batch_size = %BATCH_SIZE`, `--gin.train.seed=3`) fill
-it, and `RunConfig()` inside a gin scope is the configured run. Pipelines
-that plan several runs read a setting as a field (`RunConfig().epochs`), not
-as a binding string, and derive variants with `dataclasses.replace`.
+The engine takes a `RunConfig` and reads no global configuration. At the
+command line it is what the gin files say: `dpjax.configurables` registers
+it with gin as `train` (t5x's `train.batch_size = %BATCH_SIZE`,
+`--gin.train.seed=3`), its mesh, axis rules, learning-rate schedule and
+adaptive clipping under their own t5x-style names, and builds the record
+(`configurables.run_config()`). Pipelines that plan several runs read a
+setting as a field, not as a binding string, and derive variants with
+`dataclasses.replace`.
 
 What the settings mean for the guarantee is decided in one place,
 `dpjax.training.plan.make_plan`; this module only holds them.
@@ -14,16 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import gin
 import numpy as np
 import optax
 
 from dpjax.privacy import adaptive_clipping as adaptive_lib
-
-# `train.clip_norm = 'adaptive'` reads its settings from these bindings
-# (`adaptive_clipping.target_quantile = 0.5`, ...).
-adaptive_clipping = gin.external_configurable(
-    adaptive_lib.AdaptiveClipping, "adaptive_clipping")
 
 
 def is_int(value) -> bool:
@@ -48,7 +45,16 @@ def as_float(value) -> float | None:
     return None
 
 
-@gin.configurable("train")
+@dataclasses.dataclass(frozen=True)
+class LearningRateSchedule:
+  """The learning rate over a run's steps (gin `learning_rate_schedule.*`):
+  `name` 'constant' | 'linear_decay' | 'cosine' | 'rsqrt' from
+  `learning_rate`, after `warmup_steps` of linear warmup from 0."""
+  learning_rate: float = 1e-3
+  name: str = "constant"
+  warmup_steps: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """One DP training run (`python -m dpjax.train`).
@@ -89,8 +95,7 @@ class RunConfig:
   secret noise and sampling become public, and the ledger says so).
 
   Optimisation: `optimizer` ('sgd' | 'adam' | 'adamw' | 'adafactor'),
-  `learning_rate` (None: `steps.learning_rate_schedule` over the run's
-  steps), `clipping_method` ('vmap' | 'ghost' | 'auto'), `seed` (public:
+  `learning_rate` (None: `learning_rate_schedule` over the run's steps), `clipping_method` ('vmap' | 'ghost' | 'auto'), `seed` (public:
   initialisation, dropout, the redaction coins; never noise or batches),
   `initial_checkpoint_path` (a Hugging Face, t5x or dpjax run directory).
 
@@ -101,13 +106,22 @@ class RunConfig:
 
   Outputs: `checkpoint_period`, `keep_checkpoints`, `log_period`,
   `eval_period` (0: no eval), `eval_examples`, `eval_split`,
-  `generate_after_training` (one synthetic query per document).
+  `generate_after_training` (one synthetic query per document, by the
+  command line once the run is finished).
+
+  Set at the command line by their own gin names, as t5x's: `mesh_shape`
+  (`make_mesh.mesh_shape`, e.g. {'data': -1}; None: all devices on 'data'),
+  `axis_rules` (`logical_axis_rules.name`,
+  `dpjax.training.partitioning.RULE_SETS`), `learning_rate_schedule`
+  (`learning_rate_schedule.*`) and `adaptive_clipping`
+  (`adaptive_clipping.*`, read with `clip_norm = 'adaptive'`; None there:
+  its defaults).
   """
-  model_dir: str = gin.REQUIRED
-  model_config: Any = gin.REQUIRED
-  mixture_or_task_name: str = gin.REQUIRED
-  task_feature_lengths: Mapping[str, int] = gin.REQUIRED
-  batch_size: int = gin.REQUIRED
+  model_dir: str
+  model_config: Any
+  mixture_or_task_name: str
+  task_feature_lengths: Mapping[str, int]
+  batch_size: int
   train_steps: int | None = None
   epochs: float | None = None
   microbatch_size: int | str | None = None
@@ -146,3 +160,7 @@ class RunConfig:
   eval_examples: int = 2048
   eval_split: str = "validation"
   generate_after_training: bool = False
+  mesh_shape: Mapping[str, int] | None = None
+  axis_rules: str = "data_parallel"
+  learning_rate_schedule: LearningRateSchedule = LearningRateSchedule()
+  adaptive_clipping: adaptive_lib.AdaptiveClipping | None = None

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, NamedTuple
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from dpjax import errors
-from dpjax.training import partitioning, train_step
+from dpjax.training import partitioning, run_config, train_step
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import adaptive_clipping as adaptive
 from dpjax.privacy import bandmf
@@ -37,11 +36,12 @@ OPTIMIZERS = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
 CLIPPING_METHODS = ("vmap", "ghost", "auto")
 
 
-@gin.configurable
-def learning_rate_schedule(learning_rate: float = 1e-3, *,
-                           name: str = "constant", warmup_steps: int = 0,
+def learning_rate_schedule(settings: run_config.LearningRateSchedule,
                            total_steps: int | None = None) -> optax.Schedule:
-  """'constant' | 'linear_decay' | 'cosine' | 'rsqrt', after linear warmup."""
+  """`settings`' schedule over `total_steps`: 'constant' | 'linear_decay' |
+  'cosine' | 'rsqrt', after linear warmup."""
+  learning_rate, name = settings.learning_rate, settings.name
+  warmup_steps = settings.warmup_steps
   decay_steps = max((total_steps or 1) - warmup_steps, 1)
   if name == "constant":
     after = optax.constant_schedule(learning_rate)

@@ -54,13 +54,11 @@ import os
 import time
 from typing import Any, Callable, NamedTuple
 
-import gin
 import jax
 import numpy as np
 
 from dpjax.training import (checkpoints, distributed, loop, padding, partitioning, plan as plan_lib, prefetch, reporting, run_config, sizing as sizing_lib, steps as steps_lib, targets, train_step)
 from dpjax import errors, fileio, pretrained, verify
-from dpjax.generation import inference
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import sampling, secret as secret_lib
@@ -170,10 +168,12 @@ def build(config: RunConfig, *, dry_run: bool = False,
         "does not hold against them; the ledger records the secret as pinned")
 
   # --- Steps on the mesh, sized to the device. ------------------------------
-  mesh = partitioning.make_mesh(devices=target and target.devices)
-  rules = partitioning.logical_axis_rules()
+  mesh = partitioning.make_mesh(config.mesh_shape,
+                                devices=target and target.devices)
+  rules = partitioning.logical_axis_rules(config.axis_rules)
   schedule = (config.learning_rate if config.learning_rate is not None else
-              steps_lib.learning_rate_schedule(total_steps=plan.steps))
+              steps_lib.learning_rate_schedule(config.learning_rate_schedule,
+                                               total_steps=plan.steps))
 
   def place(remat: str) -> tuple[trainable_lib.Trainable,
                                  steps_lib.PlacedSteps]:
@@ -203,14 +203,17 @@ def build(config: RunConfig, *, dry_run: bool = False,
       sizing_key=key, placed=placed, schedule=schedule, batch_rows=rows)
 
 
-def train(config: RunConfig | None = None) -> dict:
+def train(config: RunConfig, *,
+          config_text: Callable[[], str] | None = None) -> dict:
   """Runs (or resumes) one DP training job; returns a summary dict.
 
-  `config`: the run's settings (default: `RunConfig()` as gin configures it,
-  the `train.*` bindings). See `RunConfig` for each setting, the module
-  docstring for what a run does.
+  Args:
+    config: The run's settings; see `RunConfig` for each, the module
+      docstring for what a run does.
+    config_text: Gives the configuration's text, written as MODEL_DIR/
+      config.gin once the data is loaded (a command line's gin operative
+      config, which `dpjax.infer` reads back); None: no config.gin.
   """
-  config = config or RunConfig()
   distributed.initialize()  # before any other JAX use; single process: no-op
   from dpjax.data import arrays as data_arrays  # TF: the DP core needs none
   wall_start = time.perf_counter()
@@ -242,7 +245,8 @@ def train(config: RunConfig | None = None) -> dict:
                                        max_to_keep=config.keep_checkpoints)
   if init_run:  # read; orbax's threads need not live through the run
     init_run[0].close()
-  _write_run_files(model_dir, run_secret, plan.ledger)
+  _write_run_files(model_dir, run_secret, plan.ledger,
+                   config_text() if config_text else None)
   reporting.log_libraries_to(model_dir)
   if built.sizing_key and distributed.is_primary():
     sizing_lib.save(model_dir, built.sizing_key, built.sizing)
@@ -312,12 +316,6 @@ def train(config: RunConfig | None = None) -> dict:
       f"step {done}/{plan.steps} {spent}; checkpoints in "
       f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
       f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}")
-  if config.generate_after_training and done == plan.steps:
-    if jax.process_count() == 1:
-      result["generation"] = inference.generate_synthetic(model_dir=model_dir)
-    else:
-      reporting.say("generation runs on one host: python -m dpjax.infer "
-                    f"--model_dir={model_dir}")
   if distributed.is_primary():
     fileio.write_atomic(os.path.join(model_dir, "train_summary.json"),
                         json.dumps(result, indent=2, default=str))
@@ -519,15 +517,18 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
 
 
 def _write_run_files(model_dir: str, run_secret: secret_lib.RunSecret,
-                     ledger: ledger_lib.PrivacyLedger) -> None:
-  """The secret (before any release is saved), config.gin, and the ledger
-  file rewritten from the checkpoint's ledger (process 0)."""
+                     ledger: ledger_lib.PrivacyLedger,
+                     config_text: str | None) -> None:
+  """The secret (before any release is saved), config.gin (`config_text`,
+  if any), and the ledger file rewritten from the checkpoint's ledger
+  (process 0)."""
   os.makedirs(model_dir, exist_ok=True)
   if not distributed.is_primary():
     return
   if not secret_lib.exists(model_dir):
     run_secret.save(model_dir)
-  fileio.write_atomic(os.path.join(model_dir, "config.gin"), gin.config_str())
+  if config_text is not None:
+    fileio.write_atomic(os.path.join(model_dir, "config.gin"), config_text)
   if checkpoints.write_ledger(model_dir, ledger.to_json()):
     reporting.say(
         f"repaired {os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}: "

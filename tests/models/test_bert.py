@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from dpjax import configurables
 from dpjax.training import partitioning
 from dpjax.models import bert, hf_bert, hf_common
 
@@ -213,7 +214,7 @@ def _gin_config(name, bindings=()):
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings([str(GIN_DIR / f"{name}.gin")], list(bindings))
-    return bert.BertConfig()
+    return configurables.BertConfig()
   finally:
     gin.clear_config()
 

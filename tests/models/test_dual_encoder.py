@@ -12,9 +12,9 @@ import pytest
 import sentencepiece as spm
 import seqio
 
+from dpjax import configurables
 from dpjax import gin_cli
 from dpjax.generation import inference
-from dpjax.training import trainer
 from dpjax.data import arrays as data_arrays
 from dpjax.data.readers import msmarco
 from dpjax.models import dual_encoder, t5, trainable
@@ -251,7 +251,7 @@ def test_train_command_runs_and_the_run_encodes(tmp_path):
        "train.log_period = 1", "train.eval_period = 3",
        "train.eval_examples = 8", "train.checkpoint_period = 3"])
   try:
-    result = trainer.train()
+    result = configurables.train()
   finally:
     gin.clear_config()
   assert result["steps_done"] == 3 and np.isfinite(result["loss"])

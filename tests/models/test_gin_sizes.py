@@ -4,6 +4,7 @@ import pathlib
 import gin
 import pytest
 
+from dpjax import configurables
 from dpjax.models import t5
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "models"
@@ -31,7 +32,7 @@ def clean_gin():
 
 def _config(name, bindings=()):
   gin.parse_config_files_and_bindings([str(GIN_DIR / f"{name}.gin")], list(bindings))
-  return t5.T5Config()
+  return configurables.T5Config()
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

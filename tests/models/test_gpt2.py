@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from dpjax import configurables
 from dpjax.generation import decoding
 from dpjax.models import gpt2, hf_gpt2
 from dpjax.pretrained import hf
@@ -320,7 +321,7 @@ def _gin_config(name, bindings=()):
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings([str(GIN_DIR / f"{name}.gin")], list(bindings))
-    return gpt2.GPT2Config()
+    return configurables.GPT2Config()
   finally:
     gin.clear_config()
 

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpjax import configurables
 from dpjax import errors, gin_cli, pretrained
-from dpjax.training import run_config, steps, train_step
+from dpjax.training import steps, train_step
 from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
 from dpjax.privacy import clipping, clipping_method, ghost
 from dpjax.pretrained import peft
@@ -299,7 +300,7 @@ def test_a_discriminator_models_pretrained_start_with_adapters(tmp_path):
 def test_the_lora_paper_gin_files_train_adapters_only(size):
   gin_cli.configure([f"msmarco_t5_{size}_eps3_lora.gin"], [])
   try:
-    config = run_config.RunConfig()
+    config = configurables.run_config()
   finally:
     gin.clear_config()
   assert config.model_config.lora == lora.LoRAConfig(

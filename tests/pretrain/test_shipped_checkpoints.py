@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+from dpjax import configurables
 from dpjax import gin_cli, pretrain, pretrained
-from dpjax.training import run_config
 from dpjax.models import trainable as trainable_lib
 from tasks import pretraining
 
@@ -49,7 +49,7 @@ def test_loads_and_beats_random_init(name):
   gin.clear_config()
   try:
     gin_cli.configure([f"gin/pretrain/{name}.gin"], [])
-    config = run_config.RunConfig()
+    config = configurables.run_config()
     pretraining.register_pretraining_task()
   finally:
     gin.clear_config()

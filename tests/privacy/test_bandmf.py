@@ -14,7 +14,8 @@ from jax_privacy.accounting import accountants, analysis
 import numpy as np
 import pytest
 
-from dpjax.training import checkpoints, plan as plan_lib, run_config, trainer
+from dpjax.training import checkpoints, plan as plan_lib, run_config
+from dpjax import configurables
 from dpjax import errors, gin_cli
 from dpjax.privacy import accounting, bandmf, ledger as ledger_lib, noise
 from dpjax.privacy import sampling, secret
@@ -215,7 +216,7 @@ def run(model_dir, *extra):
                     [f"MODEL_DIR = '{model_dir}'", *test_trainer.TINY,
                      *EXTRA, *extra])
   try:
-    return trainer.train()
+    return configurables.train()
   finally:
     gin.clear_config()
 

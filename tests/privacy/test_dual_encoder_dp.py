@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from dp_accounting import pld
 
+from dpjax import configurables
 from dpjax import gin_cli
-from dpjax.training import trainer
 from dpjax.models import dual_encoder, t5, trainable
 from dpjax.privacy import accounting, clipping, clipping_method
 from dpjax.privacy import ledger as ledger_lib
@@ -178,7 +178,7 @@ def test_dp_run_ledger_is_the_pair_level_replace_one_guarantee(tmp_path):
        "train.log_period = 1", "train.eval_period = 0",
        "train.checkpoint_period = 2"])
   try:
-    result = trainer.train()
+    result = configurables.train()
   finally:
     gin.clear_config()
   pairs = 2998  # tasks/data/msmarco_sample/README.md

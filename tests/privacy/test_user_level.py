@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import pytest
 
+from dpjax import configurables
 from dpjax import errors, export, gin_cli
-from dpjax.training import plan as plan_lib, run_config, trainer
+from dpjax.training import plan as plan_lib, run_config
 from dpjax.privacy import clipping, ghost, ledger as ledger_lib, sampling
 from tests.privacy import test_ghost
 
@@ -252,8 +253,8 @@ def user_run(tmp_path_factory):
   try:
     gin_cli.configure(["dialog_sample_user_level.gin"],
                       [f"MODEL_DIR = '{model_dir}'", *TINY])
-    result = trainer.train()
-    config = run_config.RunConfig()
+    result = configurables.train()
+    config = configurables.run_config()
   finally:
     gin.clear_config()
   return model_dir, result, config
@@ -287,7 +288,7 @@ def test_a_task_without_the_user_column_is_refused(tmp_path):
                       [f"MODEL_DIR = '{tmp_path / 'run'}'", *TINY,
                        "register_multidogo_tasks.pack = True"])
     with pytest.raises(errors.UsageError, match="has no feature 'user_id'"):
-      trainer.train()
+      configurables.train()
   finally:
     gin.clear_config()
   assert not os.path.exists(tmp_path / "run")

@@ -15,6 +15,7 @@ import pytest
 from dp_accounting import pld
 
 from dpjax.training import checkpoints, trainer
+from dpjax import configurables
 from dpjax import errors, gin_cli, verify
 from dpjax.models import gpt2_disc, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
@@ -147,7 +148,7 @@ def test_a_head_on_another_gpt2_is_refused_before_writing(out_dir, tmp_path):
         f"train.initial_checkpoint_path = "
         f"'{experiment.run_dir(out_dir, 'baseline_lm', 8.0)}'"])
     with pytest.raises(checkpoints.CheckpointMismatchError, match="d_model"):
-      trainer.train()
+      configurables.train()
   finally:
     gin.clear_config()
   assert not never.exists()

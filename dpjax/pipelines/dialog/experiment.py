@@ -50,10 +50,10 @@ from typing import Sequence
 import gin
 
 import tasks
-from dpjax import errors, fileio, verify
+from dpjax import configurables, errors, fileio, verify
 from dpjax.pipelines import harness
 from dpjax.generation import inference
-from dpjax.training import run_config
+from dpjax.training import run_config as run_config_lib
 from dpjax.data.readers import multidogo
 from dpjax.pipelines.dialog import classifier, lira
 from dpjax.models import gpt2
@@ -129,8 +129,8 @@ class _Settings:
     return harness.configured(multidogo_tasks.MultidogoConfig,
                               self.gin_files, self.bindings)
 
-  def run_config(self) -> run_config.RunConfig:
-    return harness.configured(run_config.RunConfig, self.gin_files,
+  def run_config(self) -> run_config_lib.RunConfig:
+    return harness.configured(configurables.run_config, self.gin_files,
                               self.bindings)
 
 

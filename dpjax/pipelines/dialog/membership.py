@@ -45,10 +45,9 @@ import numpy as np
 from sklearn import metrics as sk_metrics
 
 import tasks
-from dpjax import errors, fileio, verify
+from dpjax import configurables, errors, fileio, verify
 from dpjax.pipelines import harness
 from dpjax.generation import inference
-from dpjax.training import run_config
 from dpjax.models import gpt2
 
 FPRS = (0.01, 0.1)
@@ -177,7 +176,7 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
   harness.check_settings(root, dict(
       epsilon=epsilon, num_models=num_models, seed=seed,
       gin_files=list(gin_files), bindings=list(bindings)))
-  base = harness.configured(run_config.RunConfig, gin_files, bindings)
+  base = harness.configured(configurables.run_config, gin_files, bindings)
   if base.privacy_unit != "user":
     raise errors.UsageError("the shared gin must configure a user-level "
                              "run (train.privacy_unit = 'user')")

@@ -53,10 +53,10 @@ import gin
 import numpy as np
 
 import tasks  # noqa: F401  (gin configurables of the data layer)
+from dpjax import configurables
 from dpjax import errors, fileio, gin_cli, verify
 from dpjax.pipelines import harness
 from dpjax.generation import inference
-from dpjax.training import trainer  # noqa: F401  (gin configurables)
 from dpjax.data.readers import msmarco
 from dpjax.eval import encoding, retrieval
 from dpjax.eval import text_quality as tq
@@ -194,9 +194,9 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
             f"train.mechanism = {mechanism!r}"])
         synthetic = os.path.join(run_dir, "synthetic")
         if not os.path.isfile(os.path.join(synthetic, "synthetic.jsonl")):
-          _with_config(generator)
-          inference.generate_synthetic(model_dir=generator,
-                                       output_dir=synthetic, seed=seed)
+          _with_config(generator)  # its generate_synthetic.* bindings
+          configurables.generate_synthetic(model_dir=generator,
+                                           output_dir=synthetic, seed=seed)
         dual = os.path.join(run_dir, "dual_encoder")
         harness.train_run(dual, de_files, [
             *de_bind, eps_binding(math.inf), f"TRAIN_PAIRS_DIR = {synthetic!r}",

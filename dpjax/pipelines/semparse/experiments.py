@@ -32,9 +32,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dpjax import fileio, verify
+from dpjax import configurables, fileio, verify
 from dpjax.pipelines import harness
-from dpjax.training import plan as plan_lib, run_config
+from dpjax.training import plan as plan_lib
+from dpjax.training import run_config as run_config_lib
 from dpjax.data.readers import semparse
 from dpjax.pipelines.semparse import pipeline
 from tasks import semparse as semparse_tasks
@@ -73,9 +74,9 @@ class _Runs:
   def with_bindings(self, *extra) -> "_Runs":
     return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
 
-  def run_config(self) -> run_config.RunConfig:
+  def run_config(self) -> run_config_lib.RunConfig:
     """The runs' settings as these gin files and bindings configure them."""
-    return harness.configured(run_config.RunConfig, self.gin_files,
+    return harness.configured(configurables.run_config, self.gin_files,
                               self.bindings)
 
   def data_config(self) -> semparse_tasks.SemparseConfig:

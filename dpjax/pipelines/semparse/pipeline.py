@@ -4,7 +4,7 @@ Each step works on run directories written by `dpjax.train` (so every model
 carries its privacy ledger) and is skipped when its output already exists,
 so an interrupted experiment resumes where it stopped:
 
-* training: `harness.train_run` (one `trainer.train()` with gin files +
+* training: `harness.train_run` (one `configurables.train()` with gin files +
   bindings).
 * `generate_texts`: GPT-2 continuations of prompts (the task's BPE), by
   multinomial beam search (`decoding.beam_sample_causal`; 1 beam = sampling).

@@ -69,10 +69,10 @@ import gin
 import jax
 import numpy as np
 
-from dpjax import errors, fileio, gin_cli
+from dpjax import configurables, errors, fileio, gin_cli
 from dpjax.pipelines import harness, text_classifier
 from dpjax.generation import inference, pplm
-from dpjax.training import plan as plan_lib, run_config, trainer
+from dpjax.training import plan as plan_lib, trainer
 from dpjax.pipelines.harness import eps_name
 from dpjax.eval import text_quality
 from dpjax.models import bert
@@ -135,7 +135,7 @@ def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
   gin.clear_config()
   try:
     gin_cli.configure(list(gin_files), list(bindings))
-    config = run_config.RunConfig()
+    config = configurables.run_config()
     tasks.register_tasks(tokenizer_files=trainer.initial_tokenizer_files(
         config.initial_checkpoint_path))
     name = config.mixture_or_task_name
@@ -211,7 +211,7 @@ def baseline_plan(eps: float, *, gin_files: Sequence[str] = DEFAULT_GIN_FILES,
   try:
     gin_cli.configure(list(gin_files), list(bindings))
     tasks.register_tasks()
-    config = run_config.RunConfig()  # as the gin files configure the runs
+    config = configurables.run_config()  # as the gin files configure the runs
   finally:
     gin.clear_config()
   n = _train_size(config.mixture_or_task_name)

@@ -1,0 +1,112 @@
+"""gin at the edge: `dpjax.configurables` turns the t5x-style bindings into
+the typed `RunConfig` the engine takes, and nothing else reads gin."""
+import dataclasses
+
+import gin
+import pytest
+
+from dpjax import configurables, errors, gin_cli
+from dpjax.models import t5
+from dpjax.privacy import adaptive_clipping
+from dpjax.training import run_config
+
+REQUIRED = ["MODEL_DIR = 'runs/x'", "BATCH_SIZE = 8",
+            "MIXTURE_OR_TASK_NAME = 't'",
+            "TASK_FEATURE_LENGTHS = {'inputs': 4, 'targets': 2}",
+            "train.model_dir = %MODEL_DIR", "train.batch_size = %BATCH_SIZE",
+            "train.mixture_or_task_name = %MIXTURE_OR_TASK_NAME",
+            "train.task_feature_lengths = %TASK_FEATURE_LENGTHS",
+            "train.model_config = @T5Config()"]
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def test_the_bindings_by_their_t5x_names_fill_one_record():
+  gin_cli.configure([], REQUIRED + [
+      "T5Config.d_model = 64", "train.clip_norm = 'adaptive'",
+      "make_mesh.mesh_shape = {'fsdp': -1}",
+      "logical_axis_rules.name = 'fsdp'",
+      "learning_rate_schedule.name = 'cosine'",
+      "learning_rate_schedule.warmup_steps = 5",
+      "adaptive_clipping.target_quantile = 0.7"])
+  config = configurables.run_config()
+  # The record built by hand from the same values, with no gin at all.
+  expected = run_config.RunConfig(
+      model_dir="runs/x", model_config=t5.T5Config(d_model=64),
+      mixture_or_task_name="t",
+      task_feature_lengths={"inputs": 4, "targets": 2}, batch_size=8,
+      clip_norm="adaptive", mesh_shape={"fsdp": -1}, axis_rules="fsdp",
+      learning_rate_schedule=run_config.LearningRateSchedule(
+          name="cosine", warmup_steps=5),
+      adaptive_clipping=adaptive_clipping.AdaptiveClipping(
+          target_quantile=0.7))
+  assert config == expected
+  # The records are the engine's own classes, not gin's subclasses.
+  assert type(config) is run_config.RunConfig
+  assert type(config.model_config) is t5.T5Config
+
+
+def test_defaults_without_bindings_of_their_own():
+  gin_cli.configure([], REQUIRED)
+  config = configurables.run_config()
+  defaults = run_config.RunConfig(
+      model_dir="runs/x", model_config=t5.T5Config(), mixture_or_task_name="t",
+      task_feature_lengths={"inputs": 4, "targets": 2}, batch_size=8)
+  assert config == defaults and config.adaptive_clipping is None
+  # A fixed bound reads no adaptive_clipping.* binding.
+  gin_cli.configure([], ["adaptive_clipping.target_quantile = 0.7"])
+  assert configurables.run_config().adaptive_clipping is None
+
+
+def test_a_missing_required_setting_names_its_binding_and_macro():
+  gin_cli.configure([], [b for b in REQUIRED if "model_dir" not in b])
+  with pytest.raises(errors.UsageError,
+                     match=r"not set: train\.model_dir \(MODEL_DIR\)$"):
+    configurables.run_config()
+
+
+def test_a_setting_has_one_name():
+  # mesh, rules, schedule and adaptive clipping keep their t5x names only.
+  with pytest.raises(errors.UsageError, match="mesh_shape"):
+    gin_cli.configure([], REQUIRED + ["train.mesh_shape = {'data': 2}"])
+
+
+def test_a_bad_adaptive_setting_is_a_usage_error():
+  gin_cli.configure([], REQUIRED + ["train.clip_norm = 'adaptive'",
+                                    "adaptive_clipping.target_quantile = 1.5"])
+  with pytest.raises(errors.UsageError, match="target_quantile must be in"):
+    configurables.run_config()
+
+
+def test_every_shipped_gin_file_gives_a_run_config():
+  # The t5x-style files configure a run as before: each one parses and
+  # yields a record (the dry runs of tests/test_dry_run.py train on some).
+  import pathlib
+  root = pathlib.Path(gin_cli.REPO_GIN_DIR)
+  runs = sorted(p for p in root.glob("*.gin")
+                if "train.model_config" in _with_includes(p))
+  assert len(runs) > 10
+  for path in runs:
+    gin.clear_config()
+    gin_cli.configure([str(root / f) for f in OVERLAID.get(path.name, ())]
+                      + [str(path)], [])
+    config = configurables.run_config()
+    assert dataclasses.is_dataclass(config.model_config), path.name
+    assert type(config.model_config).__module__.startswith("dpjax.models")
+
+
+# Files given after another one (their header says which).
+OVERLAID = {"dual_encoder_msmarco_sample.gin": ["dual_encoder_msmarco.gin"]}
+
+
+def _with_includes(path) -> str:
+  text = path.read_text()
+  for line in text.splitlines():
+    if line.startswith("include "):
+      text += _with_includes(path.parent / line.split("'")[1])
+  return text
