@@ -90,7 +90,7 @@ def run_config() -> run_config_lib.RunConfig:
     errors.UsageError: a required `train.*` setting is unbound, or an
       `adaptive_clipping.*` value is out of range.
   """
-  missing = [name for name in _REQUIRED if not _bound(f"train.{name}")]
+  missing = [name for name in _REQUIRED if not is_bound(f"train.{name}")]
   if missing:
     raise errors.UsageError("gin: not set: " + ", ".join(
         f"train.{n}" + (f" ({_MACROS[n]})" if n in _MACROS else "")
@@ -125,7 +125,8 @@ def train(config: run_config_lib.RunConfig | None = None) -> dict:
   return result
 
 
-def _bound(name: str) -> bool:
+def is_bound(name: str) -> bool:
+  """Whether the parsed gin config binds `name` (e.g. 'train.model_dir')."""
   try:
     gin.query_parameter(name)
   except ValueError:

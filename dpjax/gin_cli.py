@@ -28,9 +28,6 @@ REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "gin")
 
 
-UsageError = errors.UsageError  # the command lines' user error
-
-
 class _Binding(str):
   """A gin binding that remembers the flag it came from (for messages)."""
   flag: str
@@ -91,7 +88,7 @@ def parse_args(argv: list[str], description: str, add_arguments=None,
       continue
     name, sep, value = arg[len(prefix) + 3:].partition("=")
     if not sep:
-      raise UsageError(f"{arg}: expected --{prefix}.NAME=VALUE")
+      raise errors.UsageError(f"{arg}: expected --{prefix}.NAME=VALUE")
     dotted[prefix].append(
         _binding(f"{name} = {_as_gin_value(value)}", arg))
   args = parser.parse_args(rest)
@@ -177,35 +174,36 @@ def configure(gin_files: list[str], bindings: list[str],
   imports them by their old names, which resolve to the new ones."""
   for path in [os.getcwd(), *search_paths, REPO_GIN_DIR]:
     gin.add_config_file_search_path(path)
-  for f in [*run_files, *gin_files]:
+  files = [*run_files, *gin_files]
+  for f in files:
     if not any(os.path.isfile(os.path.join(p, f))
                for p in [os.getcwd(), *search_paths, REPO_GIN_DIR]) \
         and not os.path.isfile(f):
-      raise UsageError(f"gin file not found: {f} (searched the working "
-                       f"directory, {', '.join(search_paths) or 'no extra paths'}"
-                       f" and {REPO_GIN_DIR})")
+      raise errors.UsageError(
+          f"gin file not found: {f} (searched the working directory, "
+          f"{', '.join(search_paths) or 'no extra paths'} and {REPO_GIN_DIR})")
   logging.disable(logging.ERROR)  # gin logs every search-path miss
   # One file, then one binding, at a time: an error names the file and line,
   # or the binding as the user wrote it (gin numbers the lines of all the
   # bindings joined, which are no lines of the user's).
-  errors = (ValueError, KeyError, OSError, SyntaxError, ImportError,
-            tokenize.TokenError)
+  gin_errors = (ValueError, KeyError, OSError, SyntaxError, ImportError,
+                tokenize.TokenError)
   try:
-    for path in [*run_files, *gin_files]:
+    for path in files:
       try:
         if path in run_files:
           _alias_moved_modules(path)
         gin.parse_config_file(path)
-      except errors as e:
-        raise UsageError(_gin_file_error(path, e)) from None
+      except gin_errors as e:
+        raise errors.UsageError(_gin_file_error(path, e)) from None
     for binding in bindings:
       try:
         gin.parse_config(binding)
-      except errors as e:
+      except gin_errors as e:
         flag = getattr(binding, "flag", None) or f"binding {str(binding)!r}"
-        raise UsageError(f"gin: in {flag}: "
-                         f"{_gin_reason(e, line=chr(10) in binding.strip())}"
-                         ) from None
+        raise errors.UsageError(
+            f"gin: in {flag}: "
+            f"{_gin_reason(e, line=chr(10) in binding.strip())}") from None
   finally:
     logging.disable(logging.NOTSET)
 
@@ -219,7 +217,7 @@ def error_message(e: BaseException) -> str:
   return text or type(e).__name__
 
 
-def run_command(fn, user_errors=(UsageError,)):
+def run_command(fn, user_errors=(errors.UsageError,)):
   """A command's `__main__`: libraries' log records and teardown tracebacks
   kept off the console (`reporting.keep_libraries_off_the_console`), then
   `exit_on_user_error(fn, user_errors)`."""
@@ -227,7 +225,7 @@ def run_command(fn, user_errors=(UsageError,)):
   return exit_on_user_error(fn, user_errors)
 
 
-def exit_on_user_error(fn, user_errors=(UsageError,)):
+def exit_on_user_error(fn, user_errors=(errors.UsageError,)):
   """Runs fn(); a user error (bad flag, file, line, budget, a run that fails
   verification) and a fault of the system (an OSError: a save on a full
   disk, permission denied, a quota) print one `error:` line and exit with

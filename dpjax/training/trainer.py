@@ -245,8 +245,7 @@ def train(config: RunConfig, *,
                                        max_to_keep=config.keep_checkpoints)
   if init_run:  # read; orbax's threads need not live through the run
     init_run[0].close()
-  _write_run_files(model_dir, run_secret, plan.ledger,
-                   config_text() if config_text else None)
+  _write_run_files(model_dir, run_secret, plan.ledger, config_text)
   reporting.log_libraries_to(model_dir)
   if built.sizing_key and distributed.is_primary():
     sizing_lib.save(model_dir, built.sizing_key, built.sizing)
@@ -518,17 +517,17 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
 
 def _write_run_files(model_dir: str, run_secret: secret_lib.RunSecret,
                      ledger: ledger_lib.PrivacyLedger,
-                     config_text: str | None) -> None:
-  """The secret (before any release is saved), config.gin (`config_text`,
-  if any), and the ledger file rewritten from the checkpoint's ledger
-  (process 0)."""
+                     config_text: Callable[[], str] | None) -> None:
+  """The secret (before any release is saved), config.gin (from
+  `config_text`, if any), and the ledger file rewritten from the
+  checkpoint's ledger (process 0)."""
   os.makedirs(model_dir, exist_ok=True)
   if not distributed.is_primary():
     return
   if not secret_lib.exists(model_dir):
     run_secret.save(model_dir)
   if config_text is not None:
-    fileio.write_atomic(os.path.join(model_dir, "config.gin"), config_text)
+    fileio.write_atomic(os.path.join(model_dir, "config.gin"), config_text())
   if checkpoints.write_ledger(model_dir, ledger.to_json()):
     reporting.say(
         f"repaired {os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}: "
