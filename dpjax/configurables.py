@@ -32,7 +32,7 @@ from dpjax.generation import inference
 from dpjax.models import bert, dual_encoder, gpt2, gpt2_disc, lora, t5
 from dpjax.privacy import adaptive_clipping as adaptive_lib
 from dpjax.training import distributed, reporting, run_config as run_config_lib
-from dpjax.training import trainer
+from dpjax.training import plan, trainer
 
 
 def _register(cls_or_fn, name: str, **kwargs):
@@ -97,7 +97,7 @@ def run_config() -> run_config_lib.RunConfig:
         for n in missing))
   config = _train()
   adaptive = None
-  if config.clip_norm == "adaptive":
+  if config.clip_norm == plan.ADAPTIVE:
     try:
       adaptive = _adaptive_clipping()
     except ValueError as e:
