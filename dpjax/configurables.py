@@ -17,11 +17,13 @@ t5x-style gin files use, so a gin file reads as it always has:
 `run_config()` is the run the bindings describe, and `train()` trains it;
 the command lines and pipelines call them after parsing their gin files
 (`dpjax.gin_cli.configure`). The seqio tasks register their own settings
-(`tasks`), as the data layer.
+(`tasks`), as the data layer, and are registered here, at the edge, once
+the bindings are parsed (`register_tasks`): the engine imports no `tasks`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping
 
 import gin
@@ -30,9 +32,10 @@ import jax
 from dpjax import errors
 from dpjax.generation import inference
 from dpjax.models import bert, dual_encoder, gpt2, gpt2_disc, lora, t5
-from dpjax.privacy import adaptive_clipping as adaptive_lib
+from dpjax.privacy.mechanisms import adaptive_clipping as adaptive_lib
 from dpjax.training import distributed, reporting, run_config as run_config_lib
-from dpjax.training import plan, trainer
+from dpjax.training import trainer
+import tasks
 
 
 def _register(cls_or_fn, name: str, **kwargs):
@@ -59,8 +62,21 @@ _learning_rate_schedule = _register(run_config_lib.LearningRateSchedule,
 _adaptive_clipping = _register(adaptive_lib.AdaptiveClipping,
                                "adaptive_clipping")
 initialize = _register(distributed.initialize, "initialize")
-generate_synthetic = _register(inference.generate_synthetic,
-                               "generate_synthetic", denylist=["model_dir"])
+
+
+@functools.wraps(inference.generate_synthetic)
+def _generate_synthetic(**settings) -> dict:
+  """`inference.generate_synthetic`, the run's tasks registered by `tasks`
+  (with its recorded tokenizer files)."""
+  return inference.generate_synthetic(
+      **settings, register_tasks=lambda files: tasks.register_tasks(
+          tokenizer_files=files))
+
+
+generate_synthetic = gin.external_configurable(
+    _generate_synthetic, "generate_synthetic",
+    module=inference.generate_synthetic.__module__,
+    denylist=["model_dir", "register_tasks"])
 
 
 @gin.configurable("make_mesh", module="dpjax.training.partitioning")
@@ -97,7 +113,7 @@ def run_config() -> run_config_lib.RunConfig:
         for n in missing))
   config = _train()
   adaptive = None
-  if config.clip_norm == plan.ADAPTIVE:
+  if config.clip_norm == adaptive_lib.ADAPTIVE:
     try:
       adaptive = _adaptive_clipping()
     except ValueError as e:
@@ -114,6 +130,7 @@ def train(config: run_config_lib.RunConfig | None = None) -> dict:
   run finished, one synthetic query per training document
   (`generate_synthetic.*`)."""
   config = config or run_config()
+  register_tasks(config)
   result = trainer.train(config, config_text=gin.config_str)
   if config.generate_after_training and (
       result["steps_done"] == result["steps"]):
@@ -123,6 +140,14 @@ def train(config: run_config_lib.RunConfig | None = None) -> dict:
       reporting.say("generation runs on one host: python -m dpjax.infer "
                     f"--model_dir={result['model_dir']}")
   return result
+
+
+def register_tasks(config: run_config_lib.RunConfig) -> None:
+  """Registers the seqio tasks `config` reads, with the vocabulary of its
+  initial checkpoint (`trainer.initial_tokenizer_files`); after the gin
+  files are parsed, whose bindings the tasks read."""
+  tasks.register_tasks(tokenizer_files=trainer.initial_tokenizer_files(
+      config.initial_checkpoint_path))
 
 
 def is_bound(name: str) -> bool:

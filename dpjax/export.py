@@ -60,7 +60,8 @@ from dpjax.training import checkpoints
 from dpjax import errors, fileio, gin_cli, pretrained
 from dpjax.generation import inference
 from dpjax.models import dual_encoder
-from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
+from dpjax.privacy import ledger as ledger_lib, mechanisms
+from dpjax.privacy import secret as secret_lib
 
 STATEMENT_FILE = "privacy_statement.json"
 STATEMENT_MD = "PRIVACY.md"
@@ -173,6 +174,7 @@ def privacy_statement(meta: checkpoints.RunMeta, config) -> dict:
   ledger_json = meta.ledger
   ledger = ledger_lib.PrivacyLedger.from_json(ledger_json)
   plan = meta.plan
+  mechanism = mechanisms.from_plan(plan)
   redaction = plan.get("redaction")
   unit, adjacency = unit_and_adjacency(ledger_json, config, redaction)
   origin = noise_key_origin(ledger_json)
@@ -188,8 +190,10 @@ def privacy_statement(meta: checkpoints.RunMeta, config) -> dict:
       "noise_multiplier": ledger.noise_multiplier,
       "clip_norm": ledger.clip_norm,
       "clip_norms": plan.get("clip_norms"),
-      "adaptive_clipping": plan.get("adaptive_clipping"),
+      "clipping": mechanism.describe_clipping(ledger.clip_norm,
+                                              plan.get("clip_norms")),
       "mechanism": ledger.mechanism,
+      "mechanism_description": mechanism.describe_noise(),
       "dataset_size": ledger.dataset_size,
       "dp_steps": ledger.steps,
       "target_epsilon": _float(ledger.target_epsilon),
@@ -219,23 +223,6 @@ _NOISE_KEY_TEXT = {
 }
 
 
-def _clip_text(s: dict) -> str:
-  adaptive = s.get("adaptive_clipping")
-  if not adaptive:
-    return str(s["clip_norms"] or s["clip_norm"])
-  return (f"adaptive: from {adaptive['initial_clip_norm']:g} toward the "
-          f"{adaptive['target_quantile']:g} quantile of the gradient norms; "
-          "each step also released its count of unclipped examples with "
-          f"noise stddev {adaptive['count_stddev']:.4g} (in the events)")
-
-
-def _mechanism_text(mechanism) -> str:
-  if isinstance(mechanism, dict) and mechanism.get("name") == "bandmf":
-    return (f"BandMF ({mechanism['bands']}-banded correlated noise, cyclic "
-            "Poisson sampling)")
-  return "DP-SGD"
-
-
 def privacy_markdown(s: dict) -> str:
   """PRIVACY.md: the statement for people."""
   rows = [("ε spent (recomputed from the ledger's events)", s["epsilon"]),
@@ -245,7 +232,7 @@ def privacy_markdown(s: dict) -> str:
           ("sampling", s["sampling"].get("method")),
           ("q (sampling rate)", s["sampling_rate"]),
           ("σ (noise multiplier)", s["noise_multiplier"]),
-          ("C (clip norm)", _clip_text(s)),
+          ("C (clip norm)", s["clipping"]),
           ("n (dataset size)", s["dataset_size"]),
           ("DP steps", s["dp_steps"]), ("target ε", s["target_epsilon"]),
           ("model step", s["model_step"]), ("noise key", s["noise_key"])]
@@ -253,7 +240,7 @@ def privacy_markdown(s: dict) -> str:
   eps = f"{eps:.4g}" if isinstance(eps, float) else eps
   lines = ["# Privacy statement", "", _NOISE_KEY_TEXT[s["noise_key"]], "",
            f"These parameters were trained by dpjax with "
-           f"{_mechanism_text(s.get('mechanism', 'dpsgd'))} and are "
+           f"{s['mechanism_description']} and are "
            f"(ε = {eps}, δ = {s['delta']:.3g})-differentially private for "
            f"{s['unit_of_privacy']} under {s['adjacency']} adjacency "
            f"({s['accountant']} accounting), provided the run's secret key "

@@ -143,7 +143,11 @@ _MOVED_MODULES = {
     **{f"dpjax.{m}": f"dpjax.training.{m}" for m in (
         "checkpoints", "distributed", "dry_run", "loop", "padding",
         "partitioning", "plan", "prefetch", "reporting", "run_config",
-        "sizing", "step_cost", "steps", "targets", "train_step", "trainer")},
+        "sizing", "step_cost", "targets", "trainer")},
+    **{f"dpjax.{m}": "dpjax.training.step" for m in (
+        "steps", "train_step", "training.steps", "training.train_step")},
+    **{f"dpjax.privacy.{m}": f"dpjax.privacy.mechanisms.{m}"
+       for m in ("adaptive_clipping", "bandmf", "redaction_schedule")},
     **{f"dpjax.{m}": f"dpjax.generation.{m}"
        for m in ("decoding", "pplm", "inference")},
     **{f"dpjax.{m}": f"dpjax.pipelines.{m}" for m in (

@@ -36,8 +36,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              "with --dry_run")
   configurables.initialize()  # a multi-host job's: before any other JAX use
   if args.dry_run or args.dry_run_steps:
-    return dry_run.dry_run(configurables.run_config(),
-                           steps=args.dry_run_steps, target=args.target)
+    config = configurables.run_config()
+    configurables.register_tasks(config)
+    return dry_run.dry_run(config, steps=args.dry_run_steps,
+                           target=args.target)
   return configurables.train()
 
 

@@ -43,13 +43,12 @@ import math
 import os
 from typing import Any, Mapping
 
-import numpy as np
 import orbax.checkpoint as ocp
 
 from dpjax.training import checkpoints, reporting
 from dpjax.privacy import accounting, ledger as ledger_lib
-from dpjax.privacy import adaptive_clipping as adaptive_lib
-from dpjax.privacy import redaction_schedule as redaction_lib, sampling
+from dpjax.privacy import mechanisms, sampling
+from dpjax.privacy.mechanisms import redaction_schedule
 from dpjax.privacy import secret as secret_lib
 
 # Calibration's answer is within 1e-6 of the boundary (accounting's
@@ -71,41 +70,16 @@ def _refuse(step: int, why: str) -> UnverifiedRunError:
 
 def dp_step_multipliers(plan: Mapping, sigma: float) -> tuple[float, ...]:
   """The noise multipliers of one DP step's releases under a plan's JSON
-  (`Plan.guarantee()`): σ for each clipped sum (one per loss), then
-  adaptive clipping's counts (one per loss)."""
+  (`Plan.guarantee()`): its mechanism's, e.g. σ for each clipped sum (one
+  per loss), then adaptive clipping's counts (one per loss)."""
   per_step = len(plan.get("clip_norms") or {}) or 1
-  sums = (float(sigma),) * per_step
-  if not plan.get("adaptive_clipping"):
-    return sums
-  count = adaptive_lib.AdaptiveClipping(
-      **plan["adaptive_clipping"]).count_noise_multiplier
-  return sums + (count,) * per_step
+  return mechanisms.from_plan(plan).step_multipliers(float(sigma), per_step)
 
 
-def expected_scheme(plan: Mapping) -> sampling.PoissonScheme | sampling.ShuffleScheme:
+def expected_scheme(plan: Mapping):
   """The sampling scheme the plan's sampler has (its accounting)."""
-  n, b = int(plan["dataset_size"]), int(plan["batch_size"])
-  if plan.get("bandmf"):
-    bands = int(plan["bandmf"]["bands"])
-    return sampling.PoissonScheme(float(b) / (n // bands), cycle_length=bands)
-  if plan.get("user_level"):
-    return sampling.PoissonScheme(float(b) / n, unit="user")
-  if plan["sampling"] == "shuffle":
-    return sampling.ShuffleScheme(n // b)
-  return sampling.PoissonScheme(b / n)
-
-
-def schedule_dp_steps(plan: Mapping, step: int) -> int:
-  """The DP steps among the first `step` under the plan's redaction
-  schedule (its public coins, from the plan's seed); `step` without one."""
-  redaction = plan.get("redaction")
-  if not redaction:
-    return step
-  probs = redaction_lib.probabilities(
-      redaction["schedule"], int(plan["steps"]), eta=redaction["eta"],
-      p=redaction["probability"])
-  public = redaction_lib.public_steps(probs, int(plan["seed"]))
-  return int(np.count_nonzero(~public[:step]))
+  return mechanisms.from_plan(plan).scheme(int(plan["dataset_size"]),
+                                           int(plan["batch_size"]))
 
 
 def _planned_dp_steps(plan: Mapping) -> int:
@@ -135,9 +109,7 @@ def check_run(meta: checkpoints.RunMeta, *, checkpoint_step: int,
 
 def _check_parameters(step: int, ledger: ledger_lib.PrivacyLedger,
                       plan: Mapping, sampler: Mapping) -> None:
-  bandmf = plan.get("bandmf")
-  mechanism = ({"name": "bandmf", "bands": bandmf["bands"]} if bandmf
-               else "dpsgd")
+  mechanism = mechanisms.from_plan(plan).ledger_entry()
   pairs = {"σ": (ledger.noise_multiplier, float(plan["noise_multiplier"])),
            "C": (ledger.clip_norm, float(plan["clip_norm"])),
            "δ": (ledger.delta, float(plan["delta"])),
@@ -159,8 +131,8 @@ def _check_counts(step: int, ledger: ledger_lib.PrivacyLedger, plan: Mapping,
   counts = {"the ledger's DP steps": ledger.steps,
             "the data position's": position.dp_steps,
             "the optimizer's noise counter": int(noise_count),
-            f"the schedule's before step {step}": schedule_dp_steps(plan,
-                                                                   step)}
+            f"the schedule's before step {step}":
+                redaction_schedule.dp_steps_before(plan, step)}
   if len(set(counts.values())) > 1:
     raise _refuse(step, ", ".join(f"{k} = {v}" for k, v in counts.items()))
   if (position.step, position.public_steps, position.seed) != (

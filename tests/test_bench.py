@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax.training import step_cost, train_step
+from dpjax.training import state as state_lib, step as step_lib, step_cost
 from dpjax.bench import step as bench
 from dpjax.models import common, t5
 from dpjax.privacy import clipping, optimizers
@@ -290,8 +290,8 @@ def test_bfloat16_step_keeps_float32_params_grads_and_norms():
   tx = optimizers.dp_optimizer(optax.adam(1e-3),
                                noise_multipliers={"loss": 1.0},
                                sensitivities={"loss": 1.0}, normalizer=4)
-  state = jax.eval_shape(train_step.make_apply(tx),
-                         train_step.init_state(params, tx), {"loss": grads},
+  state = jax.eval_shape(step_lib.make_apply(tx),
+                         state_lib.init_state(params, tx), {"loss": grads},
                          RunSecret.pinned(0).noise_key())
   adam = state.opt_state[0]
   assert {x.dtype for x in jax.tree.leaves((state.params, adam.mu, adam.nu))

@@ -16,7 +16,7 @@ import pytest
 
 from dpjax import errors, gin_cli, infer, train, verify
 from dpjax.generation import inference
-from dpjax.training import plan as plan_lib
+from dpjax.training import run_config
 from tests import test_outsider, test_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,10 +120,10 @@ def test_a_plan_over_the_budget_is_refused_in_one_line(tmp_path, capsys):
 
 def test_check_batch_size_empty_split_and_delta_1_over_n():
   with pytest.raises(errors.UsageError, match=r"no examples \(n = 0\)"):
-    plan_lib.check_batch_size(1, 0)
+    run_config.check_batch_size(1, 0)
   with pytest.raises(errors.UsageError, match="'1/n' is 1"):
-    plan_lib.check_batch_size(1, 1, "1/n")
-  plan_lib.check_batch_size(2, 2, "1/n")
+    run_config.check_batch_size(1, 1, "1/n")
+  run_config.check_batch_size(2, 2, "1/n")
 
 
 def test_empty_msmarco_files_name_the_file(tmp_path, capsys):

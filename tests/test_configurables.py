@@ -7,7 +7,7 @@ import pytest
 
 from dpjax import configurables, errors, gin_cli
 from dpjax.models import t5
-from dpjax.privacy import adaptive_clipping
+from dpjax.privacy.mechanisms import adaptive_clipping
 from dpjax.training import run_config
 
 REQUIRED = ["MODEL_DIR = 'runs/x'", "BATCH_SIZE = 8",

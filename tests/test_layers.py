@@ -21,7 +21,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PIPELINES = ("dpjax.pipelines.dialog", "dpjax.pipelines.semparse", "dpjax.pipelines.seqpate", "dpjax.pipelines.textcls",
              "dpjax.pipelines.retrieval")
-DP_CORE = ("dpjax.privacy", "dpjax.models", "dpjax.training.train_step",
+DP_CORE = ("dpjax.privacy", "dpjax.models", "dpjax.training.step",
+           "dpjax.training.state", "dpjax.training.optimizer",
            "dpjax.generation.decoding", "dpjax.training.partitioning")
 TENSORFLOW = ("tensorflow", "seqio", "tensorflow_datasets", "tensorflow_text")
 
@@ -161,6 +162,53 @@ def test_the_engine_imports_no_pipeline():
                for kind in ("module", "function") for t in GRAPH[m][kind]
                if _within(t, ["dpjax.pipelines"]))
   assert not bad, bad
+
+
+def test_the_engine_imports_no_task_definitions():
+  # `tasks` imports dpjax's readers; the command lines register tasks.
+  bad = sorted((m, t) for m in MODULES if _within(m, ENGINE)
+               for kind in ("module", "function") for t in GRAPH[m][kind]
+               if _within(t, ["tasks"]))
+  assert not bad, bad
+
+
+# Modules that run any mechanism through its interface
+# (`dpjax.privacy.mechanisms.dpsgd.DPSGD`). `run_config` is the settings
+# record: it holds what users set, mechanisms' settings among them.
+MECHANISM_NEUTRAL = ("dpjax.training", "dpjax.generation", "dpjax.export",
+                     "dpjax.verify", "dpjax.privacy.accounting",
+                     "dpjax.privacy.ledger", "dpjax.privacy.noise",
+                     "dpjax.privacy.optimizers")
+SPECIFIC = ("bandmf", "adaptive", "user_level", "user_column", "cyclic")
+
+
+def _code_names(module: str) -> set[str]:
+  """Identifiers, attributes and imported names in `module`'s code (not its
+  docstrings or comments), lower case."""
+  names = set()
+  for node in ast.walk(ast.parse(MODULES[module].read_text())):
+    if isinstance(node, ast.Name):
+      names.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      names.add(node.attr)
+    elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.arg)):
+      names.add(getattr(node, "name", None) or node.arg)
+    elif isinstance(node, ast.alias):
+      names.update(filter(None, [*node.name.split("."), node.asname]))
+    elif isinstance(node, ast.keyword) and node.arg:
+      names.add(node.arg)
+  return {n.lower() for n in names}
+
+
+def test_the_engine_names_no_specific_mechanism():
+  engine = [m for m in MODULES if _within(m, MECHANISM_NEUTRAL)
+            and m != "dpjax.training.run_config"]
+  assert "dpjax.training.plan" in engine and "dpjax.training.step" in engine
+  bad = sorted((m, n) for m in engine for n in _code_names(m)
+               if any(s in n for s in SPECIFIC))
+  assert not bad, bad
+  assert "adaptive_clipping" in _code_names(
+      "dpjax.privacy.mechanisms.adaptive_clipping")  # the guard
 
 
 def _top_level_imports(module: str) -> set[str]:

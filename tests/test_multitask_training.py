@@ -14,9 +14,10 @@ import pytest
 from dp_accounting import rdp
 
 from dpjax import errors
-from dpjax.training import plan as plan_lib, steps as steps_lib
+from dpjax.training import plan as plan_lib, step as step_lib
 from dpjax.models import gpt2, gpt2_disc, trainable
 from dpjax.privacy import accounting, clipping, noise, optimizers, sampling
+from dpjax.privacy.mechanisms import multi_loss
 from dpjax.privacy.secret import RunSecret
 
 LENGTH = 10
@@ -170,7 +171,7 @@ def test_frozen_leaves_are_not_updated_even_with_weight_decay():
       noise_multipliers={"lm": 1.0}, sensitivities={"lm": 1.0}, normalizer=1.0,
       trainable=trains)
   grads = {"lm": {"w": jnp.ones(3), "frozen": jnp.zeros(2)}}
-  updates, _, _ = tx.update(grads, tx.init(params), params, count=0,
+  updates, *_ = tx.update(grads, tx.init(params), params, count=0,
                             noise_secret=RunSecret.pinned(0).noise_key())
   assert np.all(np.asarray(updates["frozen"]) == 0)
   assert np.all(np.asarray(updates["w"]) != 0)  # the trainable ones are
@@ -246,7 +247,7 @@ def test_single_loss_plan_has_one_release_per_step(single_loss_plan):
 
 
 build_step = functools.partial(
-    steps_lib.build_dp_step, optimizer="adam", learning_rate=1e-3,
+    step_lib.build_dp_step, optimizer="adam", learning_rate=1e-3,
     noise_multiplier=1.0, normalizer=1.0, seed=0, clip_norm=0.1)
 
 
@@ -262,7 +263,7 @@ def test_head_only_model_has_the_disc_loss_only():
 
 def test_per_loss_clip_norms_override_the_default():
   multi = trainable.trainable(_config(), LENGTHS)
-  assert steps_lib.loss_clip_norms(multi, 0.1, {"disc": 0.5}) == {
+  assert multi_loss.release_bounds(multi, 0.1, {"disc": 0.5}) == {
       "lm": 0.1, "disc": 0.5}
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from dpjax import configurables
 from dpjax import errors
-from dpjax.training import padding, plan as plan_lib
+from dpjax.training import padding, run_config
 from dpjax.models import gpt2, t5
 from dpjax.privacy import ledger as ledger_lib
 
@@ -138,7 +138,7 @@ def test_by_length_reorders_the_same_examples_and_weights():
 def test_length_buckets_must_be_positive():
   with pytest.raises(errors.UsageError, match="length_buckets"):
     test_trainer.configure("/tmp/unused", "train.length_buckets = 0")
-    plan_lib.check_run_inputs(configurables.run_config())
+    run_config.check(configurables.run_config())
   gin.clear_config()
 
 

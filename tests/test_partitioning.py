@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dpjax.training import partitioning, train_step
+from dpjax.training import partitioning, state as state_lib, step as step_lib
 from dpjax.models import gpt2, t5
 from dpjax.privacy import clipping_method, optimizers
 from dpjax.privacy.secret import RunSecret
@@ -122,12 +122,12 @@ def _dp_step(example_loss, method="vmap"):
   tx = optimizers.dp_optimizer(optax.adam(1e-2, eps=1e-3),
                                noise_multipliers={"loss": 0.5},
                                sensitivities={"loss": CLIP}, normalizer=K * M)
-  accumulate = train_step.make_accumulate(clipped, seed=0, dropout=False)
-  apply = train_step.make_apply(tx)
+  accumulate = step_lib.make_accumulate(clipped, seed=0, dropout=False)
+  apply = step_lib.make_apply(tx)
 
   def step(state, batch, mask):
     grads, _ = accumulate(
-        state.params, {"loss": train_step.zeros_like_f32(state.params)},
+        state.params, {"loss": step_lib.zeros_like_f32(state.params)},
         batch, mask, state.step, 0)
     return apply(state, grads, RunSecret.pinned(0).noise_key())
 
@@ -148,7 +148,7 @@ def _sharded_run():
   for name, (example_loss, params, axes, batch) in _models().items():
     tx, step = _dp_step(example_loss)
     one = jax.jit(step)
-    reference = jax.device_put(train_step.init_state(params, tx), jax.devices()[0])
+    reference = jax.device_put(state_lib.init_state(params, tx), jax.devices()[0])
     for _ in range(2):
       reference = one(reference, batch, mask)
     runs = [(shape, step) for shape in MESHES]
@@ -161,7 +161,7 @@ def _sharded_run():
       mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
       sharded = jax.jit(run_step, in_shardings=(state_sh, batch_sh, mask_sh),
                         out_shardings=state_sh)
-      state = jax.device_put(train_step.init_state(params, tx), state_sh)
+      state = jax.device_put(state_lib.init_state(params, tx), state_sh)
       for _ in range(2):
         state = sharded(state, jax.device_put(batch, batch_sh),
                         jax.device_put(mask, mask_sh))

@@ -22,14 +22,15 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax.training import checkpoints, plan as plan_lib, train_step
+from dpjax.training import checkpoints, plan as plan_lib
+from dpjax.training import state as state_lib, step as step_lib
 from dpjax import configurables
 from dpjax import errors, gin_cli, verify
 from dpjax.data import arrays as data_arrays
 from dpjax.models import trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.privacy import optimizers, sampling
-from dpjax.privacy import redaction_schedule as rs
+from dpjax.privacy.mechanisms import redaction_schedule as rs
 from tests import test_trainer
 from dpjax.privacy import secret
 
@@ -232,10 +233,10 @@ def dp_then_public():
   base = optax.adamw(1e-2)
   tx = optimizers.dp_optimizer(base, noise_multipliers={"loss": 1.0},
                                sensitivities={"loss": 0.1}, normalizer=16.0)
-  state = jax.jit(train_step.make_apply(tx))(
-      train_step.init_state(params, tx), {"loss": grads},
+  state = jax.jit(step_lib.make_apply(tx))(
+      state_lib.init_state(params, tx), {"loss": grads},
       secret.RunSecret.pinned(0).noise_key())
-  public = jax.jit(train_step.make_public_step(
+  public = jax.jit(step_lib.make_public_step(
       lambda p, ex: 0.0 * jnp.sum(p["w"]) * ex["x"], base, seed=0,
       dropout=False))
   new, _ = public(state, {"x": jnp.ones((1, 2))}, jnp.ones((1, 2)), 0)
@@ -282,8 +283,8 @@ def least_squares_public_step():
   base = optax.sgd(0.1)
   tx = optimizers.dp_optimizer(base, noise_multipliers={"loss": 1.0},
                                sensitivities={"loss": 1.0}, normalizer=4.0)
-  state = train_step.init_state(params, tx)
-  step = jax.jit(train_step.make_public_step(
+  state = state_lib.init_state(params, tx)
+  step = jax.jit(step_lib.make_public_step(
       example_loss, base, seed=0, dropout=False))
   new, metrics = step(state, {"x": x.reshape(2, 3, 3), "y": y.reshape(2, 3)},
                       mask.reshape(2, 3), 0)
@@ -549,7 +550,7 @@ def plain_adam(redacted_only):
   initial, _ = model.init_params(jax.random.PRNGKey(0))
   data = data_arrays.load_task_arrays("smcalflow_utterance_lm", "train",
                                       lengths, converter="decoder_only")
-  batches = plan_lib.public_sampler(len(data["tokens"]), 16, seed=0)
+  batches = rs.public_sampler(len(data["tokens"]), 16, seed=0)
   adam = optax.adam(1e-2)  # semparse_sample.gin's optimizer and rate
 
   @jax.jit

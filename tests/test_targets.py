@@ -30,6 +30,7 @@ def configure(model_dir, *extra) -> None:
   gin.clear_config()
   gin_cli.configure(["quickstart.gin"],
                     [f"MODEL_DIR = '{model_dir}'", *TINY, *extra])
+  configurables.register_tasks(configurables.run_config())
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
   state = placed.abstract_state
   grads = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      jax.eval_shape(placed.zero_grads, state.params), placed.grads_shardings)
+      jax.eval_shape(placed.zero_sums, state.params), placed.sums_shardings)
 
   def peak(compiled) -> int:
     a = compiled.memory_analysis()

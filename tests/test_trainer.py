@@ -17,11 +17,12 @@ import pytest
 
 import tasks
 from dpjax import configurables, errors, gin_cli, verify
-from dpjax.training import (checkpoints, loop, sizing, steps as steps_lib,
-                            train_step)
+from dpjax.training import checkpoints, loop, sizing, step as step_lib
+from dpjax.training import state as state_lib
 from dpjax.generation import inference
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
+from dpjax.privacy.mechanisms import multi_loss
 from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
 from tests import numerics
 
@@ -343,7 +344,7 @@ def xl_eps3_step():
   config = sizing.with_remat(configurables.T5Config(), "layer")  # the gin's is 'auto'
   model = trainable.trainable(config, {"inputs": 384, "targets": 128})
   params, _ = model.abstract_params()
-  tx, accumulate, apply = steps_lib.build_dp_step(
+  tx, accumulate, apply = step_lib.build_dp_step(
       model, clip_norm=0.1, optimizer="adam", learning_rate=1e-3,
       noise_multiplier=1.0, normalizer=1024.0, seed=0)
   k, m = 2, 1
@@ -353,10 +354,10 @@ def xl_eps3_step():
       "decoder_target_tokens": jax.ShapeDtypeStruct((k, m, 128), np.int32),
       "decoder_loss_weights": jax.ShapeDtypeStruct((k, m, 128), np.int32)}
   mask = jax.ShapeDtypeStruct((k, m), np.float32)
-  grads = {train_step.LOSS: jax.eval_shape(train_step.zeros_like_f32, params)}
+  grads = {multi_loss.LOSS: jax.eval_shape(step_lib.zeros_like_f32, params)}
   new_grads, metrics = jax.eval_shape(accumulate, params, grads, batch, mask,
                                       0, 0)
-  state = jax.eval_shape(lambda p: train_step.init_state(p, tx), params)
+  state = jax.eval_shape(lambda p: state_lib.init_state(p, tx), params)
   new_state = jax.eval_shape(apply, state, new_grads,
                              secret.RunSecret.pinned(0).noise_key())
   return params, new_grads, new_state
@@ -369,7 +370,7 @@ def test_xl_eps3_config_has_about_3b_params(xl_eps3_step):
 
 def test_xl_eps3_accumulate_traces_to_grads_shaped_like_params(xl_eps3_step):
   params, new_grads, _ = xl_eps3_step
-  assert jax.tree.structure(new_grads[train_step.LOSS]) == \
+  assert jax.tree.structure(new_grads[multi_loss.LOSS]) == \
       jax.tree.structure(params)
 
 

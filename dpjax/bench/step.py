@@ -9,7 +9,7 @@ Modes:
 
   nodp         gradient of the mean loss and optax Adam: the non-private
                baseline;
-  vmap, ghost  the trainer's DP step: `train_step.make_accumulate` over
+  vmap, ghost  the trainer's DP step: `step.make_accumulate` over
                [K, m] microbatches, clipping by
                `clipping_method.make_clipped_grad` with that method (ghost:
                `ghost.ghost_clipped_grad`, the same callable), then
@@ -85,8 +85,9 @@ import numpy as np
 import optax
 
 from dpjax import configurables, errors, gin_cli
-from dpjax.training import partitioning, step_cost, targets, train_step
-from dpjax.training import steps as steps_lib
+from dpjax.training import partitioning, step as step_lib, step_cost, targets
+from dpjax.training.state import TrainState, init_state
+from dpjax.privacy.mechanisms import multi_loss
 from dpjax.models import lora, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, clipping_method, ghost, optimizers, secret
@@ -190,7 +191,7 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
   `ghost_summation`: `ghost.ghost_clipped_grad`'s `norm` and `summation`.
   A model with a trainable mask (LoRA) differentiates, clips, noises and
   keeps optimizer state for its trained leaves only, as the trainer does."""
-  trainable = steps_lib.trainable_mask(model)
+  trainable = multi_loss.trainable_mask(model)
   adam = (optax.adam(learning_rate) if trainable is None else
           optimizers.freeze(optax.adam(learning_rate), trainable))
   if mode == "nodp":
@@ -210,21 +211,21 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
         return jax.tree.map(jnp.add, grads, g), value
 
       grads, losses = jax.lax.scan(
-          add_grad, train_step.zeros_like_f32(params), batch)
+          add_grad, step_lib.zeros_like_f32(params), batch)
       return grads, {"loss_sum": losses.sum()}
 
     def nodp_apply(state, grads):
       grads = jax.tree.map(lambda g: g / batch_size, grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
-      return train_step.TrainState(
+      return TrainState(
           state.step + 1, optax.apply_updates(state.params, updates),
           opt_state, state.noise_count)
 
     return BenchStep(tx, nodp_accumulate, nodp_apply)
 
   dp_adam = lambda sensitivity: optimizers.dp_optimizer(
-      adam, noise_multipliers={train_step.LOSS: noise_multiplier},
-      sensitivities={train_step.LOSS: sensitivity}, normalizer=batch_size,
+      adam, noise_multipliers={multi_loss.LOSS: noise_multiplier},
+      sensitivities={multi_loss.LOSS: sensitivity}, normalizer=batch_size,
       trainable=trainable)
   # A benchmark releases nothing: its noise key may be a compiled constant.
   noise_secret = jnp.asarray(secret.RunSecret.draw().noise_key())
@@ -248,7 +249,7 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       del step
       flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
       grads = clipped(params, flat, is_padding_example=mask.reshape(-1) == 0)
-      return {train_step.LOSS: grads}, {}
+      return {multi_loss.LOSS: grads}, {}
     accumulate = jax_privacy_accumulate
   else:
     if mode == "ghost":
@@ -263,12 +264,12 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
           model.example_loss, clip_norm=clip_norm, method=mode,
           trainable=trainable)
     tx = dp_adam(clipped.sensitivity)
-    dp_accumulate = train_step.make_accumulate(clipped, seed=seed,
-                                               dropout=False)
+    dp_accumulate = step_lib.flat_metrics(step_lib.make_accumulate(
+        clipped, seed=seed, dropout=False))
     accumulate = lambda params, batch, mask, step: dp_accumulate(
-        params, {train_step.LOSS: train_step.zeros_like_f32(params)}, batch,
+        params, {multi_loss.LOSS: step_lib.zeros_like_f32(params)}, batch,
         mask, step, 0)
-  dp_apply = train_step.make_apply(tx)
+  dp_apply = step_lib.make_apply(tx)
   return BenchStep(tx, accumulate,
                    lambda state, sums: dp_apply(state, sums, noise_secret))
 
@@ -288,7 +289,7 @@ def abstract_state(tx, abstract_params, axes, mesh, rules):
                                           rules)
   state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params),
+      jax.eval_shape(lambda p: init_state(p, tx), abstract_params),
       state_sh)
   return state_sh, state
 
@@ -398,7 +399,7 @@ def run(args: argparse.Namespace) -> dict:
   cost["cost_compile_s"] = round(time.perf_counter() - start, 3)
 
   num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-  trained = steps_lib.trainable_mask(model)
+  trained = multi_loss.trainable_mask(model)
   trained_params = num_params if trained is None else sum(
       x.size for x, t in zip(jax.tree.leaves(abstract_params),
                              jax.tree.leaves(trained)) if t)
@@ -429,7 +430,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
   params, _ = model.init_params(jax.random.PRNGKey(args.seed))
-  state = jax.jit(lambda p: train_step.init_state(p, tx),
+  state = jax.jit(lambda p: init_state(p, tx),
                   out_shardings=state_sh)(params)
   del params
   batch = jax.device_put(batch, batch_sh)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -29,7 +30,6 @@ from dpjax.training import checkpoints, partitioning, run_config
 from dpjax.generation import decoding
 from dpjax import errors, fileio, verify
 from dpjax.models import t5, trainable
-import tasks
 
 
 def load_trained(model_dir: str):
@@ -87,8 +87,13 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
                        top_p: float = 0.8, top_k: int = 0,
                        temperature: float = 1.0, greedy: bool = False,
                        batch_size: int = 128, max_decode_length: int | None = None,
-                       seed: int = 0, limit: int | None = None) -> dict:
-  """Writes one synthetic query per training document; returns the paths."""
+                       seed: int = 0, limit: int | None = None,
+                       register_tasks: Callable[[dict], Any] | None = None
+                       ) -> dict:
+  """Writes one synthetic query per training document; returns the paths.
+  `register_tasks(tokenizer_files)`: registers the run's seqio task with
+  the tokenizer files it recorded, before its data is read (the command
+  line's part: the engine imports no task definitions)."""
   check_decoding_args(top_p=top_p, top_k=top_k, temperature=temperature,
                       greedy=greedy, batch_size=batch_size, limit=limit,
                       max_decode_length=max_decode_length)
@@ -100,7 +105,8 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
   if not isinstance(config, t5.T5Config):
     raise errors.UsageError(f"{model_dir} holds a {type(config).__name__} "
                             "run; synthetic queries need a T5 model")
-  tasks.register_tasks(tokenizer_files=meta.tokenizer_files)
+  if register_tasks is not None:
+    register_tasks(meta.tokenizer_files)
   task_name = meta.mixture_or_task_name
   lengths = meta.task_feature_lengths
   max_len = max_decode_length or lengths["targets"]

@@ -21,7 +21,7 @@ The random label-slot token is uniform over `[0, vocab_size)` and is drawn
 from the example's key: `slot, lm_dropout, disc_dropout =
 jax.random.split(example["dropout_rng"], 3)`, token
 `jax.random.randint(slot, (), 0, vocab_size)`. With the trainer's
-`train_step.dropout_keys(seed, step, call)` it is thus a pure function of
+`step.dropout_keys(seed, step, call)` it is thus a pure function of
 the run seed and the example's place in the sampled batch, never of the data.
 
 Params: GPT-2's params plus a `disc_head` subtree,
@@ -273,7 +273,7 @@ def make_example_losses(config: GPT2DiscConfig
   def example_losses(params, example):
     if "dropout_rng" not in example:
       raise KeyError("the discriminator loss needs a per-example key 'dropout_rng' to "
-                     "draw the label-slot token (train_step.dropout_keys)")
+                     "draw the label-slot token (dpjax.training.step.dropout_keys)")
     slot_key, lm_key, disc_key = jax.random.split(example["dropout_rng"], 3)
     batch = {k: v[None] for k, v in example.items() if k != "dropout_rng"}
     rngs = lambda key: {"dropout": key} if dropout else None

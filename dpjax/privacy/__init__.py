@@ -22,8 +22,9 @@ The privacy contract of a DP training step, module by module:
    each named sum (one per loss) exactly once per logical batch, keyed by
    (secret, release index), and divides by a data-independent normalizer;
    the base optax optimizer after it (`DPOptimizer`) is post-processing.
-   `bandmf.correlated_privatizer` adds BandMF's correlated noise instead
-   (C⁻¹z, z keyed the same way; its state is secret).
+   `mechanisms` holds each mechanism as one object (DP-SGD, BandMF's
+   correlated noise C⁻¹z with z keyed the same way and its state secret,
+   adaptive clipping, user-level), whose `privatizer` is its release.
 4. `accounting` / `ledger`: each release is recorded as an event
    (`PoissonGaussian` per Poisson step, `Gaussian` per shuffled epoch with
    sigma / 2, or any other Gaussian query); epsilon at delta is the

@@ -335,6 +335,45 @@ def calibrate_noise_multiplier(
       tol=_CALIBRATION_RTOL * hi))
 
 
+def calibrate(target_epsilon: float, delta: float,
+              scheme,
+              stage_steps: Sequence[int], *, releases_per_step: int = 1,
+              accountant: str = "pld",
+              prior_events: Sequence[Event] = (),
+              fixed_multipliers: Sequence[float] = ()) -> float:
+  """The smallest σ with which `prior_events` and then, for each stage, its
+  steps of `releases_per_step` Gaussians (one σ for all) under the sampling
+  `scheme` (a sampler's `scheme`: its `events(noise_multipliers, steps)`) meet (target_epsilon, delta); 0 for ε = ∞
+  or no step at all. Stages are separate runs on the same data (e.g. the LM and
+  then a head on it frozen): a shuffled stage starts its own epochs.
+  `fixed_multipliers`: more Gaussians of each step, on the same sample, whose
+  noise is set (adaptive clipping's counts): calibrated together with σ.
+  A pure function of its arguments, remembered: a pipeline (or a test
+  suite) that plans the same runs again does not search again."""
+  return _calibrate(float(target_epsilon), float(delta), scheme,
+                    tuple(int(t) for t in stage_steps), int(releases_per_step),
+                    accountant, tuple(prior_events),
+                    tuple(float(s) for s in fixed_multipliers))
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(target_epsilon: float, delta: float, scheme,
+               stage_steps: tuple[int, ...], releases_per_step: int,
+               accountant: str, prior_events: tuple[Event, ...],
+               fixed_multipliers: tuple[float, ...]) -> float:
+  if math.isinf(target_epsilon) or not any(stage_steps):
+    return 0.0
+
+  def events(s):
+    return list(prior_events) + [
+        e for steps in stage_steps
+        for e in scheme.events((s,) * releases_per_step
+                               + fixed_multipliers, steps)]
+
+  return calibrate_noise_multiplier(target_epsilon, delta, events,
+                                               accountant=accountant)
+
+
 def dpsgd_epsilon(noise_multiplier: float, sampling_rate: float, steps: int,
                   delta: float, accountant: str = "pld") -> float:
   """Epsilon of `steps` Poisson-sampled DP-SGD steps."""

@@ -105,10 +105,9 @@ from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.privacy import clipping, layers
+from dpjax.privacy import clipping, ghost_algebra as algebra, layers
 
 PyTree = Any
-Factors = tuple[jax.Array, jax.Array]
 
 # The intercepted methods: (module class, method) -> kind of site. Each
 # computes exactly what `layers` says it does, which the norms rely on.
@@ -120,7 +119,6 @@ _KINDS = {
 _PARAM_NAMES = {"dense": "kernel", "lookup": "embedding", "attend": "embedding"}
 _NORMS = ("auto", "ghost", "direct")
 _SUMMATIONS = ("auto", "book_keeping", "second_pass")
-_HIGHEST = jax.lax.Precision.HIGHEST
 # Calls whose body sees its operands unchanged, so a parameter passed in is
 # still that parameter inside (a scan slices, a custom_vjp redefines the
 # gradient: sites under those stay ordinary calls).
@@ -260,7 +258,7 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from dpjax.privacy import clipping, layers
+    >>> from dpjax.privacy import clipping, ghost_algebra as algebra, layers
     >>> layer = layers.Dense(2, ("embed", "mlp"), stddev=1.0, use_bias=True)
     >>> loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x))
     >>> params = {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}
@@ -317,7 +315,7 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
       summed = [grads.get(i, g) for i, g in enumerate(summed)]
     else:
       for site, (a, b) in zip(sites, factors):
-        term = _book_keeping(site, a, b, weights, keep)
+        term = algebra.book_keeping(site, a, b, weights, keep)
         summed[site.leaf] = term if summed[site.leaf] is None else (
             summed[site.leaf] + term)
     return jax.tree.unflatten(treedef, summed), stats
@@ -397,7 +395,7 @@ def _cheaper(length: int, rows: int, cols: int) -> str:
   Then it also takes no more flops than the full Grams: `rows cols <= 2 T^2`
   implies `T rows cols <= T^2 (rows + cols)` (and `rows cols <= T^2 (1 +
   cols)` for a lookup); near the boundary that is up to 4/3 of a dense
-  site's blocked Grams' (`_ghost_sq_norm`). Memory decides, as it bounds the microbatch.
+  site's blocked Grams' (`ghost_algebra.ghost_sq_norm`). Memory decides, as it bounds the microbatch.
   """
   return "direct" if rows * cols <= 2 * length * length else "ghost"
 
@@ -441,10 +439,10 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
     sinks = [jnp.zeros((), jnp.float32) for _ in taps]
     (loss, inputs), (small_grads, out_grads, tapped_sq) = grad_fn(
         small, zeros, sinks, example)
-    factors = [_factors(s, x, g)
+    factors = [algebra.factors(s, x, g)
                for s, x, g in zip(recorded, inputs, out_grads)]
     return (loss, small_grads,
-            _large_sq_norm(recorded, factors) + sum(tapped_sq), factors)
+            algebra.large_sq_norm(recorded, factors) + sum(tapped_sq), factors)
 
   return per_example
 
@@ -466,7 +464,7 @@ def _tap_fwd(site, out, x, sink):
 
 
 def _tap_bwd(site, x, g):
-  return g, None, _large_sq_norm((site,), (_factors(site, x, g),))
+  return g, None, algebra.large_sq_norm((site,), (algebra.factors(site, x, g),))
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
@@ -496,120 +494,3 @@ def _weighted_grad(example_loss, leaves, treedef, large, batch, weights,
   grads = jax.grad(weighted_loss)([leaves[i] for i in large])
   return {i: jnp.where(jnp.any(keep), g.astype(jnp.float32), 0.0)
           for i, g in zip(large, grads)}
-
-
-def _factors(site: Site, x: jax.Array, g: jax.Array) -> Factors:
-  """(A [T, rows], B [T, cols]) of one example; int ids [T] as A of a lookup.
-
-  Kept in the compute dtype (the batch's factors are what ghost clipping
-  stores); every product of them accumulates in float32.
-  """
-  rows, cols = site.shape
-  if site.kind == "dense":
-    return x.reshape(-1, rows), g.reshape(-1, cols)
-  if site.kind == "attend":
-    return g.reshape(-1, rows), x.reshape(-1, cols)
-  # Negative ids wrap, as in jnp.take; a row of an id still out of range
-  # reaches no parameter row, so its B row is zeroed (and the id made safe).
-  ids = x.reshape(-1)
-  ids = jnp.where(ids < 0, ids + rows, ids)
-  valid = (ids >= 0) & (ids < rows)
-  return (jnp.where(valid, ids, 0),
-          jnp.where(valid[:, None], g.reshape(-1, cols), 0))
-
-
-def _large_sq_norm(sites, factors) -> jax.Array:
-  """Sum over large params of ||sum over their sites of A^T B||^2 (one example).
-
-  Direct sites are summed into one `[rows, cols]` gradient G; its cross term
-  with a ghost site is <G, A^T B> = sum_t A[t] G B[t]^T; ghost site pairs
-  use the Gram identity.
-  """
-  total = jnp.zeros((), jnp.float32)
-  for leaf in dict.fromkeys(s.leaf for s in sites):
-    mine = [(s, f) for s, f in zip(sites, factors) if s.leaf == leaf]
-    direct = [(s, f) for s, f in mine if s.norm == "direct"]
-    ghost = [(s, f) for s, f in mine if s.norm == "ghost"]
-    if direct:
-      grad = sum(_site_grad(s, f) for s, f in direct)
-      total += jnp.sum(jnp.square(grad))
-      for s, f in ghost:
-        total += 2 * _inner(grad, s, f)
-    for i, (s, f) in enumerate(ghost):
-      total += _ghost_sq_norm(s, f)
-      for r, h in ghost[i + 1:]:
-        total += 2 * _ghost_inner(s, f, r, h)
-  # Cancelling cross terms can round below zero; NaN stays NaN.
-  return jnp.maximum(total, 0.0)
-
-
-def _site_grad(site: Site, factors: Factors) -> jax.Array:
-  """A^T B, `[rows, cols]`."""
-  a, b = factors
-  if site.kind == "lookup":
-    return jnp.zeros(site.shape, jnp.float32).at[a].add(
-        b.astype(jnp.float32))
-  return _dot(a.T, b)
-
-
-def _inner(grad: jax.Array, site: Site, factors: Factors) -> jax.Array:
-  """<grad, A^T B> without forming A^T B."""
-  a, b = factors
-  rows_of_grad = grad[a] if site.kind == "lookup" else _dot(a, grad)
-  return jnp.sum(rows_of_grad * b.astype(jnp.float32))
-
-
-def _ghost_inner(s: Site, f: Factors, r: Site, h: Factors) -> jax.Array:
-  """<A_s^T B_s, A_r^T B_r> = sum((A_s A_r^T) * (B_s B_r^T))."""
-  (a1, b1), (a2, b2) = f, h
-  if s.kind == "lookup" and r.kind == "lookup":
-    gram_a = (a1[:, None] == a2[None, :]).astype(jnp.float32)
-  elif s.kind == "lookup":
-    gram_a = a2[:, a1].T.astype(jnp.float32)  # onehot(a1) @ A_r^T
-  elif r.kind == "lookup":
-    gram_a = a1[:, a2].astype(jnp.float32)
-  else:
-    gram_a = _dot(a1, a2.T)
-  return jnp.sum(gram_a * _dot(b1, b2.T))
-
-
-def _ghost_sq_norm(site: Site, factors: Factors) -> jax.Array:
-  """||A^T B||^2 = sum((A A^T) * (B B^T)); for a dense site from the Gram
-  blocks on and above the diagonal only (both Grams are symmetric): halves
-  of T, 3/4 of the full Grams' flops. The off-diagonal block's operands are
-  copies, worth it only for activations as narrow as a dense site's (not
-  for the `[T, vocab]` logits gradient of an `attend`)."""
-  a, b = factors
-  t = b.shape[0]
-  if site.kind != "dense" or t % 2 or t < 64:
-    return _ghost_inner(site, factors, site, factors)
-  a, b = a.reshape(2, t // 2, -1), b.reshape(2, t // 2, -1)
-  diagonal = jnp.sum(_block_dot(a, a) * _block_dot(b, b))
-  return diagonal + 2 * jnp.sum(_dot(a[0], a[1].T) * _dot(b[0], b[1].T))
-
-
-def _block_dot(x: jax.Array, y: jax.Array) -> jax.Array:
-  """x[i] @ y[i]^T for each block i: [n, t, k] x [n, s, k] -> [n, t, s]."""
-  return jnp.einsum("ntk,nsk->nts", x, y, precision=_HIGHEST,
-                    preferred_element_type=jnp.float32)
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a @ b with float32 accumulation at full precision (not TF32/bf16
-  passes): the clip bound rests on these products."""
-  return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _book_keeping(site: Site, a: jax.Array, b: jax.Array, weights: jax.Array,
-                  keep: jax.Array) -> jax.Array:
-  """sum_i weights[i] A_i^T B_i over kept examples (a: [m, T, rows] or ids
-  [m, T]; b: [m, T, cols])."""
-  keep = keep[:, None, None]
-  # Weighted in float32: a bf16 weight could round above min(1, C/norm).
-  b = jnp.where(keep, b, 0).astype(jnp.float32) * weights[:, None, None]
-  if site.kind == "lookup":
-    return jax.ops.segment_sum(b.reshape(-1, b.shape[-1]), a.reshape(-1),
-                               num_segments=site.shape[0])
-  a = jnp.where(keep, a, 0)
-  return jnp.einsum("mta,mtb->ab", a, b, precision=_HIGHEST,
-                    preferred_element_type=jnp.float32)

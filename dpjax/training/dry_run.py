@@ -43,7 +43,8 @@ import time
 
 import jax
 
-from dpjax.training import (distributed, partitioning, run_config, sizing, step_cost, targets, trainer, train_step)
+from dpjax.training import (distributed, partitioning, run_config, sizing, step_cost, targets, trainer)
+from dpjax.training.state import init_state
 from dpjax import errors
 from dpjax.privacy import clipping_method as clipping_lib
 
@@ -63,7 +64,7 @@ def clipping_method(built: trainer.Built) -> str:
   """The clipping the run's step uses ('auto' resolved)."""
   method, model = built.config.clipping_method, built.model
   if method == "auto" and model.example_losses is not None:
-    return "vmap"  # several losses: clipped by vmap only (steps.build_dp_step)
+    return "vmap"  # several losses: clipped by vmap only (multi_loss.clipped_grad)
   example = dict(built.batch_rows)
   if model.example_rng:
     example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
@@ -115,7 +116,7 @@ def _dry_run(config: RunConfig, steps: int,
       "target_epsilon": plan.target_epsilon, "delta": plan.delta,
       "accountant": plan.ledger.accountant,
       "sampling": plan.sampler.describe()["method"],
-      "privacy_unit": built.config.privacy_unit,
+      "privacy_unit": plan.mechanism.unit,
       "mechanism": plan.ledger.mechanism,
       "clipping_method": clipping_method(built),
       "remat": sizing.model_remat(built.model.config),
@@ -176,7 +177,7 @@ def _timed_steps(built: trainer.Built, steps: int, start: int) -> dict:
   params = jax.jit(
       lambda: built.model.init_params(jax.random.PRNGKey(0))[0],
       out_shardings=placed.state_shardings.params)()
-  state = jax.jit(lambda p: train_step.init_state(p, placed.optimizer),
+  state = jax.jit(lambda p: init_state(p, placed.optimizer),
                   out_shardings=placed.state_shardings)(params)
   step_fn = trainer.step_function(
       built.plan, placed, built.splits, mesh=built.mesh, rules=built.rules,

@@ -35,8 +35,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dpjax.training import train_step
-from dpjax.privacy import bandmf, optimizers
+from dpjax.training.state import TrainState, init_state
+from dpjax.privacy import optimizers
 
 PyTree = Any
 # (logical axis name, mesh axis | tuple of mesh axes | None = replicated).
@@ -148,8 +148,8 @@ def _moment_axes(param_axes: P, param_shape, shape) -> tuple:
 def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
                     optimizers.DPOptimizer, params: PyTree,
                     logical_axes: PyTree, rules: Rules | None = None
-                    ) -> train_step.TrainState:
-  """Shardings of `train_step.init_state(params, optimizer)`.
+                    ) -> TrainState:
+  """Shardings of `state.init_state(params, optimizer)`.
 
   Optimizer states that mirror the params (Adam's moments, Adafactor's
   factored statistics, momentum; found structurally by
@@ -158,7 +158,7 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
   `params` may be arrays or ShapeDtypeStructs.
   """
   rules = rules if rules is not None else logical_axis_rules()
-  state = jax.eval_shape(lambda p: train_step.init_state(p, optimizer), params)
+  state = jax.eval_shape(lambda p: init_state(p, optimizer), params)
   everywhere = replicated(mesh)
 
   def mirror(leaf, param, axes):
@@ -175,10 +175,10 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   params_sh = param_shardings(mesh, logical_axes, rules, shapes=params)
   noise_state = None
-  if state.noise_state is not None:  # BandMF: band buffers like the params
-    noise_state = bandmf.state_shardings(state.noise_state, params_sh,
-                                         everywhere)
-  return train_step.TrainState(
+  if state.noise_state is not None:  # e.g. BandMF's buffers, like the params
+    noise_state = optimizer.privatizer.noise_state_shardings(
+        state.noise_state, params_sh, everywhere)
+  return TrainState(
       step=everywhere, params=params_sh, opt_state=opt, noise_count=everywhere,
       clip_norms=jax.tree.map(lambda _: everywhere, state.clip_norms),
       noise_state=noise_state)

@@ -15,12 +15,16 @@ What the settings mean for the guarantee is decided in one place,
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from typing import Any, Mapping
 
 import numpy as np
 import optax
 
-from dpjax.privacy import adaptive_clipping as adaptive_lib
+from dpjax import errors
+from dpjax.privacy import mechanisms
+from dpjax.privacy.mechanisms import adaptive_clipping as adaptive_lib
 
 
 def is_int(value) -> bool:
@@ -80,17 +84,18 @@ class RunConfig:
   each sampled user's examples clipped one by one and averaged, at most
   `max_examples_per_user` of them; the task names each example's user in
   its feature `user_column`; BATCH_SIZE, n, δ and epochs then count users),
-  `target_epsilon` (a number or 'inf'), `delta` (a number, '1/n'
-  or '1/(2n)'; None: 1/(2n)), `clip_norm` (a bound, or 'adaptive': it
+  `target_epsilon` (a number or 'inf'), `delta` (a number, '1/n' or
+  '1/(2n)'; None: 1/(2n)), `clip_norm` (a bound, or 'adaptive': it
   follows a private quantile of the gradient norms, set by
-  `adaptive_clipping.*`, `dpjax.privacy.adaptive_clipping`), `clip_norms`
-  (per-loss bounds of a model with several named losses; default
-  `clip_norm` for each),
-  `mechanism` ('dpsgd', or 'bandmf': banded correlated noise with cyclic
-  Poisson sampling, `dpjax.privacy.bandmf`; `bands` None: the number of
-  bands of least expected error at the target, else that number),
-  `noise_multiplier` (None: calibrated for the target), `accountant`
-  ('pld', the tighter and default, | 'rdp'), `prior_ledger` (an earlier run on the same data whose
+  `adaptive_clipping.*`, `dpjax.privacy.mechanisms.adaptive_clipping`),
+  `clip_norms` (per-loss bounds of a model with several named losses;
+  default `clip_norm` for each), `mechanism` ('dpsgd', 'bandmf': banded
+  correlated noise with cyclic Poisson sampling,
+  `dpjax.privacy.mechanisms.bandmf`, or any registered mechanism's name;
+  `bands` None: the number of bands of least expected error at the
+  target, else that number), `noise_multiplier` (None: calibrated for the
+  target), `accountant` ('pld', the tighter and default, | 'rdp'),
+  `prior_ledger` (an earlier run on the same data whose
   releases this run composes with), `pinned_secret_seed` (tests only: the
   secret noise and sampling become public, and the ledger says so).
 
@@ -164,3 +169,95 @@ class RunConfig:
   axis_rules: str = "data_parallel"
   learning_rate_schedule: LearningRateSchedule = LearningRateSchedule()
   adaptive_clipping: adaptive_lib.AdaptiveClipping | None = None
+
+
+def check(config: RunConfig) -> float:
+  """Refuses bad values of the run's settings before anything is read or
+  written: one UsageError naming the gin macro and binding. Returns the
+  target ε as a float (a number or 'inf').
+
+  `model_dir` (made absolute): must not be an existing file, and the nearest
+  existing directory on its path must be writable.
+  """
+  model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
+  target_epsilon, delta = config.target_epsilon, config.delta
+  batch_size, microbatch_size = config.batch_size, config.microbatch_size
+  train_steps, epochs = config.train_steps, config.epochs
+  clip_norm, clip_norms = config.clip_norm, config.clip_norms
+  eps = as_float(target_epsilon)
+  if eps is None or not eps > 0:  # NaN too
+    raise errors.UsageError(
+        "TARGET_EPSILON (train.target_epsilon) must be a positive number or "
+        f"'inf', got {target_epsilon!r}")
+  if delta is not None and delta not in ("1/n", "1/(2n)"):
+    value = as_float(delta)
+    if value is None or not 0 < value < 1:
+      raise errors.UsageError(
+          "DELTA (train.delta) must be a number strictly between 0 and 1, "
+          f"'1/n' or '1/(2n)' (None: 1/(2n)), got {delta!r}")
+  if not is_int(batch_size) or batch_size < 1:
+    raise errors.UsageError("BATCH_SIZE (train.batch_size) must be a "
+                             f"positive integer, got {batch_size!r}")
+  if microbatch_size not in (None, "auto") and (
+      not is_int(microbatch_size) or microbatch_size < 1):
+    raise errors.UsageError(
+        "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer, "
+        f"'auto' or None, got {microbatch_size!r}")
+  buckets = config.length_buckets
+  if not is_int(buckets) or buckets < 1:
+    raise errors.UsageError("train.length_buckets must be a positive "
+                             f"integer, got {buckets!r}")
+  headroom = config.memory_headroom
+  if not is_number(headroom) or not 0 < headroom <= 1:
+    raise errors.UsageError("train.memory_headroom must be in (0, 1], got "
+                             f"{headroom!r}")
+  if train_steps is not None and (not is_int(train_steps)
+                                  or train_steps < 1):
+    raise errors.UsageError("TRAIN_STEPS (train.train_steps) must be a "
+                             f"positive integer or None, got {train_steps!r}")
+  if epochs is not None and (not is_number(epochs)
+                             or not 0 < epochs < math.inf):
+    raise errors.UsageError("EPOCHS (train.epochs) must be a positive "
+                             f"number or None, got {epochs!r}")
+  # The mechanism's own settings, and its first bound.
+  clip_norm = mechanisms.from_config(config).initial_clip_norm(clip_norm)
+  for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
+                  *((f"train.clip_norms[{k!r}]", v)
+                    for k, v in dict(clip_norms or {}).items())]:
+    if not is_number(c) or not 0 < c < math.inf:
+      raise errors.UsageError(f"{name} must be a positive finite number, "
+                               f"got {c!r}")
+  if os.path.lexists(model_dir) and not os.path.isdir(model_dir):
+    raise errors.UsageError(f"MODEL_DIR (train.model_dir) {model_dir} exists "
+                             "and is not a directory")
+  existing = model_dir
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise errors.UsageError(f"MODEL_DIR (train.model_dir) {model_dir}: "
+                             f"{existing} is not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise errors.UsageError(
+        f"MODEL_DIR (train.model_dir) {model_dir} is not writable: no write "
+        f"permission on {existing}")
+  if (config.public_task_name is None) != (config.redaction_schedule is None):
+    raise errors.UsageError(
+        "train.public_task_name and train.redaction_schedule go together: "
+        f"got {config.public_task_name!r} and {config.redaction_schedule!r}")
+  return eps
+
+
+def check_batch_size(batch_size: int, n: int, delta=None,
+                     unit: str = "example") -> None:
+  """BATCH_SIZE against the n examples (or users) of the training split
+  (and δ = '1/n' of a one-unit set); a UsageError naming both."""
+  if n < 1:
+    raise errors.UsageError(f"the training split has no {unit}s (n = 0): "
+                             "check the task's training data")
+  if batch_size > n:
+    raise errors.UsageError(
+        f"BATCH_SIZE (train.batch_size) = {batch_size} must be <= the number "
+        f"of training {unit}s n = {n}")
+  if delta == "1/n" and n < 2:
+    raise errors.UsageError(f"DELTA (train.delta) = '1/n' is 1 for a "
+                             f"one-{unit} training set: set a number < 1")

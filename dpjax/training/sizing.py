@@ -233,7 +233,7 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
                ) -> tuple[Choice, str | None]:
   """(the microbatch and remat a run uses, the fingerprint of an automatic
   choice): `config`'s (a `RunConfig`) as given, or `choose`'s over the
-  steps `place(remat)` (`steps.place_steps` of the model with that remat)
+  steps `place(remat)` (`step.place_steps` of the model with that remat)
   on batches of `rows` (one example's abstract features), taken from
   MODEL_DIR when recorded there under the same fingerprint. A choice that
   does not fit is refused unless `dry_run` (which reports it)."""
@@ -269,8 +269,8 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
   # microbatch: if they alone overflow, no candidate is worth compiling.
   floor = step_cost.device_bytes(placed.abstract_state) + (
       step_cost.device_bytes(step_cost.abstract_like(
-          jax.eval_shape(placed.zero_grads, placed.abstract_state.params),
-          placed.grads_shardings)))
+          jax.eval_shape(placed.zero_sums, placed.abstract_state.params),
+          placed.sums_shardings)))
 
   def peak(m: int, remat_choice: str) -> int:
     # A large model's compile takes minutes on a CPU: say what is compiling.

@@ -1,6 +1,6 @@
 """What a compiled training step costs, read from XLA before it runs.
 
-`step_cost` compiles a run's two DP halves (`dpjax.training.steps.PlacedSteps`:
+`step_cost` compiles a run's two DP halves (`dpjax.training.step.PlacedSteps`:
 `accumulate` over one group of k microbatches of m, then `apply`) for
 abstract shapes (`jax.ShapeDtypeStruct`s carrying their shardings), so
 nothing is allocated: a T5-XL step on a laptop's CPU is measured as it
@@ -147,7 +147,7 @@ def logical_step(accumulate, apply, k: int) -> dict:
 def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
               m: int, k: int, batch_sharding, mask_sharding,
               with_flops: bool = False) -> StepCost:
-  """The compiled cost of one DP step of `placed` (`steps.place_steps`) on
+  """The compiled cost of one DP step of `placed` (`step.place_steps`) on
   batches [k, m, ...] of rows shaped like `batch_rows` (one example's
   features, e.g. {'inputs': (384,) int32}), split as the trainer splits
   them. Compiles `accumulate` and `apply` once each (and, with `with_flops`
@@ -163,8 +163,8 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   replicated = jax.sharding.NamedSharding(batch_sharding.mesh,
                                           jax.sharding.PartitionSpec())
   index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
-  grads = abstract_like(jax.eval_shape(placed.zero_grads, state.params),
-                        placed.grads_shardings)
+  grads = abstract_like(jax.eval_shape(placed.zero_sums, state.params),
+                        placed.sums_shardings)
   accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
                                        index, state.clip_norms).compile()
   apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(

@@ -3,13 +3,14 @@
   python -m dpjax.train --gin_file=gin/msmarco_t5_xl_eps3.gin \\
       --gin.MODEL_DIR=/runs/xl_eps3 [--gin.NAME=VALUE ...]
 
-A run is plan -> step -> loop. The plan (`dpjax.training.plan.make_plan`, from the
-typed `RunConfig` and the data) is made before anything is written: the data
-is loaded and counted, the sampler fixed, the noise multiplier calibrated
-with dp-accounting for the target (ε, δ) over all planned steps, and a run
-that would exceed its budget refuses to start. The steps (`dpjax.training.steps`: one
-jit-compiled DP step per logical batch, see dpjax.training.train_step) are placed on
-the mesh, and the loop (`dpjax.training.loop.fit`) runs them, its callbacks writing
+A run is plan -> step -> loop. The plan (`dpjax.training.plan.make_plan`,
+from the typed `RunConfig` and the data) is made before anything is
+written: the data is loaded and counted, the mechanism chosen
+(`dpjax.privacy.mechanisms`) and its sampler fixed, the noise multiplier
+calibrated with dp-accounting for the target (ε, δ) over all planned steps,
+and a run that would exceed its budget refuses to start. The steps
+(`dpjax.training.step`: one jit-compiled DP step per logical batch) are
+placed on the mesh, and the loop (`dpjax.training.loop.fit`) runs them, its callbacks writing
 eval loss, TensorBoard summaries, a console progress line and orbax
 checkpoints (`dpjax.training.checkpoints`) that carry the privacy ledger and resume
 exactly: batches and noise are pure functions of (secret, step), where the
@@ -18,7 +19,7 @@ MODEL_DIR/secret_key.json, never published); `train.seed` keys only what the
 guarantee does not rest on (initialisation, dropout, the redaction coins).
 
 With `train.public_task_name` and `train.redaction_schedule` the run follows a
-redaction schedule (dpjax.privacy.redaction_schedule, Kabra & Elenberg,
+redaction schedule (dpjax.privacy.mechanisms.redaction_schedule, Kabra & Elenberg,
 Findings of EMNLP 2023, arXiv 2305.14208): each step is, by a public coin
 flipped before training, either a DP step on the original task or a non-private
 step on the public (redacted) task, both updating one optimizer state. Only the
@@ -30,16 +31,8 @@ redacted data. Its model must be this run's, or a field of this run's config
 ICLR 2023 submission on conditional generation); the top-level param subtrees
 its checkpoint lacks (the head) are freshly initialised, and said so.
 
-A model with several named per-example losses (`Trainable.example_losses`:
-GPT-2 + discriminator head, an ICLR 2023 submission, OpenReview LUql3ZOFwFD)
-makes one release per loss each step: every per-example gradient of loss k
-(w.r.t. the trainable params; frozen layers get none) is clipped to its own C_k
-(`train.clip_norms`, default `clip_norm` for every loss), each clipped sum gets
-its own Gaussian noise σ C_k, and the noisy sums are added before the one base
-optimizer. One σ serves all k releases, calibrated so that T steps of k
-Gaussians on the same Poisson sample, `PoissonGaussian(q, (σ,)*k, T)`, meet the
-target; the ledger records exactly that event. (Separate clipping, not one
-joint clip of the summed gradient: the paper's Algorithm 1.)
+A model with several named per-example losses makes one release per loss
+each step, each clipped to its own bound (`mechanisms.multi_loss`).
 
 The same command runs on every host of a multi-host job (dpjax.training.distributed):
 each process reads only the sampled rows its devices hold, process 0 alone
@@ -57,12 +50,17 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from dpjax.training import (checkpoints, distributed, loop, padding, partitioning, plan as plan_lib, prefetch, reporting, run_config, sizing as sizing_lib, steps as steps_lib, targets, train_step)
+from dpjax.training import (checkpoints, distributed, loop, padding,
+                            partitioning, plan as plan_lib, prefetch,
+                            reporting, run_config, sizing as sizing_lib,
+                            step as step_lib, targets)
+from dpjax.training import optimizer as optimizer_lib
+from dpjax.training.state import init_state
 from dpjax import errors, fileio, pretrained, verify
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
-from dpjax.privacy import sampling, secret as secret_lib
-import tasks
+from dpjax.privacy import mechanisms, sampling, secret as secret_lib
+from dpjax.privacy.mechanisms import multi_loss, redaction_schedule
 
 RunConfig = run_config.RunConfig
 
@@ -87,7 +85,7 @@ class Built(NamedTuple):
   rules: Any
   sizing: sizing_lib.Choice
   sizing_key: str | None  # an automatic choice's fingerprint, to record
-  placed: steps_lib.PlacedSteps
+  placed: step_lib.PlacedSteps
   schedule: Any
   batch_rows: dict  # one training example's features, as abstract shapes
 
@@ -103,7 +101,8 @@ def build(config: RunConfig, *, dry_run: bool = False,
     raise ValueError("a compile target is for dry runs: its devices are "
                      "not this host's")
   model_dir = os.path.abspath(os.path.expanduser(config.model_dir))
-  target_epsilon = plan_lib.check_run_inputs(config)
+  target_epsilon = run_config.check(config)
+  mechanism = mechanisms.from_config(config)
 
   # --- The run already here: its secret, its state verified. ---------------
   mngr = _existing_manager(model_dir, config.keep_checkpoints)
@@ -122,7 +121,6 @@ def build(config: RunConfig, *, dry_run: bool = False,
       config.initial_checkpoint_path)) if config.initial_checkpoint_path
               else None)
   tokenizer = initial_tokenizer_files(config.initial_checkpoint_path)
-  tasks.register_tasks(tokenizer_files=tokenizer)
   lengths = dict(config.task_feature_lengths)
   model_config = config.model_config
   try:  # the data layer needs the model's converter, not its remat
@@ -133,14 +131,12 @@ def build(config: RunConfig, *, dry_run: bool = False,
   if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
     # or the one this model extends (`checkpoints.init_from_run`)
     checkpoints.check_initialises(init_run[2], model_config)
-  splits = _load_splits(config, model, lengths)
+  splits = _load_splits(config, model, lengths, mechanism)
   n = len(splits.tokens)
 
   # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
-  adaptive = plan_lib.adaptive_settings(config)
-  bounds = steps_lib.loss_clip_norms(  # adaptive: the losses' first bounds
-      model, adaptive.initial_clip_norm if adaptive else config.clip_norm,
-      config.clip_norms)
+  bounds = multi_loss.release_bounds(  # each loss's first bound
+      model, mechanism.initial_clip_norm(config.clip_norm), config.clip_norms)
 
   def plan_for(saved: checkpoints.RunMeta | None) -> plan_lib.RunPlan:
     return plan_lib.make_plan(
@@ -148,19 +144,14 @@ def build(config: RunConfig, *, dry_run: bool = False,
         secret_source=run_secret.source, clip_norms=bounds,
         public_n=(None if splits.public is None
                   else len(splits.public_tokens)),
-        saved=saved, user_ids=splits.users)
+        saved=saved, unit_ids=splits.units)
 
   plan = plan_for(resume[1] if resume else None)
   if resume:
     checkpoints.check_model(resume[1], model_config)
   reporting.say(plan.summary())
-  if plan.privacy.bandmf and not resume and len(
-      plan.privacy.bandmf["candidates"]) > 1:
-    reporting.say("BandMF bands (σ calibrated for the target, expected "
-                  "error σ x prefix error): " + ", ".join(
-                      f"{r['bands']}: σ={r['noise_multiplier']:.4f} error="
-                      f"{r['error']:.4g}" for r in
-                      plan.privacy.bandmf["candidates"]))
+  if plan.mechanism.note() and not resume:
+    reporting.say(plan.mechanism.note())
   if run_secret.is_pinned:
     reporting.say(
         "WARNING: the noise and batches are pinned (train.pinned_secret_seed):"
@@ -172,21 +163,20 @@ def build(config: RunConfig, *, dry_run: bool = False,
                                 devices=target and target.devices)
   rules = partitioning.logical_axis_rules(config.axis_rules)
   schedule = (config.learning_rate if config.learning_rate is not None else
-              steps_lib.learning_rate_schedule(config.learning_rate_schedule,
-                                               total_steps=plan.steps))
+              optimizer_lib.learning_rate_schedule(
+                  config.learning_rate_schedule, total_steps=plan.steps))
 
   def place(remat: str) -> tuple[trainable_lib.Trainable,
-                                 steps_lib.PlacedSteps]:
+                                 step_lib.PlacedSteps]:
     sized = trainable_lib.trainable(
         sizing_lib.with_remat(model_config, remat), lengths)
-    return sized, steps_lib.place_steps(
-        sized, mesh=mesh, rules=rules, optimizer=config.optimizer,
-        learning_rate=schedule, clip_norm=plan.privacy.clip_norm,
-        clip_norms=None if plan.adaptive_clipping else bounds,
+    return sized, step_lib.place_steps(
+        sized, plan.mechanism, mesh=mesh, rules=rules,
+        optimizer=config.optimizer, learning_rate=schedule,
+        clip_norm=plan.privacy.clip_norm, clip_norms=bounds,
         noise_multiplier=float(plan.noise_multiplier),
         normalizer=plan.normalizer, seed=config.seed,
-        clipping_method=config.clipping_method,
-        adaptive_clipping=plan.adaptive_clipping, strategy=plan.strategy)
+        clipping_method=config.clipping_method)
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}
@@ -239,7 +229,7 @@ def train(config: RunConfig, *,
   else:  # built in place on the mesh, the same on every process
     params = _initial_params(config, model, init_run,
                              placed.state_shardings.params)
-    state = jax.jit(lambda p: train_step.init_state(p, placed.optimizer),
+    state = jax.jit(lambda p: init_state(p, placed.optimizer),
                     out_shardings=placed.state_shardings)(params)
     mngr = mngr or checkpoints.manager(model_dir,
                                        max_to_keep=config.keep_checkpoints)
@@ -326,7 +316,7 @@ class _Splits(NamedTuple):
   a redaction schedule, the public split and its shuffled sampler."""
   train: dict
   tokens: np.ndarray
-  users: np.ndarray | None = None  # each row's user (user-level DP)
+  units: np.ndarray | None = None  # each row's privacy unit (e.g. user)
   public: dict | None = None
   public_tokens: np.ndarray | None = None
   public_sampler: sampling.ShuffleSampler | None = None
@@ -336,7 +326,7 @@ class _Splits(NamedTuple):
 
 
 def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
-                 lengths: dict) -> _Splits:
+                 lengths: dict, mechanism: mechanisms.DPSGD) -> _Splits:
   """The run's splits, checked (registered tasks, the model's features, a
   batch no larger than the data) before anything is written."""
   from dpjax.data import arrays as data_arrays  # TF: only where data is read
@@ -351,13 +341,11 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
   except ValueError as e:
     raise errors.UsageError(f"{task}: {e}") from None
   tokens = data_arrays.real_token_counts(data)
-  users = None
-  if config.privacy_unit == "user":
-    users = _user_ids(config, model, task, lengths, len(tokens))
-    reporting.say(f"{task}: {np.unique(users).size} users "
-                  f"({config.user_column}), the unit of privacy")
-  else:
-    plan_lib.check_batch_size(config.batch_size, len(tokens), config.delta)
+  units = None
+  if mechanism.unit_column:
+    units = _unit_ids(mechanism, model, task, lengths, len(tokens))
+    reporting.say(f"{task}: {np.unique(units).size} {mechanism.unit}s "
+                  f"({mechanism.unit_column}), the unit of privacy")
   reporting.say(f"{task} train split: {len(tokens)} examples, feature "
                 f"lengths {lengths}")
   trim = None
@@ -369,40 +357,40 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
     reporting.say("microbatches of like-length examples, token axes cut to "
                   f"{ {a: w.tolist() for a, w in trim.widths.items()} }")
   if not config.redaction_schedule:
-    return _Splits(data, tokens, users, trim=trim)
+    return _Splits(data, tokens, units, trim=trim)
   public = data_arrays.load_task_arrays(
       config.public_task_name, "train", lengths, converter=model.converter)
   public_tokens = data_arrays.real_token_counts(public)
   reporting.say(f"{config.public_task_name} train split (public): "
                 f"{len(public_tokens)} examples")
-  return _Splits(data, tokens, users, public, public_tokens,
-                 plan_lib.public_sampler(len(public_tokens), config.batch_size,
-                                         config.seed), trim)
+  return _Splits(data, tokens, units, public, public_tokens,
+                 redaction_schedule.public_sampler(
+                     len(public_tokens), config.batch_size, config.seed), trim)
 
 
-def _user_ids(config: RunConfig, model: trainable_lib.Trainable, task: str,
-              lengths: dict, n: int) -> np.ndarray:
-  """Each training row's user, from the task's `train.user_column`."""
+def _unit_ids(mechanism: mechanisms.DPSGD, model: trainable_lib.Trainable,
+              task: str, lengths: dict, n: int) -> np.ndarray:
+  """Each training row's privacy unit, from the task's feature the
+  mechanism names (`unit_column`, e.g. `train.user_column`)."""
   from dpjax.data import arrays as data_arrays  # TF: only where data is read
   if not isinstance(model.converter, str):  # dual_encoder.PairGroups
     raise errors.UsageError(
-        "train.privacy_unit = 'user': the dual encoder's row is a group of "
-        "pairs, not one user's example; use the default 'example' unit")
+        f"{mechanism.setting}: the dual encoder's row is a group of pairs, "
+        f"not one {mechanism.unit}'s example; use the default 'example' unit")
+  column = mechanism.unit_column
   try:
-    users = data_arrays.load_task_column(task, "train", lengths,
-                                         config.user_column)
+    units = data_arrays.load_task_column(task, "train", lengths, column)
   except ValueError as e:
     raise errors.UsageError(
-        f"train.privacy_unit = 'user' needs train.user_column: {e}") from None
-  if len(users) != n:
+        f"{mechanism.setting} needs the feature {column!r}: {e}") from None
+  if len(units) != n:
     raise errors.UsageError(
-        f"{task}: {len(users)} values of {config.user_column!r} for {n} "
-        "training rows (a task that packs or filters rows has no per-row "
-        "user)")
-  return users
+        f"{task}: {len(units)} values of {column!r} for {n} training rows (a "
+        f"task that packs or filters rows has no per-row {mechanism.unit})")
+  return units
 
 
-def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
+def step_function(plan: plan_lib.RunPlan, placed: step_lib.PlacedSteps,
                    splits: _Splits, *, mesh, rules, m: int, k: int,
                    noise_secret):
   """`step_fn(state, step) -> (state, loop.StepOutput)`: the plan's step t,
@@ -431,10 +419,10 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
     tokens = int(splits.tokens[idx[mask > 0]].sum())
     if splits.trim is None:
       calls = [(splits.train, i, mk)
-               for i, mk in steps_lib.microbatch_groups(idx, mask, k)]
+               for i, mk in step_lib.microbatch_groups(idx, mask, k)]
     else:  # one call per microbatch of like-length rows, cut to its widths
       calls = [(splits.trim(i[mk > 0]), i, mk)
-               for i, mk in steps_lib.microbatch_groups(
+               for i, mk in step_lib.microbatch_groups(
                    *padding.by_length(idx, mask, splits.tokens), 1)]
     return index, [(distributed.global_rows(rows, i, batch_sh),
                     distributed.global_array(mk, mask_sh))
@@ -447,12 +435,12 @@ def step_function(plan: plan_lib.RunPlan, placed: steps_lib.PlacedSteps,
     if plan.public[step]:
       state, metrics = placed.public(state, *batches[0], index)
       return state, loop.StepOutput(False, [metrics], tokens)
-    grads, metrics = placed.zero_grads(state.params), []
+    sums, metrics = placed.zero_sums(state.params), []
     for call, (batch, mask) in enumerate(batches):
-      grads, call_metrics = placed.accumulate(state.params, grads, batch, mask,
-                                              index, call, state.clip_norms)
+      sums, call_metrics = placed.accumulate(state.params, sums, batch, mask,
+                                             index, call, state.clip_norms)
       metrics.append(call_metrics)
-    state = placed.apply(state, grads, noise_secret)
+    state = placed.apply(state, sums, noise_secret)
     plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)
     return state, loop.StepOutput(True, metrics, tokens)
 

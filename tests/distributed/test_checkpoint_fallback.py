@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.training import checkpoints, train_step
+from dpjax.training import checkpoints, state as state_lib
 from dpjax import verify
 from dpjax.privacy import ledger as ledger_lib, sampling, secret as secret_lib
 
 STEPS = (2, 4, 6)
 
 
-def state_at(step: int) -> train_step.TrainState:
-  return train_step.TrainState(
+def state_at(step: int) -> state_lib.TrainState:
+  return state_lib.TrainState(
       jnp.int32(step), {"w": jnp.full((3, 4), step, jnp.float32)},
       {"mu": jnp.arange(5, dtype=jnp.float32) * step}, jnp.int32(step))
 
@@ -197,6 +197,6 @@ def test_a_checkpoint_with_the_counter_in_the_optimizer_state_resumes(tmp_path):
   step, state, _ = checkpoints.restore_newest(mngr, state_at(0), str(tmp_path),
                                               KEY)
   mngr.close()
-  assert step == 6 and isinstance(state, train_step.TrainState)
+  assert step == 6 and isinstance(state, state_lib.TrainState)
   jax.tree.map(np.testing.assert_array_equal, state, want)
   assert int(state.noise_count) == 5 != int(state.step)

@@ -17,8 +17,9 @@ import pytest
 
 from dpjax import configurables
 from dpjax import errors, gin_cli, pretrained
-from dpjax.training import steps, train_step
+from dpjax.training import state as state_lib, step as step_lib
 from dpjax.models import dual_encoder, gpt2, gpt2_disc, lora, t5, trainable
+from dpjax.privacy.mechanisms import multi_loss
 from dpjax.privacy import clipping, clipping_method, ghost
 from dpjax.pretrained import peft
 from dpjax.privacy.secret import RunSecret
@@ -119,7 +120,7 @@ def dp_step(request):
   m = model(name)
   params = with_random_b(m.init_params(jax.random.PRNGKey(0))[0])
   clip = 0.05
-  tx, accumulate, apply = steps.build_dp_step(
+  tx, accumulate, apply = step_lib.build_dp_step(
       m, clip_norm=clip, optimizer="sgd", learning_rate=1.0,
       noise_multiplier=1.0, normalizer=float(N), seed=0,
       clipping_method="vmap")
@@ -148,11 +149,11 @@ def assert_sum_is(got_tree, want, m, params):
 
 def test_adapter_only_clipped_sum_equals_a_per_example_loop(dp_step):
   m, params, _, _, accumulate, _, b, want = dp_step
-  zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
+  zeros = {multi_loss.LOSS: jax.tree.map(jnp.zeros_like, params)}
   sums, _ = jax.jit(accumulate)(params, zeros,
                                 jax.tree.map(lambda x: x[None], b),
                                 np.ones((1, N), np.float32), 0, 0)
-  assert_sum_is(sums[train_step.LOSS], want, m, params)
+  assert_sum_is(sums[multi_loss.LOSS], want, m, params)
 
 
 @pytest.mark.parametrize("norm", ["auto", "ghost"])
@@ -176,8 +177,8 @@ def test_ghost_clipping_of_the_adapters_equals_the_loop(dp_step, norm):
 
 def test_frozen_leaves_get_no_update_and_no_noise(dp_step):
   m, params, clip, tx, _, apply, _, _ = dp_step
-  state = train_step.init_state(params, tx)
-  zeros = {train_step.LOSS: jax.tree.map(jnp.zeros_like, params)}
+  state = state_lib.init_state(params, tx)
+  zeros = {multi_loss.LOSS: jax.tree.map(jnp.zeros_like, params)}
   # Zero sums: whatever moves is noise (sigma C / N per coordinate).
   new = jax.jit(apply)(state, zeros, RunSecret.draw().noise_key())
   trains = jax.tree.leaves(m.trainable_mask(params))
@@ -191,14 +192,14 @@ def test_frozen_leaves_get_no_update_and_no_noise(dp_step):
 
 
 def test_a_ghost_lora_step_builds_and_multi_loss_ghost_is_refused():
-  steps.build_dp_step(model("gpt2"), clip_norm=1.0, optimizer="sgd",
+  step_lib.build_dp_step(model("gpt2"), clip_norm=1.0, optimizer="sgd",
                       learning_rate=1.0, noise_multiplier=1.0, normalizer=1.0,
                       seed=0, clipping_method="ghost")
   disc = trainable.trainable(
       gpt2_disc.GPT2DiscConfig(lm=GPT2, label_token_ids=(5, 6)),
       LENGTHS["gpt2"])
   with pytest.raises(errors.UsageError, match="several losses"):
-    steps.build_dp_step(disc, clip_norm=1.0, optimizer="sgd",
+    step_lib.build_dp_step(disc, clip_norm=1.0, optimizer="sgd",
                         learning_rate=1.0, noise_multiplier=1.0,
                         normalizer=1.0, seed=0, clipping_method="ghost")
 

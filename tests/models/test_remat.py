@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.extend.core import primitives
 
-from dpjax.training import checkpoints, steps as steps_lib
+from dpjax.training import checkpoints, step as step_lib
 from dpjax.generation import decoding
 from dpjax.models import gpt2, t5
 from dpjax.models import trainable as trainable_lib
@@ -180,7 +180,7 @@ def test_trainer_ghost_with_remat_equals_vmap():
     model = trainable_lib.trainable(gpt2_config(remat), {"targets": 12})
     params = gpt2.init_params(model.config, jax.random.PRNGKey(0),
                               max_length=12)[0]
-    _, accumulate, _ = steps_lib.build_dp_step(model, clipping_method=method,
+    _, accumulate, _ = step_lib.build_dp_step(model, clipping_method=method,
                                              **kw)
     zeros = {"loss": jax.tree.map(jnp.zeros_like, params)}
     sums[method], _ = jit(accumulate)(params, zeros, batch, mask, 0, 0)

@@ -15,34 +15,45 @@ import optax
 import pytest
 
 from dpjax import errors
-from dpjax.training import plan as plan_lib, train_step
-from dpjax.privacy import accounting, adaptive_clipping as adaptive
+from dpjax.training import plan as plan_lib, state as state_lib
+from dpjax.training import step as step_lib
+from dpjax.privacy.mechanisms import multi_loss
+from dpjax.privacy import accounting, mechanisms
+from dpjax.privacy.mechanisms import adaptive_clipping as adaptive
 from dpjax.privacy import clipping, clipping_method, noise, sampling
 from dpjax.privacy import ledger as ledger_lib, optimizers
 from tests.privacy.test_ghost import TOY_BATCH, TOY_PARAMS, toy_loss
 
-LOSS = train_step.LOSS
+LOSS = multi_loss.LOSS
 SECRET = jnp.arange(4, dtype=jnp.uint32)
 
 
 def unit_step(loss, *, clip_norm: float, noise_multiplier: float,
               normalizer: float, settings: adaptive.AdaptiveClipping | None,
               method: str = "vmap", microbatch_size: int | None = None):
-  """(init, accumulate, apply) of one loss, as `steps.build_dp_step` builds
+  """(init, accumulate, apply) of one loss, as `step.build_dp_step` builds
   them (adaptive: clipped in units of C; else at `clip_norm`)."""
+  mechanism = mechanism_of(settings)
   if settings is not None:
     loss, clip_norm = adaptive.scaled_loss(loss, LOSS), 1.0
   clipped = clipping_method.make_clipped_grad(
       loss, clip_norm=clip_norm, method=method,
       microbatch_size=microbatch_size)
-  tx = optimizers.dp_optimizer(
-      optax.sgd(1.0), noise_multipliers={LOSS: noise_multiplier},
-      sensitivities={LOSS: clip_norm}, normalizer=normalizer,
-      initial_clip_norms=None if settings is None else {
-          LOSS: settings.initial_clip_norm})
-  return (lambda p: train_step.init_state(p, tx),
-          train_step.make_accumulate(clipped, seed=0, dropout=False),
-          train_step.make_apply(tx, settings, normalizer))
+  tx = optimizers.DPOptimizer(mechanism.privatizer(
+      sensitivities={LOSS: clip_norm}, noise_multiplier=noise_multiplier,
+      normalizer=normalizer), optax.sgd(1.0))
+  return (lambda p: state_lib.init_state(p, tx),
+          step_lib.flat_metrics(mechanism.accumulate(
+              step_lib.make_accumulate(clipped, seed=0, dropout=False))),
+          step_lib.make_apply(tx))
+
+
+def mechanism_of(settings):
+  return (mechanisms.DPSGD() if settings is None
+          else adaptive.AdaptiveDPSGD(settings=settings))
+
+
+ADAPTIVE = adaptive.AdaptiveDPSGD()
 
 
 def loop_reference(params, batch, mask, clip_norm):
@@ -72,7 +83,7 @@ def test_sum_in_units_of_c_and_count_equal_a_float64_loop(method):
   _, accumulate, _ = unit_step(toy_loss, clip_norm=1.0, noise_multiplier=0.0,
                                normalizer=4.0, settings=settings,
                                method=method, microbatch_size=1)
-  sums = train_step.zeros_like_sums(TOY_PARAMS, [LOSS], True)
+  sums = step_lib.zero_sums(TOY_PARAMS, [LOSS], ADAPTIVE)
   sums, metrics = jax.jit(accumulate)(TOY_PARAMS, sums, batch, mask, 0, 0,
                                       {LOSS: jnp.float32(c)})
   want, count = loop_reference(TOY_PARAMS, TOY_BATCH, mask.reshape(-1), c)
@@ -99,7 +110,8 @@ def test_a_step_at_c_is_fixed_dp_sgd_at_c():
   results = []
   for (init, accumulate, apply), adapts in ((fixed, False), (adapted, True)):
     state = init(TOY_PARAMS)
-    sums = train_step.zeros_like_sums(TOY_PARAMS, [LOSS], adapts)
+    sums = step_lib.zero_sums(
+        TOY_PARAMS, [LOSS], ADAPTIVE if adapts else mechanisms.DPSGD())
     sums, _ = accumulate(state.params, sums, batch, mask, 0, 0,
                          state.clip_norms)
     results.append(apply(state, sums, SECRET))
@@ -143,7 +155,7 @@ def test_clip_norm_follows_the_target_quantile(target):
   mask = jnp.ones((1, batch_size))
 
   def step(state, x_t):
-    sums = train_step.zeros_like_sums(state.params, [LOSS], True)
+    sums = step_lib.zero_sums(state.params, [LOSS], ADAPTIVE)
     sums, _ = accumulate(state.params, sums, {"x": x_t[None]}, mask, 0, 0,
                          state.clip_norms)
     state = apply(state, sums, SECRET)
@@ -191,7 +203,8 @@ def adaptive_plan(accountant, **settings):
       sampler, saved_meta=None, steps=STEPS, batch_size=BATCH,
       sampling_method="poisson", clip_norm=resolved.initial_clip_norm,
       delta=1 / N, target_epsilon=2.0, noise_multiplier=None,
-      accountant=accountant, seed=0, adaptive=resolved)
+      accountant=accountant, seed=0,
+      mechanism=adaptive.AdaptiveDPSGD(settings=resolved))
   ledger.record_dp_steps(STEPS,
                          noise_multipliers=plan_lib.plan_multipliers(plan))
   return ledger, plan
@@ -223,7 +236,7 @@ def test_ledger_epsilon_is_dp_accountings_for_gradient_and_count(accountant):
 
 
 def test_the_count_costs_gradient_noise():
-  without = plan_lib.calibrate(2.0, 1 / N, sampling.PoissonSampler(
+  without = accounting.calibrate(2.0, 1 / N, sampling.PoissonSampler(
       N, BATCH, seed=0).scheme, [STEPS], accountant="rdp")
   _, plan = adaptive_plan("rdp", count_stddev=0.5)
   assert plan.noise_multiplier > 1.01 * without
@@ -240,7 +253,7 @@ def test_the_plan_keeps_the_settings_and_old_plans_stay_compatible():
       "initial_clip_norm": 0.1, "target_quantile": 0.7, "learning_rate": 0.2,
       "count_stddev": BATCH / 20}
   assert "adaptive_clipping" not in dataclasses.replace(
-      plan, adaptive_clipping=None).guarantee()
+      plan, mechanism=mechanisms.DPSGD()).guarantee()
 
 
 @pytest.mark.parametrize("bad", [dict(initial_clip_norm=0.0),
@@ -301,11 +314,10 @@ def _ledger(model_dir):
 
 
 def test_a_two_loss_step_moves_each_bound_by_its_own_count():
-  """`steps.build_dp_step` on a model with two named losses: each loss's
+  """`step.build_dp_step` on a model with two named losses: each loss's
   release is its fixed-bound clipped sum at its C, and each C moves by its
   own fraction of unclipped examples."""
   import types
-  from dpjax.training import steps
   losses = lambda p, ex: {"a": jnp.sum(p["w"] * ex["x"]),
                           "b": 10 * p["v"] * ex["x"][0]}
   model = types.SimpleNamespace(
@@ -313,16 +325,16 @@ def test_a_two_loss_step_moves_each_bound_by_its_own_count():
       trainable_mask=None, example_rng=False)
   settings = adaptive.AdaptiveClipping(initial_clip_norm=1.0,
                                        count_stddev=1e-6)
-  tx, accumulate, apply = steps.build_dp_step(
+  tx, accumulate, apply = step_lib.build_dp_step(
       model, clip_norm=1.0, optimizer="sgd", learning_rate=1.0,
       noise_multiplier=0.0, normalizer=3.0, seed=0, clipping_method="vmap",
-      adaptive_clipping=settings)
+      mechanism=adaptive.AdaptiveDPSGD(settings=settings))
   params = {"w": jnp.zeros(2), "v": jnp.zeros(())}
   batch = {"x": jnp.array([[[3.0, 4.0], [0.2, 0.1], [0.03, 0.0]]])}
   mask = jnp.ones((1, 3))
-  state = train_step.init_state(params, tx)
+  state = state_lib.init_state(params, tx)
   assert set(state.clip_norms) == {"a", "b"}
-  sums = train_step.zeros_like_sums(params, ["a", "b"], True)
+  sums = step_lib.zero_sums(params, ["a", "b"], ADAPTIVE)
   sums, _ = accumulate(params, sums, batch, mask, 0, 0, state.clip_norms)
   new = apply(state, sums, SECRET)
   fixed, stats = clipping.multi_loss_clipped_grad(

@@ -17,7 +17,8 @@ import pytest
 from dpjax.training import checkpoints, plan as plan_lib, run_config
 from dpjax import configurables
 from dpjax import errors, gin_cli
-from dpjax.privacy import accounting, bandmf, ledger as ledger_lib, noise
+from dpjax.privacy import accounting, ledger as ledger_lib, noise
+from dpjax.privacy.mechanisms import bandmf
 from dpjax.privacy import sampling, secret
 from tests import test_trainer
 
@@ -154,7 +155,7 @@ def planned():
 def test_ledger_epsilon_is_jax_privacys_accountant(planned):
   """ε of the plan, and of the ledger after all steps, equals jax-privacy's
   DpsgdTrainingAccountant at cycle length b (PLD, same discretisation)."""
-  bands = planned.privacy.bandmf["bands"]
+  bands = planned.mechanism.bands
   ledger = planned.ledger
   ledger.record_dp_steps(64, noise_multipliers=planned.noise_multipliers)
   theirs = analysis.DpsgdTrainingAccountant(
@@ -176,10 +177,10 @@ def test_ledger_epsilon_is_jax_privacys_accountant(planned):
 def test_bands_are_those_of_least_error(planned):
   """Each candidate's σ is calibrated for the target at its cycle length,
   and the plan takes the smallest σ x prefix error."""
-  rows = planned.privacy.bandmf["candidates"]
+  rows = planned.mechanism.candidates
   assert [r["bands"] for r in rows] == [1, 2, 4, 8, 16, 32]  # n // B = 50
   best = min(rows, key=lambda r: r["error"])
-  assert planned.privacy.bandmf["bands"] == best["bands"]
+  assert planned.mechanism.bands == best["bands"]
   assert planned.noise_multiplier == pytest.approx(best["noise_multiplier"])
   for r in rows:
     scheme = sampling.PoissonScheme(20 / (1000 // r["bands"]),

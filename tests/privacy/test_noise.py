@@ -200,7 +200,7 @@ def test_dp_optimizer_equals_manual_noise_scale_base(base):
   state, base_state = tx.init(params), base.init(params)
   assert jax.tree.structure(state) == jax.tree.structure(base_state)
   for step, grad_sum in enumerate(grad_sums):
-    got, state, _ = tx.update({"loss": grad_sum}, state, params, count=step,
+    got, state, _, _ = tx.update({"loss": grad_sum}, state, params, count=step,
                               noise_secret=SECRET)
     noisy = noise.add_gaussian_noise(
         grad_sum, noise.noise_key(SECRET, step),

@@ -202,13 +202,13 @@ def config(**overrides):
 def user_plan(**overrides):
   return plan_lib.make_plan(config(**overrides), n=len(USERS),
                             sampling_seed=11, secret_source="os_entropy",
-                            user_ids=USERS)
+                            unit_ids=USERS)
 
 
 def test_user_level_epsilon_is_dp_accountings_at_the_user_count():
   plan = user_plan()
   assert plan.privacy.dataset_size == 40 and plan.delta == 1 / 80
-  assert plan.privacy.user_level == {"user_column": "user_id",
+  assert plan.privacy.guarantee()["user_level"] == {"user_column": "user_id",
                                      "max_examples_per_user": 3}
   assert plan.normalizer == pytest.approx(8)
   event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
@@ -228,7 +228,7 @@ def test_user_level_epsilon_is_dp_accountings_at_the_user_count():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(sampling_method="shuffle"), "sampling_method must be 'poisson'"),
-    (dict(clip_norm="adaptive"), "counts unclipped examples"),
+    (dict(clip_norm="adaptive"), "does not combine"),
     (dict(max_examples_per_user=0), "max_examples_per_user"),
     (dict(privacy_unit="person"), "privacy_unit must be one of"),
     (dict(batch_size=41), "of training users n = 40"),

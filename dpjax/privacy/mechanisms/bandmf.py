@@ -30,6 +30,10 @@ the noise itself: it is in the checkpoint, so a resumed run is
 bit-identical, and it must stay as secret as the run's secret key.
 `dpjax.export` writes params only.
 
+`BandMF` is the mechanism (`train.mechanism = 'bandmf'`): its strategy is
+chosen when the run is planned and kept in the plan, so a resumed run
+uses the very same one.
+
 Cost: b - 1 float32 copies of the trained params in memory (a frozen leaf,
 e.g. of LoRA's base, keeps b - 1 numbers), and b - 1 multiply-adds per
 trained parameter per step.
@@ -38,15 +42,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.privacy import noise
+from dpjax import errors
+from dpjax.privacy import accounting, noise, optimizers, sampling
+from dpjax.privacy.mechanisms import dpsgd
 
-MECHANISMS = ("dpsgd", "bandmf")
 # Bands considered by `choose_bands`: powers of two, as the paper's sweeps.
 MAX_BANDS = 64
 
@@ -179,3 +184,141 @@ def state_shardings(state: Any, param_shardings: Any, replicated) -> Any:
     return jax.tree.map(leaf, param_shardings, tree)
 
   return tuple(part(p) for p in state)
+
+
+def _is_count(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class BandMF(dpsgd.DPSGD):
+  """BandMF: b-banded correlated noise, cyclic Poisson sampling of
+  examples, every step a DP step at one bound. `bands`: the setting
+  (`train.bands`; None: the least expected error at the target); once
+  resolved, `coefs` is the strategy and `candidates` the bands compared."""
+  name: ClassVar[str] = "bandmf"
+  record_key: ClassVar[str] = "bandmf"
+  setting: ClassVar[str] = ("train.mechanism = 'bandmf' (cyclic Poisson "
+                            "sampling of examples, every step a DP step at "
+                            "one bound)")
+
+  bands: int | None = None
+  coefs: tuple[float, ...] | None = None
+  candidates: tuple[dict, ...] = ()
+  steps: int | None = None  # the releases the strategy is normalised for
+
+  @classmethod
+  def from_config(cls, config) -> BandMF:
+    bands = config.bands
+    if bands is not None and (not _is_count(bands) or bands < 1):
+      raise errors.UsageError("train.bands must be a positive integer or "
+                               f"None, got {bands!r}")
+    clashes = {
+        "train.sampling_method = 'shuffle'": config.sampling_method != "poisson",
+        "a redaction schedule": config.redaction_schedule is not None}
+    for what, clash in clashes.items():
+      if clash:
+        raise errors.UsageError(f"{cls.setting} does not combine with {what}")
+    return cls("poisson", bands)
+
+  @classmethod
+  def from_plan(cls, plan) -> BandMF:
+    record = plan["bandmf"]
+    return cls("poisson", int(record["bands"]), tuple(record["coefs"]),
+               tuple(record.get("candidates", ())), int(plan["steps"]))
+
+  def resolve(self, inputs: dpsgd.PlanInputs) -> BandMF:
+    """The checkpoint's strategy on resume; else jax-privacy's optimised
+    strategy of `bands` bands or, by default, of the band count whose
+    error at the σ calibrated for the target (cyclic Poisson, cycle =
+    bands) is least."""
+    saved = (inputs.saved_plan or {}).get("bandmf")
+    if saved:
+      return dataclasses.replace(self.from_plan(inputs.saved_plan),
+                                 steps=inputs.steps)
+    steps, n, batch = inputs.steps, inputs.n, inputs.batch_size
+    if self.bands is not None and self.bands > max_bands(steps, n, batch):
+      raise errors.UsageError(
+          f"train.bands = {self.bands}: each example must be eligible only "
+          f"every bands-th step, so bands <= min(n // BATCH_SIZE = "
+          f"{n // batch}, steps = {steps})")
+    if self.bands is not None:
+      strategy = optimized_strategy(steps, self.bands)
+      return dataclasses.replace(self, coefs=strategy.coefs, steps=steps,
+                                 candidates=({"bands": strategy.bands},))
+    if math.isinf(inputs.target_epsilon) or inputs.noise_multiplier is not None:
+      raise errors.UsageError(
+          "train.mechanism = 'bandmf' chooses its bands at the σ calibrated "
+          "for a finite TARGET_EPSILON: with train.noise_multiplier or ε = "
+          "inf, set train.bands")
+
+    def noise_multiplier(bands: int) -> float:
+      return accounting.calibrate(
+          inputs.target_epsilon, inputs.delta, self._scheme(n, batch, bands),
+          [steps], accountant=inputs.accountant,
+          prior_events=inputs.prior_events)
+
+    strategy, _, rows = choose_bands(
+        steps, band_candidates(steps, n, batch), noise_multiplier)
+    return dataclasses.replace(self, bands=strategy.bands, steps=steps,
+                               coefs=strategy.coefs, candidates=tuple(rows))
+
+  @property
+  def strategy(self) -> Strategy:
+    return Strategy(tuple(self.coefs), self.steps)
+
+  def sampler(self, inputs, *, seed, unit_ids=None):
+    return sampling.CyclicPoissonSampler(
+        inputs.n, inputs.batch_size, cycle_length=self.bands,
+        steps=inputs.steps, seed=seed,
+        overflow_probability=inputs.overflow_probability)
+
+  @staticmethod
+  def _scheme(n: int, batch_size: int, bands: int) -> sampling.PoissonScheme:
+    return sampling.PoissonScheme(batch_size / (n // bands),
+                                  cycle_length=bands)
+
+  def scheme(self, n, batch_size):
+    return self._scheme(n, batch_size, self.bands)
+
+  def record(self) -> dict:
+    return {"bands": self.bands, "coefs": list(self.coefs),
+            "candidates": [dict(r) for r in self.candidates]}
+
+  def ledger_entry(self) -> dict:
+    return {"name": self.name, "bands": self.bands}
+
+  def note(self) -> str | None:
+    if len(self.candidates) < 2:
+      return None
+    return ("BandMF bands (σ calibrated for the target, expected error σ x "
+            "prefix error): " + ", ".join(
+                f"{r['bands']}: σ={r['noise_multiplier']:.4f} "
+                f"error={r['error']:.4g}" for r in self.candidates))
+
+  def describe_noise(self) -> str:
+    return (f"BandMF ({self.bands}-banded correlated noise, cyclic Poisson "
+            "sampling)")
+
+  def describe_sampling(self, sampler, n, batch_size) -> str:
+    return (f"cyclic Poisson sampling (q={sampler.sampling_rate:.4g} of "
+            f"n // {self.bands})")
+
+  def privatizer(self, *, sensitivities, noise_multiplier, normalizer,
+                 trainable=None) -> optimizers.Privatizer:
+    if len(sensitivities) != 1:
+      raise errors.UsageError(
+          "train.mechanism = 'bandmf' noises one loss at a fixed clip norm: "
+          "not a model with several losses")
+    (sensitivity,) = sensitivities.values()
+    init, privatize = correlated_privatizer(
+        self.strategy, noise_multiplier=noise_multiplier,
+        sensitivity=sensitivity, normalizer=normalizer, trainable=trainable)
+
+    def update(sums, clip_norms, noise_state, count, noise_secret):
+      release, noise_state = privatize(sums, count, noise_secret, None,
+                                       noise_state)
+      return release, clip_norms, noise_state
+
+    return optimizers.Privatizer(lambda params: (None, init(params)), update,
+                                 state_shardings)

@@ -30,6 +30,10 @@ target. The count's noise is keyed by `(secret, COUNT_STREAM, release, k)`,
 independent of the gradient noise. The new C, the scaled update and the
 logged fraction are post-processing.
 
+`AdaptiveDPSGD` is the mechanism (`train.clip_norm = 'adaptive'`): DP-SGD
+whose bound is this state, clipped in units of C, with the count released
+beside each gradient sum.
+
 Limits: the count uses the unit-space norms of the differentiated (trained)
 leaves, as the clipping does; an example whose loss or gradient is
 non-finite is zeroed and counts as unclipped (b_i = 1: still one example's
@@ -39,12 +43,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from dpjax.privacy import noise
+from dpjax import errors
+from dpjax.privacy import noise, optimizers
+from dpjax.privacy.mechanisms import dpsgd, multi_loss
+
+ADAPTIVE = "adaptive"  # train.clip_norm of adaptive clipping
 
 # Batch fields the trainer adds: 1 / C of each loss, one per example.
 INVERSE_CLIP_NORM = "inverse_clip_norm"
@@ -163,3 +171,150 @@ def next_clip_norm(clip_norm: jax.Array, unclipped_fraction: jax.Array,
   """
   return clip_norm * jnp.exp(-learning_rate
                              * (unclipped_fraction - target_quantile))
+
+
+def counting(accumulate: Callable) -> Callable:
+  """A step's `accumulate` clipping in units of the state's bounds
+  (`clip_norms`, `{name: C}`): each example's losses scaled by 1 / C, each
+  loss's centred count of unclipped examples added to
+  `sums[UNCLIPPED][name]`, and the metrics (losses, norms) back in the
+  loss's own units, with the `clip_norm` used."""
+
+  def scaled(params, sums, batch, mask, step, call, clip_norms):
+    sums = dict(sums)
+    counts = sums.pop(UNCLIPPED)
+    sums, metrics = accumulate(params, sums,
+                               with_inverse_clip_norms(batch, clip_norms, mask),
+                               mask, step, call, clip_norms)
+    sums[UNCLIPPED] = {
+        k: counts[k] + centred_count(metrics[k]["num_examples"],
+                                     metrics[k]["num_clipped"])
+        for k in counts}
+    for k, c in clip_norms.items():
+      metrics[k] = {m: v * c if m == "loss_sum" or m.startswith("grad_norm")
+                    else v for m, v in metrics[k].items()}
+      metrics[k]["clip_norm"] = c
+    return sums, metrics
+
+  return scaled
+
+
+def adaptive_privatizer(settings: AdaptiveClipping, *,
+                        sensitivities: Mapping[str, float],
+                        noise_multiplier: float, normalizer: float,
+                        trainable: Any = None):
+  """The release of one step's unit-space sums and counts, and the bounds
+  of the next step (`settings` resolved: its `count_stddev` set).
+
+  Each noisy sum is multiplied back by its C (post-processing); each
+  loss's count gets its own noise (key stream `count_keys`); C moves
+  toward the target quantile."""
+  privatize = noise.privatizer(
+      noise_multipliers={k: noise_multiplier for k in sensitivities},
+      sensitivities=sensitivities, normalizer=normalizer, trainable=trainable)
+
+  def init(params):
+    return ({k: jnp.asarray(settings.initial_clip_norm, jnp.float32)
+             for k in sensitivities}, None)
+
+  def update(sums, clip_norms, noise_state, count, noise_secret):
+    sums = dict(sums)
+    counts = sums.pop(UNCLIPPED)
+    release = privatize(sums, count, noise_secret, clip_norms)
+    following = {}
+    for k, name in enumerate(clip_norms):
+      fraction = noisy_unclipped_fraction(
+          counts[name], count_keys(noise_secret, count, k),
+          settings.count_stddev, normalizer)
+      following[name] = next_clip_norm(
+          clip_norms[name], fraction, settings.target_quantile,
+          settings.learning_rate)
+    return release, following, noise_state
+
+  return optimizers.Privatizer(init, update)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDPSGD(dpsgd.DPSGD):
+  """DP-SGD whose bound follows a private quantile of the gradient norms."""
+  name: ClassVar[str] = "adaptive_clipping"
+  record_key: ClassVar[str] = "adaptive_clipping"
+  setting: ClassVar[str] = "train.clip_norm = 'adaptive'"
+  named: ClassVar[bool] = False
+
+  settings: AdaptiveClipping = AdaptiveClipping()
+
+  @classmethod
+  def chosen(cls, config) -> bool:
+    return config.clip_norm == ADAPTIVE
+
+  @classmethod
+  def from_config(cls, config) -> AdaptiveDPSGD:
+    if config.clip_norms:
+      raise errors.UsageError(
+          "train.clip_norms sets fixed bounds; with train.clip_norm = "
+          "'adaptive' every loss starts at adaptive_clipping.initial_clip_norm")
+    return cls(dpsgd.DPSGD.from_config(config).sampling_method,
+               config.adaptive_clipping or AdaptiveClipping())
+
+  @classmethod
+  def from_plan(cls, plan) -> AdaptiveDPSGD:
+    return cls(plan["sampling"], AdaptiveClipping(**plan["adaptive_clipping"]))
+
+  def resolve(self, inputs: dpsgd.PlanInputs) -> AdaptiveDPSGD:
+    """The count's default noise: the expected batch / 20."""
+    expected = (inputs.batch_size / inputs.n * inputs.n
+                if self.sampling_method == "poisson" else inputs.batch_size)
+    return dataclasses.replace(self, settings=self.settings.resolved(expected))
+
+  def initial_clip_norm(self, clip_norm) -> float:
+    return float(self.settings.initial_clip_norm)
+
+  def step_multipliers(self, sigma, releases):
+    """σ for each gradient sum, then each loss's count."""
+    return ((float(sigma),) * releases
+            + (self.settings.count_noise_multiplier,) * releases)
+
+  def calibrate(self, inputs, scheme, releases):
+    try:
+      return super().calibrate(inputs, scheme, releases)
+    except ValueError as e:
+      raise errors.UsageError(
+          f"no noise multiplier reaches ε = {inputs.target_epsilon} when "
+          f"adaptive clipping's counts alone (noise stddev "
+          f"{self.settings.count_stddev:g} examples) spend the budget: raise "
+          f"adaptive_clipping.count_stddev ({e})") from None
+
+  def record(self) -> dict:
+    return dataclasses.asdict(self.settings)
+
+  def describe_clipping(self, clip_norm, clip_norms) -> str:
+    s = self.settings
+    return (f"adaptive: from {s.initial_clip_norm:g} toward the "
+            f"{s.target_quantile:g} quantile of the gradient norms; each step "
+            "also releases its count of unclipped examples with noise "
+            f"stddev {s.count_stddev:.4g}")
+
+  def clipped_grad(self, model, *, clip_norm, bounds, method):
+    """Each loss over its bound, clipped to 1 (sensitivity 1)."""
+    if model.example_losses is None:
+      loss = scaled_loss(model.example_loss, multi_loss.LOSS)
+      losses = None
+    else:
+      loss, losses = None, scaled_losses(model.example_losses, model.loss_names)
+    return multi_loss.clipped_grad(
+        loss, losses, clip_norm=1.0,
+        bounds=None if bounds is None else {k: 1.0 for k in bounds},
+        method=method, trainable=multi_loss.trainable_mask(model))
+
+  def accumulate(self, accumulate):
+    return counting(accumulate)
+
+  def extra_sums(self, names) -> dict:
+    return {UNCLIPPED: dpsgd.zeros(names)}
+
+  def privatizer(self, *, sensitivities, noise_multiplier, normalizer,
+                 trainable=None):
+    return adaptive_privatizer(self.settings, sensitivities=sensitivities,
+                               noise_multiplier=noise_multiplier,
+                               normalizer=normalizer, trainable=trainable)

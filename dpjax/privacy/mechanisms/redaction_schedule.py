@@ -44,12 +44,18 @@ as the policy flags every sensitive token, which no accountant can check.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import numpy as np
+
+from dpjax import errors
+from dpjax.privacy import sampling
 
 SCHEDULES = ("linear", "step", "exp_convex", "exp_concave", "constant")
 # Separates the coin flips from any other use of the same seed.
 COIN_STREAM = 0x636F696E  # "coin"
+# Seeds the public sampler apart from the secret Poisson sampler's stream.
+PUBLIC_SAMPLER_STREAM = 0x70756273  # "pubs"
 
 
 def probabilities(name: str, total_steps: int, *, eta: float = 15.0,
@@ -111,3 +117,47 @@ def kind_indices(public: np.ndarray) -> np.ndarray:
   is_dp = ~np.asarray(public, bool)
   dp_before = np.cumsum(is_dp) - is_dp  # exclusive prefix count
   return np.where(is_dp, dp_before, np.arange(is_dp.size) - dp_before)
+
+
+def plan(schedule: str, *, total_steps: int, eta: float,
+         probability: float | None, seed: int, public_task: str,
+         public_dataset_size: int) -> tuple[np.ndarray, dict]:
+  """(public [T] bool: the redacted steps, the description the run's plan
+  keeps). The coins are flipped here, before training, from (seed, t)
+  alone, so the number of DP steps the accountant is calibrated for is
+  exact."""
+  try:
+    probs = probabilities(schedule, total_steps, eta=eta, p=probability)
+  except ValueError as e:
+    raise errors.UsageError(f"train.redaction_schedule: {e}") from None
+  public = public_steps(probs, seed)
+  return public, {
+      "schedule": schedule, "eta": eta, "probability": probability,
+      "public_task": public_task, "public_dataset_size": public_dataset_size,
+      "dp_steps": int(np.count_nonzero(~public)),
+      "public_steps": int(np.count_nonzero(public))}
+
+
+def dp_steps_before(plan: Mapping, step: int) -> int:
+  """The DP steps among the first `step` under a saved plan's schedule
+  (its public coins, from the plan's seed); `step` without one."""
+  redaction = plan.get("redaction")
+  if not redaction:
+    return step
+  probs = probabilities(redaction["schedule"], int(plan["steps"]),
+                        eta=redaction["eta"], p=redaction["probability"])
+  public = public_steps(probs, int(plan["seed"]))
+  return int(np.count_nonzero(~public[:step]))
+
+
+def public_sampler(n: int, batch_size: int, seed: int
+                    ) -> sampling.ShuffleSampler:
+  """Shuffled batches of exactly BATCH_SIZE public rows. Public data needs
+  no Poisson sampling; its seed is drawn apart from the run's so that
+  public batches say nothing about the secret Poisson samples."""
+  public_seed = int(np.random.SeedSequence(
+      [seed, PUBLIC_SAMPLER_STREAM]).generate_state(1)[0])
+  try:
+    return sampling.ShuffleSampler(n, batch_size, seed=public_seed)
+  except ValueError as e:
+    raise errors.UsageError(f"train.public_task_name: {e}") from None

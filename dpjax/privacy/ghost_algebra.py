@@ -1,0 +1,138 @@
+"""The per-site algebra of ghost clipping (`dpjax.privacy.ghost`).
+
+A site (a dense layer, an embedding lookup or its tied `attend`) of one
+example has the gradient `A^T B`, with `A` its input (or one-hot ids) and
+`B` its output gradient over the example's T positions. Its squared norm is
+`sum((A A^T) * (B B^T))` without forming `A^T B` (the Gram identity), and
+so are the cross terms of sites that share a parameter; the clipped sum
+over a batch is book-kept from the same factors. A site here is anything
+with `kind`, `shape` (rows, cols), `leaf` and `norm` ('ghost' | 'direct'),
+as `ghost.Site`.
+
+Every product accumulates in float32 at HIGHEST matmul precision, whatever
+the compute dtype: the clip bound rests on these numbers.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Factors = tuple[jax.Array, jax.Array]
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def factors(site, x: jax.Array, g: jax.Array) -> Factors:
+  """(A [T, rows], B [T, cols]) of one example; int ids [T] as A of a lookup.
+
+  Kept in the compute dtype (the batch's factors are what ghost clipping
+  stores); every product of them accumulates in float32.
+  """
+  rows, cols = site.shape
+  if site.kind == "dense":
+    return x.reshape(-1, rows), g.reshape(-1, cols)
+  if site.kind == "attend":
+    return g.reshape(-1, rows), x.reshape(-1, cols)
+  # Negative ids wrap, as in jnp.take; a row of an id still out of range
+  # reaches no parameter row, so its B row is zeroed (and the id made safe).
+  ids = x.reshape(-1)
+  ids = jnp.where(ids < 0, ids + rows, ids)
+  valid = (ids >= 0) & (ids < rows)
+  return (jnp.where(valid, ids, 0),
+          jnp.where(valid[:, None], g.reshape(-1, cols), 0))
+
+
+def large_sq_norm(sites, factors) -> jax.Array:
+  """Sum over large params of ||sum over their sites of A^T B||^2 (one example).
+
+  Direct sites are summed into one `[rows, cols]` gradient G; its cross term
+  with a ghost site is <G, A^T B> = sum_t A[t] G B[t]^T; ghost site pairs
+  use the Gram identity.
+  """
+  total = jnp.zeros((), jnp.float32)
+  for leaf in dict.fromkeys(s.leaf for s in sites):
+    mine = [(s, f) for s, f in zip(sites, factors) if s.leaf == leaf]
+    direct = [(s, f) for s, f in mine if s.norm == "direct"]
+    ghost = [(s, f) for s, f in mine if s.norm == "ghost"]
+    if direct:
+      grad = sum(site_grad(s, f) for s, f in direct)
+      total += jnp.sum(jnp.square(grad))
+      for s, f in ghost:
+        total += 2 * inner(grad, s, f)
+    for i, (s, f) in enumerate(ghost):
+      total += ghost_sq_norm(s, f)
+      for r, h in ghost[i + 1:]:
+        total += 2 * ghost_inner(s, f, r, h)
+  # Cancelling cross terms can round below zero; NaN stays NaN.
+  return jnp.maximum(total, 0.0)
+
+
+def site_grad(site, factors: Factors) -> jax.Array:
+  """A^T B, `[rows, cols]`."""
+  a, b = factors
+  if site.kind == "lookup":
+    return jnp.zeros(site.shape, jnp.float32).at[a].add(
+        b.astype(jnp.float32))
+  return dot(a.T, b)
+
+
+def inner(grad: jax.Array, site, factors: Factors) -> jax.Array:
+  """<grad, A^T B> without forming A^T B."""
+  a, b = factors
+  rows_of_grad = grad[a] if site.kind == "lookup" else dot(a, grad)
+  return jnp.sum(rows_of_grad * b.astype(jnp.float32))
+
+
+def ghost_inner(s, f: Factors, r, h: Factors) -> jax.Array:
+  """<A_s^T B_s, A_r^T B_r> = sum((A_s A_r^T) * (B_s B_r^T))."""
+  (a1, b1), (a2, b2) = f, h
+  if s.kind == "lookup" and r.kind == "lookup":
+    gram_a = (a1[:, None] == a2[None, :]).astype(jnp.float32)
+  elif s.kind == "lookup":
+    gram_a = a2[:, a1].T.astype(jnp.float32)  # onehot(a1) @ A_r^T
+  elif r.kind == "lookup":
+    gram_a = a1[:, a2].astype(jnp.float32)
+  else:
+    gram_a = dot(a1, a2.T)
+  return jnp.sum(gram_a * dot(b1, b2.T))
+
+
+def ghost_sq_norm(site, factors: Factors) -> jax.Array:
+  """||A^T B||^2 = sum((A A^T) * (B B^T)); for a dense site from the Gram
+  blocks on and above the diagonal only (both Grams are symmetric): halves
+  of T, 3/4 of the full Grams' flops. The off-diagonal block's operands are
+  copies, worth it only for activations as narrow as a dense site's (not
+  for the `[T, vocab]` logits gradient of an `attend`)."""
+  a, b = factors
+  t = b.shape[0]
+  if site.kind != "dense" or t % 2 or t < 64:
+    return ghost_inner(site, factors, site, factors)
+  a, b = a.reshape(2, t // 2, -1), b.reshape(2, t // 2, -1)
+  diagonal = jnp.sum(block_dot(a, a) * block_dot(b, b))
+  return diagonal + 2 * jnp.sum(dot(a[0], a[1].T) * dot(b[0], b[1].T))
+
+
+def block_dot(x: jax.Array, y: jax.Array) -> jax.Array:
+  """x[i] @ y[i]^T for each block i: [n, t, k] x [n, s, k] -> [n, t, s]."""
+  return jnp.einsum("ntk,nsk->nts", x, y, precision=HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
+def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a @ b with float32 accumulation at full precision (not TF32/bf16
+  passes): the clip bound rests on these products."""
+  return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
+                  keep: jax.Array) -> jax.Array:
+  """sum_i weights[i] A_i^T B_i over kept examples (a: [m, T, rows] or ids
+  [m, T]; b: [m, T, cols])."""
+  keep = keep[:, None, None]
+  # Weighted in float32: a bf16 weight could round above min(1, C/norm).
+  b = jnp.where(keep, b, 0).astype(jnp.float32) * weights[:, None, None]
+  if site.kind == "lookup":
+    return jax.ops.segment_sum(b.reshape(-1, b.shape[-1]), a.reshape(-1),
+                               num_segments=site.shape[0])
+  a = jnp.where(keep, a, 0)
+  return jnp.einsum("mta,mtb->ab", a, b, precision=HIGHEST,
+                    preferred_element_type=jnp.float32)
