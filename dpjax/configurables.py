@@ -22,8 +22,10 @@ the bindings are parsed (`register_tasks`): the engine imports no `tasks`.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import math
 from typing import Mapping
 
 import gin
@@ -99,39 +101,76 @@ _MACROS = {"model_dir": "MODEL_DIR", "batch_size": "BATCH_SIZE",
            "task_feature_lengths": "TASK_FEATURE_LENGTHS"}
 
 
-def run_config() -> run_config_lib.RunConfig:
-  """The run the parsed gin bindings describe.
+def run_config(**fields) -> run_config_lib.RunConfig:
+  """The run the parsed gin bindings describe, with `fields` (RunConfig
+  fields) set over them: how a pipeline derives its runs from the user's
+  gin files, as typed values rather than binding strings.
 
   Raises:
-    errors.UsageError: a required `train.*` setting is unbound, or an
-      `adaptive_clipping.*` value is out of range.
+    errors.UsageError: a required `train.*` setting is neither bound nor
+      given, or an `adaptive_clipping.*` value is out of range.
   """
-  missing = [name for name in _REQUIRED if not is_bound(f"train.{name}")]
+  missing = [name for name in _REQUIRED
+             if name not in fields and not is_bound(f"train.{name}")]
   if missing:
     raise errors.UsageError("gin: not set: " + ", ".join(
         f"train.{n}" + (f" ({_MACROS[n]})" if n in _MACROS else "")
         for n in missing))
-  config = _train()
+  config = _train(**{k: v for k, v in fields.items() if k not in _OWN_NAMES})
   adaptive = None
   if config.clip_norm == adaptive_lib.ADAPTIVE:
     try:
       adaptive = _adaptive_clipping()
     except ValueError as e:
       raise errors.UsageError(str(e)) from None
-  return dataclasses.replace(
-      config, mesh_shape=_mesh_shape(), axis_rules=_axis_rules(),
-      learning_rate_schedule=_learning_rate_schedule(),
-      adaptive_clipping=adaptive)
+  own = dict(mesh_shape=_mesh_shape(), axis_rules=_axis_rules(),
+             learning_rate_schedule=_learning_rate_schedule(),
+             adaptive_clipping=adaptive)
+  return dataclasses.replace(config, **{
+      **own, **{k: v for k, v in fields.items() if k in _OWN_NAMES}})
+
+
+def config_text(config: run_config_lib.RunConfig) -> str:
+  """MODEL_DIR/config.gin of `config`: gin's operative config, then each
+  field `config` sets over the bindings (`run_config(**fields)`) as a
+  binding of its own, so the file says what was trained."""
+  bound = run_config(**{n: getattr(config, n) for n in _REQUIRED})
+  lines = []
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if value == getattr(bound, field.name):
+      continue
+    literal = _literal(value)
+    if field.name in _OWN_NAMES or literal is None:
+      lines.append(f"# train.{field.name}: {value!r}")
+    else:
+      lines.append(f"train.{field.name} = {literal}")
+  text = gin.config_str()
+  if lines:
+    text += ("\n# Set over the bindings above (run_config's fields):\n"
+             + "\n".join(lines) + "\n")
+  return text
+
+
+def _literal(value) -> str | None:
+  """`value` as a gin (Python) literal, or None where it has none."""
+  if isinstance(value, float) and math.isinf(value) and value > 0:
+    return "'inf'"  # as TARGET_EPSILON spells it
+  text = repr(value)
+  try:
+    return text if ast.literal_eval(text) == value else None
+  except (ValueError, SyntaxError):
+    return None
 
 
 def train(config: run_config_lib.RunConfig | None = None) -> dict:
   """Trains (or resumes) `config` (default: `run_config()`), its config.gin
-  gin's operative config; then, with `train.generate_after_training` and the
+  `config_text(config)`; then, with `train.generate_after_training` and the
   run finished, one synthetic query per training document
   (`generate_synthetic.*`)."""
   config = config or run_config()
   register_tasks(config)
-  result = trainer.train(config, config_text=gin.config_str)
+  result = trainer.train(config, config_text=lambda: config_text(config))
   if config.generate_after_training and (
       result["steps_done"] == result["steps"]):
     if jax.process_count() == 1:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import orbax.checkpoint as ocp
 
@@ -232,8 +232,14 @@ def newest(mngr: ocp.CheckpointManager, key: bytes, *, params: bool = False,
       "aside to start over, or use a fresh MODEL_DIR")
 
 
-def read_run(path: str) -> tuple[ocp.CheckpointManager, int,
-                                 checkpoints.RunMeta] | None:
+class Run(NamedTuple):
+  """A dpjax run's newest verified checkpoint (`read_run`)."""
+  manager: ocp.CheckpointManager  # the caller closes it
+  step: int
+  meta: checkpoints.RunMeta
+
+
+def read_run(path: str) -> Run | None:
   """(manager, step, meta) of the newest verified checkpoint of the dpjax
   run directory `path` (`newest`), or None if `path` holds no
   `checkpoints/` (e.g. a Hugging Face directory); the caller closes the
@@ -246,7 +252,7 @@ def read_run(path: str) -> tuple[ocp.CheckpointManager, int,
   except BaseException:
     mngr.close()
     raise
-  return mngr, step, meta
+  return Run(mngr, step, meta)
 
 
 def run_meta(model_dir: str) -> tuple[int, checkpoints.RunMeta]:
@@ -255,8 +261,8 @@ def run_meta(model_dir: str) -> tuple[int, checkpoints.RunMeta]:
   if found is None:
     raise checkpoints.UnreadableCheckpointError(
         f"{model_dir} holds no checkpoints/")
-  found[0].close()
-  return found[1], found[2]
+  found.manager.close()
+  return found.step, found.meta
 
 
 def run_ledger(model_dir: str) -> ledger_lib.PrivacyLedger:

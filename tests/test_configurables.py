@@ -105,3 +105,37 @@ def test_every_shipped_gin_file_gives_a_run_config():
 
 # Files given after another one (their header says which).
 OVERLAID = {"dual_encoder_msmarco_sample.gin": ["dual_encoder_msmarco.gin"]}
+
+
+def test_fields_set_over_the_bindings_as_dataclasses_replace():
+  """A pipeline's runs: typed fields over the user's gin, the same record
+  as `dataclasses.replace`; a required field given needs no binding."""
+  gin_cli.configure([], [b for b in REQUIRED if "MODEL_DIR" not in b])
+  with pytest.raises(errors.UsageError, match="MODEL_DIR"):
+    configurables.run_config()
+  config = configurables.run_config(model_dir="runs/y", train_steps=5,
+                                    target_epsilon=float("inf"), seed=3,
+                                    mesh_shape={"data": 2})
+  gin.bind_parameter("train.model_dir", "runs/y")
+  assert config == dataclasses.replace(
+      configurables.run_config(), train_steps=5, target_epsilon=float("inf"),
+      seed=3, mesh_shape={"data": 2})
+
+
+def test_config_gin_says_what_was_trained(tmp_path):
+  """config.gin is gin's operative config, then each field set over the
+  bindings as a binding of its own: read back, it gives the same run."""
+  gin_cli.configure([], REQUIRED + ["train.seed = 1"])
+  config = configurables.run_config(train_steps=5, seed=3,
+                                    target_epsilon=float("inf"),
+                                    clip_norms={"lm": 0.5})
+  text = configurables.config_text(config)
+  assert "train.seed = 3" in text and "train.target_epsilon = 'inf'" in text
+  assert configurables.config_text(configurables.run_config()) == \
+      gin.config_str()  # nothing set over the bindings: nothing added
+  path = tmp_path / "config.gin"
+  path.write_text(text)
+  gin.clear_config()
+  gin_cli.configure([], [], run_files=[str(path)])
+  assert configurables.run_config() == dataclasses.replace(
+      config, target_epsilon="inf")

@@ -66,7 +66,7 @@ def _public_seeds(run_dir, release_dir) -> set[int]:
            glob.glob(os.path.join(release_dir, "*.json"))
            + glob.glob(os.path.join(release_dir, "*.md"))
            + [os.path.join(run_dir, "config.gin")]]
-  texts.append(json.dumps(verify.read_run(str(run_dir))[2].to_json()))
+  texts.append(json.dumps(verify.read_run(str(run_dir)).meta.to_json()))
   found = {int(m) for t in texts
            for m in re.findall(r"seed\W{0,4}(\d+)", t)}
   return found | set(range(16))
@@ -139,7 +139,7 @@ def test_outsider_cannot_regenerate_the_noise(runs):
 def test_identical_gin_draws_different_noise_and_batches(runs):
   a, b = (secret.RunSecret.load(str(runs / n)) for n in "ab")
   assert a != b and not a.is_pinned
-  meta = verify.read_run(str(runs / "a"))[2]
+  meta = verify.read_run(str(runs / "a")).meta
   n, q = meta.ledger["dataset_size"], meta.ledger["sampling"][
       "sampling_rate"]
   batches = lambda s: [sampling.PoissonSampler(

@@ -19,7 +19,6 @@ import tasks
 from dpjax import configurables, errors, gin_cli, verify
 from dpjax.training import checkpoints, loop, sizing, step as step_lib
 from dpjax.training import state as state_lib
-from dpjax.generation import inference
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy.mechanisms import multi_loss
@@ -300,9 +299,9 @@ def test_empty_samples_are_recorded_but_written_as_no_query(quickstart, tmp_path
     return generate(*args, **kwargs).at[np.array([0, 3]), 0].set(1)  # EOS
 
   monkeypatch.setattr(decoding, "generate", eos_first_in_rows_0_and_3)
-  gin.clear_config()  # no decoding binding left by an earlier test
-  result = inference.generate_synthetic(model_dir=str(model_dir),
-                                        output_dir=str(tmp_path), limit=6)
+  gin.clear_config()  # no decoding or data binding left by an earlier test
+  result = configurables.generate_synthetic(  # registers the run's task
+      model_dir=str(model_dir), output_dir=str(tmp_path), limit=6)
   queries = (tmp_path / "queries.synthetic.tsv").read_text().splitlines()
   qrels = (tmp_path / "qrels.synthetic.tsv").read_text().splitlines()
   records = [json.loads(r) for r in

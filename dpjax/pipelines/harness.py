@@ -81,12 +81,14 @@ def configured(make: Callable[[], Any], gin_files: Sequence[str],
 
 
 def train_run(run_dir: str, gin_files: Sequence[str],
-              bindings: Sequence[str]) -> dict:
-  """The summary of the run in `run_dir` configured by `gin_files` and
-  `bindings` (MODEL_DIR = run_dir), trained or resumed unless finished."""
-  return ensure_trained(run_dir, lambda: configured(
-      configurables.train, gin_files,
-      [f"MODEL_DIR = '{run_dir}'", *bindings]))
+              bindings: Sequence[str] = (), **fields) -> dict:
+  """The summary of the run in `run_dir`, trained or resumed unless
+  finished: the `RunConfig` that `gin_files` and `bindings` (the user's
+  files and flags, and the data layer's settings) configure, with `fields`
+  set over it (`configurables.run_config(**fields)`; MODEL_DIR = run_dir)."""
+  return ensure_trained(run_dir, lambda: configurables.train(configured(
+      lambda: configurables.run_config(model_dir=run_dir, **fields),
+      gin_files, bindings)))
 
 
 def check_settings(root: str, settings: Any) -> None:

@@ -104,7 +104,7 @@ def _dry_run(config: RunConfig, steps: int,
   memory, source = sizing.device_memory(config.device_memory,
                                         compile_target)
   limit = int(memory * config.memory_headroom)
-  start = built.resume[0] if built.resume else 0
+  start = built.resume.step if built.resume else 0
   abstract = built.placed.abstract_state.params
   device = mesh.devices.flat[0]
   record = {
@@ -145,7 +145,7 @@ def _dry_run(config: RunConfig, steps: int,
   if built.mngr is not None:
     built.mngr.close()
   if built.init_run:
-    built.init_run[0].close()
+    built.init_run.manager.close()
   if distributed.is_primary():
     print(json.dumps(record), flush=True)
   if compile_target and not record["fits"]:  # a preflight's answer: no

@@ -75,9 +75,9 @@ class Built(NamedTuple):
   lengths: dict
   splits: "_Splits"
   tokenizer: dict | None
-  init_run: tuple | None
+  init_run: verify.Run | None  # INITIAL_CHECKPOINT_PATH's, if a dpjax run
   mngr: Any  # the existing run's orbax manager, or None
-  resume: tuple | None  # (step, RunMeta) of its newest readable checkpoint
+  resume: verify.Run | None  # the newest readable checkpoint here
   run_secret: secret_lib.RunSecret
   plan: plan_lib.RunPlan
   plan_for: Callable  # saved RunMeta | None -> RunPlan
@@ -130,7 +130,7 @@ def build(config: RunConfig, *, dry_run: bool = False,
     raise errors.UsageError(f"train.model_config / TASK_FEATURE_LENGTHS: {e}")
   if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
     # or the one this model extends (`checkpoints.init_from_run`)
-    checkpoints.check_initialises(init_run[2], model_config)
+    checkpoints.check_initialises(init_run.meta, model_config)
   splits = _load_splits(config, model, lengths, mechanism)
   n = len(splits.tokens)
 
@@ -146,9 +146,9 @@ def build(config: RunConfig, *, dry_run: bool = False,
                   else len(splits.public_tokens)),
         saved=saved, unit_ids=splits.units)
 
-  plan = plan_for(resume[1] if resume else None)
+  plan = plan_for(resume.meta if resume else None)
   if resume:
-    checkpoints.check_model(resume[1], model_config)
+    checkpoints.check_model(resume.meta, model_config)
   reporting.say(plan.summary())
   if plan.mechanism.note() and not resume:
     reporting.say(plan.mechanism.note())
@@ -208,43 +208,40 @@ def train(config: RunConfig, *,
   from dpjax.data import arrays as data_arrays  # TF: the DP core needs none
   wall_start = time.perf_counter()
   built = build(config)
-  (model_dir, target_epsilon, model, lengths, splits, tokenizer, init_run,
-   mngr, resume, run_secret, plan, mesh, rules, placed, schedule) = (
-       built.model_dir, built.target_epsilon, built.model, built.lengths,
-       built.splits, built.tokenizer, built.init_run, built.mngr,
-       built.resume, built.run_secret, built.plan, built.mesh, built.rules,
-       built.placed, built.schedule)
+  model_dir, placed, run_secret = built.model_dir, built.placed, built.run_secret
+  plan, mngr = built.plan, built.mngr  # a resume may replace them
   task = config.mixture_or_task_name
   m, k = built.sizing.microbatch_size, built.sizing.accumulation_steps
   start_step = 0
-  if resume:  # restored straight into place (any saved mesh: re-sharded)
+  if built.resume:  # restored straight into place (any saved mesh: re-sharded)
     start_step, state, saved = checkpoints.restore_newest(
         mngr, placed.abstract_state, model_dir, run_secret.meta_key())
-    if start_step != resume[0]:  # newer ones unreadable: this one's ledger
+    if start_step != built.resume.step:  # newer ones unreadable: its ledger
       verify.check_run(saved, checkpoint_step=start_step,
                        noise_count=int(state.noise_count))
       plan = built.plan_for(saved)
     reporting.say(f"resumed {model_dir} at step {start_step}, "
                   f"ε spent {plan.ledger.epsilon_spent():.4f}")
   else:  # built in place on the mesh, the same on every process
-    params = _initial_params(config, model, init_run,
+    params = _initial_params(config, built.model, built.init_run,
                              placed.state_shardings.params)
     state = jax.jit(lambda p: init_state(p, placed.optimizer),
                     out_shardings=placed.state_shardings)(params)
     mngr = mngr or checkpoints.manager(model_dir,
                                        max_to_keep=config.keep_checkpoints)
-  if init_run:  # read; orbax's threads need not live through the run
-    init_run[0].close()
+  if built.init_run:  # read; orbax's threads need not live through the run
+    built.init_run.manager.close()
   _write_run_files(model_dir, run_secret, plan.ledger, config_text)
   reporting.log_libraries_to(model_dir)
   if built.sizing_key and distributed.is_primary():
     sizing_lib.save(model_dir, built.sizing_key, built.sizing)
 
   # --- The loop. ------------------------------------------------------------
-  step_fn = step_function(
-      plan, placed, splits, mesh=mesh, rules=rules, m=m, k=k,
-      noise_secret=distributed.global_array(run_secret.noise_key(),
-                                            partitioning.replicated(mesh)))
+  noise_secret = distributed.global_array(
+      run_secret.noise_key(), partitioning.replicated(built.mesh))
+  step_fn = step_function(plan, placed, built.splits, mesh=built.mesh,
+                          rules=built.rules, m=m, k=k,
+                          noise_secret=noise_secret)
 
   def meta(step: int) -> checkpoints.RunMeta:
     dp_steps = plan.dp_steps_before(step)
@@ -256,25 +253,26 @@ def train(config: RunConfig, *,
             step=step, seed=config.seed, dp_steps=dp_steps,
             public_steps=step - dp_steps),
         sampler=plan.sampler.describe(), mixture_or_task_name=task,
-        task_feature_lengths=lengths,
+        task_feature_lengths=built.lengths,
         initial_checkpoint_path=config.initial_checkpoint_path,
-        tokenizer_files=tokenizer or {})
+        tokenizer_files=built.tokenizer or {})
 
   summaries = reporting.Summaries(model_dir)
   reporter = loop.Reporter(
       period=config.log_period, ledger=plan.ledger, summaries=summaries,
       progress=reporting.Progress(plan.steps, start_step),
-      target_epsilon=target_epsilon, schedule=schedule,
+      target_epsilon=built.target_epsilon, schedule=built.schedule,
       mixed=bool(config.redaction_schedule))
   callbacks = [reporter]
   evaluator = None
   if config.eval_period:
     eval_data = data_arrays.load_task_arrays(
-        task, config.eval_split, lengths, converter=model.converter)
+        task, config.eval_split, built.lengths,
+        converter=built.model.converter)
     evaluator = loop.Evaluator(
         period=config.eval_period, summaries=summaries,
-        evaluate=_eval_loss_fn(placed.eval, eval_data, mesh, rules, m,
-                               config.eval_examples))
+        evaluate=_eval_loss_fn(placed.eval, eval_data, built.mesh,
+                               built.rules, m, config.eval_examples))
     callbacks.append(evaluator)
   callbacks.append(loop.Checkpointer(period=config.checkpoint_period,
                                      manager=mngr, model_dir=model_dir,
@@ -291,15 +289,15 @@ def train(config: RunConfig, *,
   ledger = plan.ledger
   eps = ledger.epsilon_spent()
   result = {"model_dir": model_dir, "steps": plan.steps, "steps_done": done,
-            "epsilon_spent": eps, "target_epsilon": target_epsilon,
+            "epsilon_spent": eps, "target_epsilon": built.target_epsilon,
             "delta": plan.delta, "noise_multiplier": plan.noise_multiplier,
             "wall_seconds": time.perf_counter() - wall_start, **reporter.last,
             "dp_steps": ledger.steps, "public_steps": done - ledger.steps}
   if evaluator and evaluator.last_loss is not None:
     result["eval_loss"] = evaluator.last_loss
   spent = (f"({ledger.steps} DP steps): ε spent {eps:.4f} of "
-           f"{target_epsilon} (δ={plan.delta:.3g})"
-           if math.isfinite(target_epsilon) else "without noise (ε = ∞)")
+           f"{built.target_epsilon} (δ={plan.delta:.3g})"
+           if math.isfinite(built.target_epsilon) else "without noise (ε = ∞)")
   reporting.say(
       f"{'trained' if done == plan.steps else 'stopped'} {model_dir} at "
       f"step {done}/{plan.steps} {spent}; checkpoints in "
@@ -456,8 +454,8 @@ def _existing_manager(model_dir: str, keep_checkpoints: int):
 
 
 def _verified_resume(mngr, run_secret: secret_lib.RunSecret, model_dir: str
-                     ) -> tuple[int, checkpoints.RunMeta]:
-  """(step, meta) of the newest checkpoint that reads back, authenticated
+                     ) -> verify.Run:
+  """The newest checkpoint that reads back, authenticated
   and verified (`verify.newest`): a run is never silently trained over
   unreadable checkpoints, nor resumed from one that fails a check."""
   step, meta, _ = verify.newest(mngr, run_secret.meta_key(), say=False)
@@ -465,7 +463,7 @@ def _verified_resume(mngr, run_secret: secret_lib.RunSecret, model_dir: str
     raise errors.UsageError(
         f"the processes see different checkpoints in {model_dir}: MODEL_DIR "
         "must be on a filesystem all hosts share (e.g. GCS or NFS)")
-  return step, meta
+  return verify.Run(mngr, step, meta)
 
 
 def _run_secret(model_dir: str, *, resuming: bool,
@@ -486,9 +484,9 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
   (`init_run`), a pretrained checkpoint's, or `model.init_params(seed)`."""
   seed = config.seed
   if init_run:
-    params = checkpoints.init_from_run(model, init_run[0], init_run[1],
+    params = checkpoints.init_from_run(model, init_run.manager, init_run.step,
                                        shardings, seed)
-    reporting.say(f"initialised from step {init_run[1]} of the run "
+    reporting.say(f"initialised from step {init_run.step} of the run "
                   f"{config.initial_checkpoint_path}")
     return params
   if config.initial_checkpoint_path:
@@ -565,6 +563,6 @@ def initial_tokenizer_files(initial_checkpoint_path: str | None
     return None
   run = verify.read_run(os.path.expanduser(initial_checkpoint_path))
   if run:
-    run[0].close()
-    return dict(run[2].tokenizer_files)
+    run.manager.close()
+    return dict(run.meta.tokenizer_files)
   return pretrained.tokenizer_files(initial_checkpoint_path)

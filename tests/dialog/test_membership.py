@@ -214,14 +214,15 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
   assert not os.path.exists(tmp_path / "out")
 
 
-def test_settings_bind_their_unit_and_noise():
-  assert membership.setting_bindings("user", 8.0, 200) == ["TARGET_EPSILON = 8.0"]
-  example = membership.setting_bindings("example", 3.0, 200)
-  assert "train.privacy_unit = 'example'" in example and "BATCH_SIZE = 200" in example
-  nonprivate = membership.setting_bindings("nonprivate", 3.0, 200)
-  assert "TARGET_EPSILON = 'inf'" in nonprivate
+def test_settings_set_their_unit_and_noise():
+  assert membership.setting_fields("user", 8.0, 200) == {"target_epsilon": 8.0}
+  example = membership.setting_fields("example", 3.0, 200)
+  assert example["privacy_unit"] == "example" and example["batch_size"] == 200
+  nonprivate = membership.setting_fields("nonprivate", 3.0, 200)
+  assert nonprivate["target_epsilon"] == "inf"
+  assert nonprivate["redaction_probability"] == 1.0
   with pytest.raises(ValueError, match="unknown setting"):
-    membership.setting_bindings("group", 3.0, 200)
+    membership.setting_fields("group", 3.0, 200)
 
 
 def test_cli_refuses_unknown_settings(tmp_path):

@@ -66,30 +66,29 @@ POLICIES = ("keyword", "classifier")
 POLICY_LABELS = {"keyword": "Keyword", "classifier": "Classifier"}
 
 
-def _nonprivate(task: str) -> list[str]:
-  """Every step a public (plain AdamW) step on `task`."""
-  return [f"MIXTURE_OR_TASK_NAME = '{task}'", "TARGET_EPSILON = 'inf'",
-          f"train.public_task_name = '{task}'",
-          "train.redaction_schedule = 'constant'",
-          "train.redaction_probability = 1.0"]
+def _nonprivate(task: str) -> dict:
+  """Every step a public (plain AdamW) step on `task` (RunConfig fields)."""
+  return dict(mixture_or_task_name=task, target_epsilon="inf",
+              public_task_name=task, redaction_schedule="constant",
+              redaction_probability=1.0)
 
 
-def _private(task: str, epsilon: float) -> list[str]:
-  return [f"MIXTURE_OR_TASK_NAME = '{task}'", f"TARGET_EPSILON = {epsilon!r}"]
+def _private(task: str, epsilon: float) -> dict:
+  return dict(mixture_or_task_name=task, target_epsilon=epsilon)
 
 
 def target_runs(prompt_domain: str, modes: Sequence[str],
                 policies: Sequence[str], epsilon: float) -> list[dict]:
   """The target models in table order: {name, label, policy (trained
-  with), bindings, private_only (ε from the ledger, else ∞), after (the run
+  with), fields (its RunConfig's), private_only (ε from the ledger, else ∞), after (the run
   it starts from), stage_only (trained for JFT, not attacked)}."""
   unknown = set(modes) - set(MODES) or set(policies) - set(POLICIES)
   if unknown:
     raise ValueError(f"unknown modes/policies {sorted(unknown)}; modes are "
                      f"{MODES}, policies {POLICIES}")
   runs = []
-  add = lambda name, label, bindings, private_only, policy=None, after=None: \
-      runs.append(dict(name=name, label=label, policy=policy, bindings=bindings,
+  add = lambda name, label, fields, private_only, policy=None, after=None: \
+      runs.append(dict(name=name, label=label, policy=policy, fields=fields,
                        private_only=private_only, after=after,
                        stage_only=False))
   lower = prompt_domain.lower()
@@ -112,9 +111,8 @@ def target_runs(prompt_domain: str, modes: Sequence[str],
           after=f"pub_redacted_{p}")
     if "redaction_schedule" in modes:
       add(f"redaction_schedule_{p}", f"Redaction Schedule ({label})",
-          _private("multidogo_lm", epsilon) + [
-              f"train.public_task_name = '{redacted}'",
-              "train.redaction_schedule = 'exp_concave'"], True, p)
+          dict(_private("multidogo_lm", epsilon), public_task_name=redacted,
+               redaction_schedule="exp_concave"), True, p)
   return runs
 
 
@@ -213,15 +211,15 @@ def domain_privacy_table(out_dir: str, *, prompt_domain: str = "AIRLINE",
   run_dir = lambda name: os.path.join(root, "runs", name)
   references = {j: f"reference_without_{j.lower()}" for j in others}
   for j, name in references.items():
-    harness.train_run(run_dir(name), settings.gin_files, [
-        *settings.bindings, *_nonprivate(f"multidogo_lm_without_{j.lower()}")])
+    harness.train_run(run_dir(name), settings.gin_files, settings.bindings,
+                      **_nonprivate(f"multidogo_lm_without_{j.lower()}"))
   summaries = {}
   for t in targets:
-    init = ([f"INITIAL_CHECKPOINT_PATH = '{run_dir(t['after'])}'"]
-            if t["after"] else [])
+    init = ({"initial_checkpoint_path": run_dir(t["after"])} if t["after"]
+            else {})
     summaries[t["name"]] = harness.train_run(
-        run_dir(t["name"]), settings.gin_files,
-        [*settings.bindings, *t["bindings"], *init])
+        run_dir(t["name"]), settings.gin_files, settings.bindings,
+        **t["fields"], **init)
 
   # Attack and evaluation settings: the shared gin config (left bound by
   # `run_config`), tasks registered.

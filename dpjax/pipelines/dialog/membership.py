@@ -129,23 +129,21 @@ def attack_metrics(scores: np.ndarray, member: np.ndarray,
 # ---------------------------------------------------------------------------
 
 
-def setting_bindings(setting: str, epsilon: float,
-                     example_batch_size: int) -> list[str]:
-  """The bindings of one privacy setting over the shared (user-level) gin:
+def setting_fields(setting: str, epsilon: float,
+                   example_batch_size: int) -> dict:
+  """The RunConfig fields of one privacy setting over the shared
+  (user-level) gin:
   'user' keeps it; 'example' and 'nonprivate' Poisson-sample chunks,
   `example_batch_size` a step (the user-level step's expected examples), the
   latter with plain AdamW steps (no clipping, no noise)."""
   if setting == "user":
-    return [f"TARGET_EPSILON = {epsilon!r}"]
-  example = ["train.privacy_unit = 'example'",
-             f"BATCH_SIZE = {example_batch_size}"]
+    return dict(target_epsilon=epsilon)
+  example = dict(privacy_unit="example", batch_size=example_batch_size)
   if setting == "example":
-    return [*example, f"TARGET_EPSILON = {epsilon!r}"]
+    return dict(example, target_epsilon=epsilon)
   if setting == "nonprivate":
-    return [*example, "TARGET_EPSILON = 'inf'",
-            "train.public_task_name = 'multidogo_lm'",
-            "train.redaction_schedule = 'constant'",
-            "train.redaction_probability = 1.0"]
+    return dict(example, target_epsilon="inf", public_task_name="multidogo_lm",
+                redaction_schedule="constant", redaction_probability=1.0)
   raise ValueError(f"unknown setting {setting!r}; settings are {SETTINGS}")
 
 
@@ -214,8 +212,9 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
       for m, split in enumerate(split_paths):
         run_dir = os.path.join(root, "runs", setting, f"model{m}")
         harness.train_run(run_dir, gin_files, [
-            *bindings, *setting_bindings(setting, epsilon, example_batch),
-            f"register_multidogo_tasks.train_conversations_path = {split!r}"])
+            *bindings,
+            f"register_multidogo_tasks.train_conversations_path = {split!r}"],
+                          **setting_fields(setting, epsilon, example_batch))
         config, params, _ = inference.load_trained(run_dir)
         sums, counts = gpt2.nll_sums(config, params, train["tokens"],
                                      train["loss_weights"],

@@ -167,17 +167,17 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                              f"{sorted(MECHANISMS)}, got {list(mechanisms)}")
   root = os.path.abspath(out_dir)
   data = [] if data_dir is None else [f"MSMARCO_DIR = {data_dir!r}"]
-  gen_bind = [*bindings, *data, "train.generate_after_training = False",
-              *generator_bindings]
+  gen_bind = [*bindings, *data, *generator_bindings]
   de_bind = [*bindings, *data, *dual_encoder_bindings]
   de_files = ("dual_encoder_msmarco.gin", *dual_encoder_gin)
   dp_files = ("dual_encoder_msmarco_dp.gin", *dual_encoder_gin)
 
-  def eps_binding(eps):
-    return f"TARGET_EPSILON = {harness.eps_name(eps)!r}"
+  def generator_run(run_dir: str, eps: float, bindings=gen_bind, **fields):
+    harness.train_run(run_dir, generator_gin, bindings, target_epsilon=eps,
+                      generate_after_training=False, **fields)
 
   reference = os.path.join(root, "original", "dual_encoder")
-  harness.train_run(reference, de_files, [*de_bind, eps_binding(math.inf)])
+  harness.train_run(reference, de_files, de_bind, target_epsilon=math.inf)
   rows = [dict(approach="original", epsilon=math.inf, seed=0,
                **_privacy(reference), **evaluate(reference, data_dir))]
   for eps in epsilons:
@@ -189,9 +189,7 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
         run_dir = os.path.join(root, folder, f"eps{harness.eps_name(eps)}",
                                f"seed{seed}")
         generator = os.path.join(run_dir, "generator")
-        harness.train_run(generator, generator_gin, [
-            *gen_bind, eps_binding(eps), f"train.seed = {seed}",
-            f"train.mechanism = {mechanism!r}"])
+        generator_run(generator, eps, seed=seed, mechanism=mechanism)
         synthetic = os.path.join(run_dir, "synthetic")
         if not os.path.isfile(os.path.join(synthetic, "synthetic.jsonl")):
           _with_config(generator)  # its generate_synthetic.* bindings
@@ -199,8 +197,9 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
                                            output_dir=synthetic, seed=seed)
         dual = os.path.join(run_dir, "dual_encoder")
         harness.train_run(dual, de_files, [
-            *de_bind, eps_binding(math.inf), f"TRAIN_PAIRS_DIR = {synthetic!r}",
-            "TRAIN_PAIRS_SPLIT = 'synthetic'", f"train.seed = {seed}"])
+            *de_bind, f"TRAIN_PAIRS_DIR = {synthetic!r}",
+            "TRAIN_PAIRS_SPLIT = 'synthetic'"], target_epsilon=math.inf,
+                          seed=seed)
         rows.append(dict(
             approach=approach, epsilon=eps, seed=seed, **_privacy(generator),
             **evaluate(dual, data_dir),
@@ -210,8 +209,8 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
         continue
       direct = os.path.join(root, "direct_dp", f"eps{harness.eps_name(eps)}",
                             f"seed{seed}")
-      harness.train_run(direct, dp_files,
-                         [*de_bind, eps_binding(eps), f"train.seed = {seed}"])
+      harness.train_run(direct, dp_files, de_bind, target_epsilon=eps,
+                        seed=seed)
       rows.append(dict(approach="direct DP", epsilon=eps, seed=seed,
                        **_privacy(direct), **evaluate(direct, data_dir)))
 
@@ -223,8 +222,8 @@ def run_experiment(out_dir: str, *, epsilons: Sequence[float] = EPSILONS,
         per_cell=canaries_per_cell, repetitions=canary_repetitions)
     for eps in canary_epsilons:
       generator = os.path.join(root, "canaries", f"eps{harness.eps_name(eps)}")
-      harness.train_run(generator, generator_gin, [
-          *gen_bind, eps_binding(eps), f"MSMARCO_DIR = {canary_data!r}"])
+      generator_run(generator, eps,
+                    [*gen_bind, f"MSMARCO_DIR = {canary_data!r}"])
       privacy = _privacy(generator)
       per_canary = _cached_json(
           os.path.join(generator, "audit.json"),

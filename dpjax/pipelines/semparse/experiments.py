@@ -59,25 +59,31 @@ def _read_json(path):
 
 
 class _Runs:
-  """Trains the GPT-2 runs of one experiment with shared gin settings."""
+  """Trains the GPT-2 runs of one experiment with shared gin settings and
+  RunConfig `fields`."""
 
-  def __init__(self, gin_files, bindings, lengths):
+  def __init__(self, gin_files, bindings, lengths, fields=None):
     self.gin_files, self.bindings, self.lengths = gin_files, bindings, lengths
+    self.fields = dict(fields or {})
 
-  def train(self, model_dir, task, kind, eps, seed, steps, *extra):
-    return harness.train_run(model_dir, self.gin_files, [
-        *self.bindings, f"MIXTURE_OR_TASK_NAME = '{task}'",
-        f"TASK_FEATURE_LENGTHS = {self.lengths[kind]!r}",
-        f"TARGET_EPSILON = {harness.eps_name(eps)!r}", "EPOCHS = None",
-        f"TRAIN_STEPS = {steps}", f"train.seed = {seed}", *extra])
+  def train(self, model_dir, task, kind, eps, seed, steps, **fields):
+    """Trains (or resumes) one run: these RunConfig fields over the shared
+    gin settings."""
+    return harness.train_run(model_dir, self.gin_files, self.bindings, **{
+        "mixture_or_task_name": task,
+        "task_feature_lengths": self.lengths[kind], "target_epsilon": eps,
+        "epochs": None, "train_steps": steps, "seed": seed, **self.fields,
+        **fields})
 
-  def with_bindings(self, *extra) -> "_Runs":
-    return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths)
+  def with_bindings(self, *extra, **fields) -> "_Runs":
+    return _Runs(self.gin_files, (*self.bindings, *extra), self.lengths,
+                 {**self.fields, **fields})
 
   def run_config(self) -> run_config_lib.RunConfig:
-    """The runs' settings as these gin files and bindings configure them."""
-    return harness.configured(configurables.run_config, self.gin_files,
-                              self.bindings)
+    """The runs' settings as these gin files, bindings and fields
+    configure them."""
+    return harness.configured(lambda: configurables.run_config(**self.fields),
+                              self.gin_files, self.bindings)
 
   def data_config(self) -> semparse_tasks.SemparseConfig:
     """The runs' task settings (data directories, portions)."""
@@ -109,13 +115,13 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
   rng = np.random.default_rng(seed)
   gen = dict(seed=seed, max_new_tokens=max_tokens["utterance"])
   if method == "2-stage":
-    fixed = [] if math.isinf(eps) else [f"train.noise_multiplier = {sigma!r}"]
+    fixed = {} if math.isinf(eps) else {"noise_multiplier": sigma}
     parse_dir = os.path.join(run_dir, "parse_lm")
     utt_dir = os.path.join(run_dir, "parse_to_utterance")
     runs.train(parse_dir, f"{dataset}_parse_lm", "parse_lm", eps, seed, t1,
-               *fixed)
+               **fixed)
     runs.train(utt_dir, f"{dataset}_parse_to_utterance", "parse_to_utterance",
-               eps, seed, t2, *fixed, f"train.prior_ledger = '{parse_dir}'")
+               eps, seed, t2, prior_ledger=parse_dir, **fixed)
     parses = pipeline.generate_texts(
         parse_dir, [""] * num, num_beams=1, seed=seed,
         max_new_tokens=max_tokens["parse"])
@@ -191,8 +197,8 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
 
   # Evaluation models, trained once without DP.
   parser_dir = os.path.join(root, "parser_full")
-  harness.train_run(parser_dir, parser_gin_files, [
-      *parser_bindings, f"MIXTURE_OR_TASK_NAME = '{dataset}_parser'"])
+  harness.train_run(parser_dir, parser_gin_files, parser_bindings,
+                    mixture_or_task_name=f"{dataset}_parser")
   if feature_model_dir is None:
     feature_model_dir = os.path.join(root, "feature_lm")
     runs.train(feature_model_dir, f"{dataset}_utterance_lm", "utterance_lm",
@@ -320,8 +326,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   lengths = dict(FEATURE_LENGTHS, **(feature_lengths or {}))
   runs = _Runs(tuple(gin_files), tuple(bindings), lengths)
   parser = lambda model_dir, files, task, *extra: harness.train_run(
-      model_dir, files, [*parser_bindings, f"MIXTURE_OR_TASK_NAME = '{task}'",
-                         *extra])
+      model_dir, files, [*parser_bindings, *extra], mixture_or_task_name=task)
   data_flag = f"register_semparse_tasks.{dataset}_dir"
 
   # Parsers trained on the published data: p0 (public, functionality
@@ -357,9 +362,9 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   method_runs = {  # each generator's training data: n examples, bindings
       "1-stage": (len(private), runs.with_bindings(
           f"{data_flag} = '{source}'",
-          "register_semparse_tasks.lm_portion = 'private'", f"DELTA = {delta!r}")),
+          "register_semparse_tasks.lm_portion = 'private'", delta=delta)),
       "2-stage": (num_parsed, runs.with_bindings(
-          f"{data_flag} = '{priv_dir}'", f"DELTA = {delta!r}")),
+          f"{data_flag} = '{priv_dir}'", delta=delta)),
   }
   unknown = set(methods) - set(method_runs)
   if unknown:

@@ -7,9 +7,10 @@ split (`tasks.seqpate.register_private_lm_task`: the teachers' sentences, as
 the same token rows), and trains it with `harness.train_run` and
 `gin/seqpate_noisysgd.gin` (DP-Adam, Poisson sampling, σ calibrated by
 dp-accounting for the planned steps at the table's ε and δ = 1e-5). The
-model, lengths, ε, δ and seed are bound from the table's settings, after
-any caller bindings, so they always match the other rows. A finished run
-(its `train_summary.json`) is not retrained; an interrupted one resumes.
+model, lengths, ε, δ and seed are the table's settings, set as RunConfig
+fields over any caller bindings, so they always match the other rows. A
+finished run (its `train_summary.json`) is not retrained; an interrupted
+one resumes.
 The paper's "NoisySGD+D^pub" continues from the returned params on the
 pseudo-data without privacy (`dpjax.pipelines.seqpate.experiment`).
 
@@ -28,7 +29,6 @@ imports none of it.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Sequence
 
@@ -42,12 +42,6 @@ from dpjax.privacy import ledger as ledger_lib
 from tasks import seqpate as data
 
 GIN_FILES = ("seqpate_noisysgd.gin",)
-
-
-def model_bindings(config: gpt2.GPT2Config) -> list[str]:
-  """gin bindings that make the trainer's `GPT2Config()` equal `config`."""
-  return [f"GPT2Config.{f.name} = {getattr(config, f.name)!r}"
-          for f in dataclasses.fields(config)]
 
 
 def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
@@ -68,12 +62,10 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
     task = data.register_private_lm_task(
         dataset, split_seed, public_fraction=public_fraction,
         test_fraction=test_fraction, max_examples=max_examples)
-    harness.train_run(model_dir, gin_files, [
-        *bindings, *model_bindings(config),
-        f"INITIAL_CHECKPOINT_PATH = {init_dir!r}",
-        f"MIXTURE_OR_TASK_NAME = {task.name!r}",
-        f"TASK_FEATURE_LENGTHS = {{'targets': {length - 1}}}",
-        f"TARGET_EPSILON = {str(epsilon)!r}", f"DELTA = {delta!r}",
-        f"train.seed = {seed}"])
+    harness.train_run(
+        model_dir, gin_files, bindings, model_config=config,
+        initial_checkpoint_path=init_dir, mixture_or_task_name=task.name,
+        task_feature_lengths={"targets": length - 1},
+        target_epsilon=float(epsilon), delta=float(delta), seed=seed)
   params, meta = inference.load_trained(model_dir)[1:]
   return params, meta.privacy_ledger()

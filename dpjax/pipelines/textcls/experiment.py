@@ -161,21 +161,21 @@ def run_dir(out_dir: str, kind: str, eps: float) -> str:
   return os.path.join(out_dir, "runs", f"{kind}_eps{eps_name(eps)}")
 
 
-_NAIVE = ("train.model_config = @GPT2Config()", "train.clip_norms = None")
+# The naive GPT-2: the gin's model alone, one release per step.
+_NAIVE = "train.model_config = @GPT2Config()"
 
 
 def _train(model_dir: str, eps: float, gin_files: Sequence[str],
-           bindings: Sequence[str], extra: Sequence[str] = ()) -> dict:
+           bindings: Sequence[str], **fields) -> dict:
   """The train summary of the run in `model_dir`, trained (or resumed) at ε
-  unless it has finished (`harness.train_run`): the gin files, the user's
-  `bindings`, then this module's (which win), then `extra`. The LM test loss
-  is evaluated once, at the end (`eval_loss`), unless `extra` says
-  otherwise."""
-  return harness.train_run(model_dir, gin_files, [
-      *bindings, f"TARGET_EPSILON = {eps_name(eps)!r}",
-      "train.eval_period = 1000000000",  # only at the last step
-      "train.eval_examples = 1000000000",  # the whole held-out split
-      "train.generate_after_training = False", *extra])
+  unless it has finished (`harness.train_run`): the gin files and
+  `bindings`, then these RunConfig `fields`. The LM test loss is evaluated
+  once, at the end (`eval_loss`), unless `fields` say otherwise."""
+  return harness.train_run(model_dir, gin_files, bindings, **{
+      "target_epsilon": eps,
+      "eval_period": 1_000_000_000,  # only at the last step
+      "eval_examples": 1_000_000_000,  # the whole held-out split
+      "generate_after_training": False, **fields})
 
 
 def train_run(out_dir: str, kind: str, eps: float, *,
@@ -186,8 +186,10 @@ def train_run(out_dir: str, kind: str, eps: float, *,
   @GPT2Config()`), one release per step; multitask: the gin's GPT2DiscConfig."""
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-  return _train(run_dir(out_dir, kind, eps), eps, gin_files, bindings,
-                _NAIVE if kind == "naive" else ())
+  if kind == "naive":
+    return _train(run_dir(out_dir, kind, eps), eps, gin_files,
+                  [*bindings, _NAIVE], clip_norms=None)
+  return _train(run_dir(out_dir, kind, eps), eps, gin_files, bindings)
 
 
 def _train_size(task_name: str) -> int:
@@ -239,13 +241,14 @@ def train_baselines(out_dir: str, eps: float, *,
   plan = baseline_plan(eps, gin_files=gin_files, bindings=bindings,
                        head_epochs=head_epochs)
   t1, t2 = plan["steps"]
-  fixed = ["train.eval_period = 0", "train.epochs = None",
-           f"train.noise_multiplier = {plan['noise_multiplier']!r}"]
-  _train(lm_dir, eps, gin_files, bindings, [*_NAIVE, *fixed, f"train.train_steps = {t1}"])
-  return _train(disc_dir, eps, gin_files, bindings, [
-      *fixed, f"train.train_steps = {t2}", "GPT2DiscConfig.head_only = True",
-      "train.clip_norms = None",  # the "disc" release alone, at train.clip_norm
-      f"train.initial_checkpoint_path = {lm_dir!r}", f"train.prior_ledger = {lm_dir!r}"])
+  fixed = dict(eval_period=0, epochs=None,
+               noise_multiplier=plan["noise_multiplier"],
+               clip_norms=None)  # one release each, at train.clip_norm
+  _train(lm_dir, eps, gin_files, [*bindings, _NAIVE], train_steps=t1, **fixed)
+  return _train(disc_dir, eps, gin_files,
+                [*bindings, "GPT2DiscConfig.head_only = True"],  # "disc" only
+                train_steps=t2, initial_checkpoint_path=lm_dir,
+                prior_ledger=lm_dir, **fixed)
 
 
 # ----------------------------------------------------------------------------
