@@ -66,8 +66,8 @@ class Plan:
     return self.redaction["dp_steps"] if self.redaction else self.steps
 
   def guarantee(self) -> dict:
-    plan = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name != "mechanism"}
+    plan = dataclasses.asdict(self)  # copies: the caller may change it
+    del plan["mechanism"]  # its record, below
     for optional in ("redaction", "clip_norms"):
       if plan[optional] is None:  # as saved before they existed
         del plan[optional]
