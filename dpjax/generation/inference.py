@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from dpjax.training import checkpoints, partitioning, run_config
+from dpjax.training import checkpoints, partitioning
 from dpjax.generation import decoding
 from dpjax import errors, fileio, verify
 from dpjax.models import t5, trainable
@@ -61,7 +61,7 @@ def check_decoding_args(*, top_p, top_k, temperature, greedy, batch_size,
   the setting (`prefix`: "--" for `dpjax.infer`'s flags, else gin's
   `generate_synthetic.`): top_p in (0, 1], temperature > 0 unless greedy,
   top_k >= 0, batch_size >= 1, limit and max_decode_length None or >= 1."""
-  number, integer = run_config.is_number, run_config.is_int
+  number, integer = errors.is_number, errors.is_int
 
   def refuse(name, want, got):
     raise errors.UsageError(f"{prefix}{name} must be {want}, got {got!r}")

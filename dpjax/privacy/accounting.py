@@ -335,17 +335,17 @@ def calibrate_noise_multiplier(
       tol=_CALIBRATION_RTOL * hi))
 
 
-def calibrate(target_epsilon: float, delta: float,
-              scheme,
+def calibrate(target_epsilon: float, delta: float, scheme,
               stage_steps: Sequence[int], *, releases_per_step: int = 1,
               accountant: str = "pld",
               prior_events: Sequence[Event] = (),
               fixed_multipliers: Sequence[float] = ()) -> float:
   """The smallest σ with which `prior_events` and then, for each stage, its
   steps of `releases_per_step` Gaussians (one σ for all) under the sampling
-  `scheme` (a sampler's `scheme`: its `events(noise_multipliers, steps)`) meet (target_epsilon, delta); 0 for ε = ∞
-  or no step at all. Stages are separate runs on the same data (e.g. the LM and
-  then a head on it frozen): a shuffled stage starts its own epochs.
+  `scheme` (a sampler's `scheme`: its `events(noise_multipliers, steps)`)
+  meet (target_epsilon, delta); 0 for ε = ∞ or no step at all. Stages are
+  separate runs on the same data (e.g. the LM and then a head on it
+  frozen): a shuffled stage starts its own epochs.
   `fixed_multipliers`: more Gaussians of each step, on the same sample, whose
   noise is set (adaptive clipping's counts): calibrated together with σ.
   A pure function of its arguments, remembered: a pipeline (or a test
@@ -371,7 +371,7 @@ def _calibrate(target_epsilon: float, delta: float, scheme,
                                + fixed_multipliers, steps)]
 
   return calibrate_noise_multiplier(target_epsilon, delta, events,
-                                               accountant=accountant)
+                                    accountant=accountant)
 
 
 def dpsgd_epsilon(noise_multiplier: float, sampling_rate: float, steps: int,

@@ -19,7 +19,6 @@ import math
 import os
 from typing import Any, Mapping
 
-import numpy as np
 import optax
 
 from dpjax import errors
@@ -27,21 +26,10 @@ from dpjax.privacy import mechanisms
 from dpjax.privacy.mechanisms import adaptive_clipping as adaptive_lib
 
 
-def is_int(value) -> bool:
-  """An integer setting (bool is not one)."""
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-  """A numeric setting (bool is not one)."""
-  return isinstance(value, (int, float, np.integer, np.floating)) and \
-      not isinstance(value, bool)
-
-
 def as_float(value) -> float | None:
   """`value` (a number or its text, e.g. 'inf') as a float; None if it is
   neither."""
-  if not (is_number(value) or isinstance(value, str)):
+  if not (errors.is_number(value) or isinstance(value, str)):
     return None
   try:
     return float(value)
@@ -195,27 +183,27 @@ def check(config: RunConfig) -> float:
       raise errors.UsageError(
           "DELTA (train.delta) must be a number strictly between 0 and 1, "
           f"'1/n' or '1/(2n)' (None: 1/(2n)), got {delta!r}")
-  if not is_int(batch_size) or batch_size < 1:
+  if not errors.is_int(batch_size) or batch_size < 1:
     raise errors.UsageError("BATCH_SIZE (train.batch_size) must be a "
                              f"positive integer, got {batch_size!r}")
   if microbatch_size not in (None, "auto") and (
-      not is_int(microbatch_size) or microbatch_size < 1):
+      not errors.is_int(microbatch_size) or microbatch_size < 1):
     raise errors.UsageError(
         "MICROBATCH_SIZE (train.microbatch_size) must be a positive integer, "
         f"'auto' or None, got {microbatch_size!r}")
   buckets = config.length_buckets
-  if not is_int(buckets) or buckets < 1:
+  if not errors.is_int(buckets) or buckets < 1:
     raise errors.UsageError("train.length_buckets must be a positive "
                              f"integer, got {buckets!r}")
   headroom = config.memory_headroom
-  if not is_number(headroom) or not 0 < headroom <= 1:
+  if not errors.is_number(headroom) or not 0 < headroom <= 1:
     raise errors.UsageError("train.memory_headroom must be in (0, 1], got "
                              f"{headroom!r}")
-  if train_steps is not None and (not is_int(train_steps)
+  if train_steps is not None and (not errors.is_int(train_steps)
                                   or train_steps < 1):
     raise errors.UsageError("TRAIN_STEPS (train.train_steps) must be a "
                              f"positive integer or None, got {train_steps!r}")
-  if epochs is not None and (not is_number(epochs)
+  if epochs is not None and (not errors.is_number(epochs)
                              or not 0 < epochs < math.inf):
     raise errors.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
@@ -224,7 +212,7 @@ def check(config: RunConfig) -> float:
   for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),
                   *((f"train.clip_norms[{k!r}]", v)
                     for k, v in dict(clip_norms or {}).items())]:
-    if not is_number(c) or not 0 < c < math.inf:
+    if not errors.is_number(c) or not 0 < c < math.inf:
       raise errors.UsageError(f"{name} must be a positive finite number, "
                                f"got {c!r}")
   if os.path.lexists(model_dir) and not os.path.isdir(model_dir):

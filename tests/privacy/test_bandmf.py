@@ -42,10 +42,10 @@ def test_noise_has_the_strategys_covariance():
   init, privatize = bandmf.correlated_privatizer(
       strategy, noise_multiplier=1.5, sensitivity=2.0, normalizer=1.0)
   params = {"w": jnp.zeros((d // 4, 3)), "b": jnp.zeros(d // 4)}
-  release = jax.jit(privatize, static_argnums=3)
+  release = jax.jit(privatize)
   state, rows = init(params), []
   for t in range(steps):
-    update, state = release({"loss": params}, t, SECRET, None, state)
+    update, state = release({"loss": params}, t, SECRET, state)
     rows.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(update)]))
   empirical = np.cov(np.stack(rows), bias=True)
   inverse = dense_inverse(strategy.coefs, steps)
@@ -62,15 +62,14 @@ def test_noise_is_keyed_by_the_secret_and_release():
   init, privatize = bandmf.correlated_privatizer(
       strategy, noise_multiplier=1.0, sensitivity=1.0, normalizer=1.0)
   zeros = {"w": jnp.zeros(5)}
-  first, _ = privatize({"loss": zeros}, 0, SECRET, None, init(zeros))
+  first, _ = privatize({"loss": zeros}, 0, SECRET, init(zeros))
   # Release 0 is z_0 / c_0 scaled by its row: the DP-SGD draw of release 0.
   fresh = noise.add_gaussian_noise(zeros, noise.noise_key(SECRET, 0), 1.0)
   inverse = dense_inverse(strategy.coefs, 4)
   np.testing.assert_allclose(first["w"], inverse[0, 0] * fresh["w"],
                              rtol=1e-6)
   other, _ = privatize({"loss": zeros}, 0,
-                       secret.RunSecret.pinned(4).noise_key(), None,
-                       init(zeros))
+                       secret.RunSecret.pinned(4).noise_key(), init(zeros))
   assert not np.allclose(other["w"], first["w"])
 
 
@@ -88,12 +87,11 @@ def test_frozen_leaves_get_no_noise():
       strategy, noise_multiplier=1.0, sensitivity=1.0, normalizer=2.0)
   whole_state = whole_init(sums)
   for t in range(3):
-    update, state = privatize({"loss": sums}, t, SECRET, None, state)
+    update, state = privatize({"loss": sums}, t, SECRET, state)
     assert np.all(np.asarray(update["frozen"]) == 0)
     assert np.all(np.asarray(update["w"]) != 0.5)
     # The trained leaf's noise is the one it gets with nothing frozen.
-    unmasked, whole_state = whole({"loss": sums}, t, SECRET, None,
-                                  whole_state)
+    unmasked, whole_state = whole({"loss": sums}, t, SECRET, whole_state)
     np.testing.assert_array_equal(update["w"], unmasked["w"])
 
 

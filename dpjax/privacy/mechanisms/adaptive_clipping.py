@@ -263,6 +263,8 @@ class AdaptiveDPSGD(dpsgd.DPSGD):
 
   def resolve(self, inputs: dpsgd.PlanInputs) -> AdaptiveDPSGD:
     """The count's default noise: the expected batch / 20."""
+    # q·n, float for float as the Poisson sampler has it (its resolved
+    # count_stddev is part of the plan a resumed run must match)
     expected = (inputs.batch_size / inputs.n * inputs.n
                 if self.sampling_method == "poisson" else inputs.batch_size)
     return dataclasses.replace(self, settings=self.settings.resolved(expected))

@@ -131,7 +131,7 @@ def correlated_privatizer(strategy: Strategy, *, noise_multiplier: float,
 
   `init(params) -> state` (the streaming matrix's: a release counter and
   b - 1 float32 buffers per trained leaf; a frozen leaf, `trainable` False,
-  b - 1 numbers); `privatize(sums, count, noise_secret, scales, state)
+  b - 1 numbers); `privatize(sums, count, noise_secret, state)
   -> (update, state)`: `sums` is `{name: clipped sum}` with one name; the
   update is `(sum + row count of C⁻¹ Z) / normalizer`, the frozen leaves
   exactly their zero sum. See the module docstring for the guarantee."""
@@ -153,10 +153,9 @@ def correlated_privatizer(strategy: Strategy, *, noise_multiplier: float,
   def init(params):
     return matrix.init_multiply(noise_shaped(params))
 
-  def privatize(sums, count, noise_secret, scales, state):
-    if len(sums) != 1 or scales is not None:
-      raise ValueError("BandMF noises one clipped sum at a fixed bound, got "
-                       f"{sorted(sums)} (scales {scales is not None})")
+  def privatize(sums, count, noise_secret, state):
+    if len(sums) != 1:
+      raise ValueError(f"BandMF noises one clipped sum, got {sorted(sums)}")
     (total,) = sums.values()
     fresh = noise.add_gaussian_noise(noise_shaped(total),
                                      noise.noise_key(noise_secret, count),
@@ -186,10 +185,6 @@ def state_shardings(state: Any, param_shardings: Any, replicated) -> Any:
   return tuple(part(p) for p in state)
 
 
-def _is_count(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 @dataclasses.dataclass(frozen=True)
 class BandMF(dpsgd.DPSGD):
   """BandMF: b-banded correlated noise, cyclic Poisson sampling of
@@ -210,11 +205,12 @@ class BandMF(dpsgd.DPSGD):
   @classmethod
   def from_config(cls, config) -> BandMF:
     bands = config.bands
-    if bands is not None and (not _is_count(bands) or bands < 1):
+    if bands is not None and (not errors.is_int(bands) or bands < 1):
       raise errors.UsageError("train.bands must be a positive integer or "
                                f"None, got {bands!r}")
     clashes = {
-        "train.sampling_method = 'shuffle'": config.sampling_method != "poisson",
+        "train.sampling_method = 'shuffle'":
+            config.sampling_method != "poisson",
         "a redaction schedule": config.redaction_schedule is not None}
     for what, clash in clashes.items():
       if clash:
@@ -316,7 +312,7 @@ class BandMF(dpsgd.DPSGD):
         sensitivity=sensitivity, normalizer=normalizer, trainable=trainable)
 
     def update(sums, clip_norms, noise_state, count, noise_secret):
-      release, noise_state = privatize(sums, count, noise_secret, None,
+      release, noise_state = privatize(sums, count, noise_secret,
                                        noise_state)
       return release, clip_norms, noise_state
 

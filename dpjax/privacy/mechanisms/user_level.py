@@ -45,7 +45,7 @@ class UserLevel(dpsgd.DPSGD):
   @classmethod
   def from_config(cls, config) -> UserLevel:
     k = config.max_examples_per_user
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+    if not errors.is_int(k) or k < 1:
       raise errors.UsageError("train.max_examples_per_user must be a "
                                f"positive integer, got {k!r}")
     if config.sampling_method != "poisson":
