@@ -340,6 +340,7 @@ def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False,
 
 
 def main(argv=None) -> dict:
+  """Runs `python -m dpjax.export`; returns `export_run`'s result."""
   parser = argparse.ArgumentParser(
       prog="python -m dpjax.export",
       description="Write the release of a trained run: final params, model "

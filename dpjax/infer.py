@@ -31,6 +31,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> dict:
+  """Runs `python -m dpjax.infer`; returns `generate_synthetic`'s result."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args, files, bindings = gin_cli.parse_args(
       argv, "Generate synthetic queries from a trained dpjax model directory.",

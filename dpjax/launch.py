@@ -30,6 +30,7 @@ GRACE_SECONDS = 90  # > distributed.initialize's heartbeat timeout
 
 
 def free_port() -> int:
+  """A TCP port of localhost that is free when asked (not reserved)."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
@@ -93,6 +94,7 @@ def _prefix(i: int, stream: IO) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `python -m dpjax.launch`; returns the first non-zero status, or 0."""
   argv = list(sys.argv[1:] if argv is None else argv)
   ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
       if "--" in argv else (argv, [])

@@ -23,6 +23,7 @@ import tasks  # noqa: F401  (the data layer's gin configurables)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+  """Runs `python -m dpjax.train`; returns the run's (or dry run's) result."""
   argv = list(sys.argv[1:] if argv is None else argv)
   absl_logging.set_verbosity(absl_logging.ERROR)  # dp-accounting's RDP chatter
   args, files, bindings = gin_cli.parse_args(

@@ -35,6 +35,15 @@ DIALOG = "gin/dialog_sample_user_level.gin"
 
 
 def bandmf_rows(work_dir: str, steps: int) -> list[list[str]]:
+  """Trains DP-SGD and BandMF on the MSMARCO sample; their table rows.
+
+  Args:
+    work_dir: Where the runs are written (and reused on a rerun).
+    steps: DP steps of every run.
+
+  Returns:
+    One row per run: name, optimizer, eval loss, ε spent, σ and bands.
+  """
   private = PAPER_LR + [
       "BATCH_SIZE = 64", "CLIP_NORM = 0.1"]
   runs = [(eps, "Adam 1e-3", "") for eps in (3, 8)]
@@ -60,6 +69,15 @@ def bandmf_rows(work_dir: str, steps: int) -> list[list[str]]:
 
 
 def user_level_rows(work_dir: str) -> list[list[str]]:
+  """Trains the dialog GPT-2 at user and at example level; their table rows.
+
+  The example-level run takes the user-level run's steps and, as its batch,
+  the user-level run's mean examples per step.
+
+  Returns:
+    One row per run: name, validation perplexity, ε spent, σ, steps and the
+    unit of privacy.
+  """
   common = ["train.eval_examples = 4096"]
   user = train(os.path.join(work_dir, "dialog_user_level"), None, common,
                gin_file=DIALOG)
@@ -77,6 +95,7 @@ def user_level_rows(work_dir: str) -> list[list[str]]:
 
 
 def main(argv=None) -> int:
+  """Runs `python -m dpjax.bench.mechanism_comparison`."""
   p = argparse.ArgumentParser(
       prog="python -m dpjax.bench.mechanism_comparison",
       description=__doc__.splitlines()[0])

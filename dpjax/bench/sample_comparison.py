@@ -77,6 +77,7 @@ def _row(name: str, summary: dict, clip: str) -> list[str]:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
+  """A markdown table of `header` and `rows`, ending in a newline."""
   lines = ["| " + " | ".join(header) + " |",
            "| " + " | ".join("---" for _ in header) + " |"]
   return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
@@ -115,6 +116,7 @@ def run(work_dir: str, steps: int) -> str:
 
 
 def main(argv=None) -> int:
+  """Runs `python -m dpjax.bench.sample_comparison`."""
   p = argparse.ArgumentParser(prog="python -m dpjax.bench.sample_comparison",
                               description=__doc__.splitlines()[0])
   p.add_argument("--work_dir", required=True)

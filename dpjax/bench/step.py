@@ -114,6 +114,7 @@ class Unavailable(Exception):
 
 
 def peak_flops(device_kind: str) -> float | None:
+  """The peak bf16 FLOP/s of `device_kind` (`PEAK_BF16_FLOPS`), or None."""
   return next((f for k, f in PEAK_BF16_FLOPS if k in device_kind), None)
 
 
@@ -466,6 +467,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """Parses and checks the flags of `python -m dpjax.bench` (one step)."""
   p = argparse.ArgumentParser(
       prog="python -m dpjax.bench",
       description="Time one training step on synthetic tokens; one JSON line.")
@@ -544,6 +546,7 @@ def machine_context(module: str, argv: Sequence[str],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `python -m dpjax.bench` (one step); returns the exit status."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   try:

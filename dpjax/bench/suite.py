@@ -70,6 +70,7 @@ SUITES = {
 
 
 class Row(NamedTuple):
+  """One row of a suite: its `python -m dpjax.bench` flags and its ladder."""
   argv: tuple[str, ...]  # for `python -m dpjax.bench`
   ladder: str | None = None  # rows of one ladder stop at the first OOM
 
@@ -236,6 +237,7 @@ def table(spec: Spec, results: list[dict], command: str) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """Parses the flags of `python -m dpjax.bench --suite=NAME`."""
   p = argparse.ArgumentParser(
       prog="python -m dpjax.bench --suite",
       description="A fixed comparison set of dpjax.bench rows as one table.")
@@ -247,6 +249,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
+  """Runs `python -m dpjax.bench --suite=NAME`; returns the exit status."""
   args = parse_args(argv)
   spec = SUITES[args.suite]
   results = run_suite(spec, budget_s=args.budget_s,

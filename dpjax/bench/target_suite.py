@@ -53,11 +53,13 @@ HEADROOM = next(f.default for f in dataclasses.fields(run_config.RunConfig)
 
 
 class Model(NamedTuple):
+  """A model of a target suite: its name and its `dpjax.bench` flags."""
   name: str
   args: tuple[str, ...]  # shape, remat and mesh flags of `dpjax.bench`
 
 
 class Spec(NamedTuple):
+  """A target suite: its compile targets, models, batches and common flags."""
   targets: tuple[str, ...]
   models: tuple[Model, ...]
   batch: int  # the batch of row 1, in one call
@@ -263,6 +265,7 @@ def table(spec: Spec, results: list[dict], command: str) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """Parses and checks the flags of `python -m dpjax.bench --suite=targets`."""
   p = argparse.ArgumentParser(
       prog="python -m dpjax.bench --suite=targets",
       description="DP's cost on TPU slices and GPUs, by their compilers.")
@@ -301,6 +304,7 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
 
 
 def main(argv: Sequence[str]) -> int:
+  """Runs `python -m dpjax.bench --suite=targets`; returns the exit status."""
   args = parse_args(argv)
   try:
     spec = select(SUITES[args.suite], args)

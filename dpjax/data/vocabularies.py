@@ -194,6 +194,7 @@ class ByteLevelBPEVocabulary(seqio.Vocabulary):
 
   @property
   def eos_id(self) -> int:
+    """The id of `eos_token` in `vocab.json`."""
     return self._eos_id
 
   @property
@@ -208,6 +209,7 @@ class ByteLevelBPEVocabulary(seqio.Vocabulary):
 
   @property
   def unk_id(self) -> None:
+    """None: byte-level BPE encodes every string."""
     return None  # byte-level: every string is encodable.
 
   @property
@@ -216,6 +218,7 @@ class ByteLevelBPEVocabulary(seqio.Vocabulary):
 
   @property
   def extra_tokens(self) -> tuple[str, ...]:
+    """The tokens appended after `vocab.json`'s, in id order."""
     return self._extra_tokens
 
   @property

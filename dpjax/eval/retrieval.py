@@ -177,6 +177,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_dataset(name: str, data_dir: str | None, split: str) -> ir_data.IRDataset:
+  """Loads split `split` of MSMARCO or of a BEIR-format dataset.
+
+  Args:
+    name: 'msmarco', else a BEIR-format dataset.
+    data_dir: The dataset's directory; None: the embedded sample's.
+    split: The split to load.
+  """
   if name == "msmarco":
     return ir_data.load_msmarco(data_dir or msmarco.DEFAULT_SAMPLE_DIR, split)
   return ir_data.load_beir(data_dir or beir.SAMPLE_DIR, split)
@@ -195,6 +202,7 @@ def _dual_encoder(model_dir: str, vocabulary: str | None, mesh):
 
 
 def main(argv: list[str] | None = None) -> dict:
+  """Runs `python -m dpjax.eval.retrieval`; returns the results."""
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
   for flag in ("top_k", "shard_size", "batch_size", "doc_length", "query_length"):
     if getattr(args, flag) < 1:

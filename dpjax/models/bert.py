@@ -93,6 +93,7 @@ class BertConfig(common.ModelConfig):
 
   @property
   def head_dim(self) -> int:
+    """The per-head width: `d_model // num_heads`."""
     return self.d_model // self.num_heads
 
 

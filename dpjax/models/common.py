@@ -24,6 +24,7 @@ class ModelConfig:
   different model on resume)."""
 
   def check_dtype(self) -> None:
+    """Raises ValueError unless `dtype` names one of `COMPUTE_DTYPES`."""
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"dtype must be one of {tuple(COMPUTE_DTYPES)}, "
                        f"got {self.dtype!r}")

@@ -105,9 +105,11 @@ class DualEncoderConfig:
 
   @property
   def dropout_rate(self) -> float:
+    """The encoder's dropout rate."""
     return self.encoder.dropout_rate
 
   def to_json(self) -> dict:
+    """A plain dict of the fields, the encoder as its own JSON."""
     return dict(dataclasses.asdict(self), encoder=self.encoder.to_json())
 
   @classmethod

@@ -74,10 +74,12 @@ class GPT2Config(common.ModelConfig):
 
   @property
   def head_dim(self) -> int:
+    """The per-head width: `d_model // num_heads`."""
     return self.d_model // self.num_heads
 
   @property
   def mlp_dim(self) -> int:
+    """The MLP's hidden width: `d_ff`, by default 4 x `d_model`."""
     return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
 

@@ -102,10 +102,12 @@ class GPT2DiscConfig(common.ModelConfig):
 
   @property
   def num_classes(self) -> int:
+    """The number of classes: one per label token."""
     return len(self.label_token_ids)
 
   @property
   def dtype(self) -> str:
+    """The compute dtype: the LM's."""
     return self.lm.dtype
 
   @classmethod

@@ -17,12 +17,14 @@ import numpy as np
 class TensorReader(Protocol):
   """Random access to a checkpoint's tensors by name (e.g. safetensors)."""
 
-  def keys(self) -> Iterable[str]: ...
+  def keys(self) -> Iterable[str]:
+    """The names of the checkpoint's tensors."""
 
-  def shape(self, name: str) -> tuple[int, ...]: ...
+  def shape(self, name: str) -> tuple[int, ...]:
+    """The shape of tensor `name`, without reading its data."""
 
-  def get(self, name: str) -> np.ndarray:  # float32
-    ...
+  def get(self, name: str) -> np.ndarray:
+    """Tensor `name` as a float32 array."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@ for DP fine-tuning of the adapters alone (Yu et al., ICLR 2022).
 
 A targeted projection `y = x W` becomes `y = x W + (alpha / rank) *
 dropout(x) A B`: `W` [rows, cols] keeps its place and name in the params
-(`.../query/kernel`), so a pretrained checkpoint loads as before, and the
+(`.../query/kernel`), so a pretrained checkpoint loads unchanged, and the
 adapter is a sibling module `.../query_lora` with `a/kernel` [rows, rank]
 (normal, stddev 1/sqrt(rows)) and `b/kernel` [rank, cols] (zeros: the
 adapted model starts as the base model). Both factors are
@@ -66,6 +66,7 @@ class LoRAConfig:
 
   @property
   def scale(self) -> float:
+    """The adapters' output scale: `alpha / rank`."""
     return self.alpha / self.rank
 
 

@@ -35,6 +35,7 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class Trainable:
+  """What the trainer needs of a model: its config, params and losses."""
   config: Any
   # "encoder_decoder" | "decoder_only" | the dual encoder's pair grouping
   converter: str | dual_encoder.PairGroups
@@ -70,6 +71,12 @@ def config_from_json(class_name: str | None, fields: Mapping[str, Any]):
 
 
 def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
+  """The `Trainable` of model `config` at the task's feature lengths.
+
+  Raises:
+    TypeError: `config` is not a T5, GPT-2, GPT-2 discriminator or dual
+      encoder config.
+  """
   lengths = dict(task_feature_lengths)
   if isinstance(config, t5.T5Config):
     kw = dict(input_length=lengths["inputs"], target_length=lengths["targets"])

@@ -54,6 +54,7 @@ def public_run(config: run_config.RunConfig) -> run_config.RunConfig:
 
 
 def sha256(path: str) -> str:
+  """The hex SHA-256 digest of the file at `path`."""
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):

@@ -11,6 +11,7 @@ from dpjax import gin_cli, pretrain, train
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+  """Runs `python -m dpjax.pretrain`."""
   args, files, bindings = gin_cli.parse_args(
       list(sys.argv[1:] if argv is None else argv),
       "Non-private pretraining on a public corpus, released as a Hugging "

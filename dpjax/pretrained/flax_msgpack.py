@@ -63,6 +63,7 @@ class ChunkedArray:
 
   @property
   def dtype(self) -> np.dtype:
+    """The dtype of the chunks."""
     return self.chunks[0].dtype
 
 

@@ -42,6 +42,7 @@ _PREFIX = "base_model.model."
 
 
 def is_adapter_dir(path) -> bool:
+  """Whether `path` is a PEFT adapter directory (has `ADAPTER_CONFIG`)."""
   return (pathlib.Path(path) / ADAPTER_CONFIG).is_file()
 
 
@@ -115,6 +116,7 @@ def export_adapters(params, config, out_dir, *,
 
 
 def read_adapter_config(path) -> dict:
+  """The JSON of `path`'s `ADAPTER_CONFIG`; CheckpointError if unreadable."""
   try:
     return json.loads((pathlib.Path(path) / ADAPTER_CONFIG).read_text())
   except (OSError, ValueError) as e:

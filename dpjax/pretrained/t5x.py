@@ -207,12 +207,14 @@ class T5xCheckpointReader:
   # --- TensorReader -------------------------------------------------------
 
   def keys(self) -> Iterable[str]:
+    """The '/'-joined names of the checkpoint's params."""
     return list(self._leaves)
 
   def __contains__(self, name) -> bool:
     return name in self._leaves
 
   def shape(self, name: str) -> tuple[int, ...]:
+    """The shape of tensor `name`, from its metadata where there is any."""
     leaf = self._leaf(name)
     if isinstance(leaf, (InlineArray, ChunkedArray)):
       return leaf.shape
@@ -235,6 +237,7 @@ class T5xCheckpointReader:
     return np.dtype(self._open_store(name, leaf).dtype.numpy_dtype)
 
   def get(self, name: str) -> np.ndarray:
+    """Tensor `name` as float32; CheckpointError if not a float tensor."""
     leaf = self._leaf(name)
     if isinstance(leaf, (InlineArray, ChunkedArray)):
       try:
@@ -325,6 +328,7 @@ class T5xCheckpointReader:
     raise CheckpointError(f"Cannot open t5x tensor {name!r} ({spec}): {error}") from error
 
   def close(self):
+    """Closes the checkpoint file; safe to call more than once."""
     buf, self._buf = getattr(self, "_buf", None), None
     if buf is not None:
       buf.close()

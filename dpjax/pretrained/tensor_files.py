@@ -55,12 +55,15 @@ class SafetensorsReader:
           self._index[name] = (os.fspath(file), tuple(f.get_slice(name).get_shape()))
 
   def keys(self) -> list[str]:
+    """The names of the tensors of all the files."""
     return list(self._index)
 
   def shape(self, name: str) -> tuple[int, ...]:
+    """The shape of tensor `name`, from its file's header."""
     return self._index[name][1]
 
   def get(self, name: str) -> np.ndarray:
+    """Tensor `name`, read from its file, as float32."""
     file = self._index[name][0]
     with self._safe_open(file, framework="np") as f:
       return _as_float32(f.get_tensor(name))
@@ -100,12 +103,15 @@ class TorchReader:
       self._tensors.update(state)
 
   def keys(self) -> list[str]:
+    """The names of the tensors of all the files."""
     return list(self._tensors)
 
   def shape(self, name: str) -> tuple[int, ...]:
+    """The shape of tensor `name`."""
     return tuple(self._tensors[name].shape)
 
   def get(self, name: str) -> np.ndarray:
+    """Tensor `name` as float32, owned by the array (not a view of the file)."""
     t = self._tensors[name]
     if t.dtype == self._torch.float32:
       return np.array(t.numpy())  # a copy: never hand out views of the mapped file
@@ -119,12 +125,15 @@ class DictReader:
     self._tensors = tensors
 
   def keys(self) -> list[str]:
+    """The dict's names."""
     return list(self._tensors)
 
   def shape(self, name: str) -> tuple[int, ...]:
+    """The shape of tensor `name`."""
     return tuple(np.shape(self._tensors[name]))
 
   def get(self, name: str) -> np.ndarray:
+    """Tensor `name` as a float32 array."""
     return np.asarray(self._tensors[name], np.float32)
 
 

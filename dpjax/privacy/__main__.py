@@ -68,6 +68,7 @@ def _json_float(x: float) -> float | str:
 
 
 def main(argv: list[str] | None = None) -> None:
+  """Runs `python -m dpjax.privacy`."""
   parser = _parser()
   args = parser.parse_args(argv)
   try:

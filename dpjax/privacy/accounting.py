@@ -124,6 +124,11 @@ class PoissonGaussian:
     object.__setattr__(self, "count", int(self.count))
 
   def to_dp_event(self) -> dp_accounting.DpEvent:
+    """The event as a `dp_accounting.DpEvent`.
+
+    A step with a noiseless release is accounted as one noiseless Gaussian
+    (non-private).
+    """
     # A noiseless release makes the step non-private whatever else it
     # releases; dp-accounting cannot compose several noiseless Gaussians.
     multipliers = (0.0,) if 0.0 in self.noise_multipliers else self.noise_multipliers
@@ -135,6 +140,7 @@ class PoissonGaussian:
         self.count)
 
   def to_json(self) -> dict:
+    """The event as JSON (`event_from_json` reads it back)."""
     return {"type": self.TYPE, "sampling_rate": self.sampling_rate,
             "noise_multipliers": list(self.noise_multipliers),
             "count": self.count}

@@ -348,6 +348,7 @@ def _make_clipped_sum(
 
 
 def check_bound(name: str, value: float) -> None:
+  """Raises ValueError unless clip bound `value` is positive and finite."""
   if not (value > 0 and math.isfinite(value)):
     raise ValueError(f"{name} must be positive and finite, got {value}.")
 

@@ -126,6 +126,7 @@ class PrivacyLedger:
     return list(self.prior_events) + list(self.events)
 
   def epsilon_spent(self) -> float:
+    """ε at `delta` of every release covered: prior and recorded events."""
     return accounting.epsilon(self.all_events, self.delta, self.accountant)
 
   def check_budget(self, planned: Sequence[accounting.Event]) -> None:
@@ -141,6 +142,7 @@ class PrivacyLedger:
           f"({100 * over / self.target_epsilon:.2f}%).")
 
   def to_json(self) -> dict:
+    """The ledger as JSON, with `epsilon_spent` (`from_json` recomputes it)."""
     return {
         "accountant": self.accountant,
         "sampling": self.sampling,
@@ -183,5 +185,6 @@ class PrivacyLedger:
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> PrivacyLedger:
+    """Reads a ledger written by `save`."""
     with open(path) as f:
       return cls.from_json(json.load(f))

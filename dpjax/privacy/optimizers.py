@@ -71,6 +71,7 @@ class DPOptimizer(NamedTuple):
   base: optax.GradientTransformation
 
   def init(self, params) -> optax.OptState:
+    """The `base` optimizer's state for `params`."""
     return self.base.init(params)
 
   def update(self, sums: Mapping[str, Any], opt_state: optax.OptState, params,

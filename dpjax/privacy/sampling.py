@@ -237,6 +237,7 @@ class PoissonSampler:
 
   @property
   def expected_batch_size(self) -> float:
+    """The expected examples per step: `q * N`."""
     return self.sampling_rate * self.dataset_size
 
   def steps_per_epoch(self) -> float:
@@ -265,9 +266,11 @@ class PoissonSampler:
 
   @property
   def scheme(self) -> PoissonScheme:
+    """The accounting: Poisson sampling at `sampling_rate`."""
     return PoissonScheme(self.sampling_rate)
 
   def describe(self) -> dict:
+    """The sampling as the privacy ledger records it (JSON)."""
     return {
         "method": "poisson",
         "sampling_rate": self.sampling_rate,
@@ -385,9 +388,11 @@ class UserPoissonSampler:
 
   @property
   def scheme(self) -> PoissonScheme:
+    """The accounting: Poisson sampling of users at `sampling_rate`."""
     return PoissonScheme(self.sampling_rate, unit="user")
 
   def describe(self) -> dict:
+    """The sampling as the privacy ledger records it (JSON)."""
     return {
         "method": "user_poisson",
         "unit": "user",
@@ -449,6 +454,7 @@ class CyclicPoissonSampler:
 
   @property
   def expected_batch_size(self) -> float:
+    """The expected examples per step: `q * (N // b)`."""
     return self.sampling_rate * (self.dataset_size // self.cycle_length)
 
   def indices(self, step: int) -> np.ndarray:
@@ -479,9 +485,11 @@ class CyclicPoissonSampler:
 
   @property
   def scheme(self) -> PoissonScheme:
+    """The accounting: Poisson at `sampling_rate`, cycle length b."""
     return PoissonScheme(self.sampling_rate, cycle_length=self.cycle_length)
 
   def describe(self) -> dict:
+    """The sampling as the privacy ledger records it (JSON)."""
     return {
         "method": "cyclic_poisson",
         "sampling_rate": self.sampling_rate,
@@ -543,9 +551,11 @@ class ShuffleSampler:
 
   @property
   def scheme(self) -> ShuffleScheme:
+    """The accounting: shuffling, `steps_per_epoch` steps an epoch."""
     return ShuffleScheme(self.steps_per_epoch)
 
   def describe(self) -> dict:
+    """The sampling as the privacy ledger records it (JSON)."""
     return {
         "method": "shuffle",
         "dataset_size": self.dataset_size,

@@ -118,6 +118,7 @@ class RunSecret:
 
   @classmethod
   def load(cls, directory: str) -> RunSecret:
+    """Reads the secret saved in `directory`; SecretFileError if unusable."""
     path = os.path.join(directory, SECRET_FILENAME)
     try:
       with open(path) as f:
@@ -132,6 +133,7 @@ class RunSecret:
 
 
 def exists(directory: str) -> bool:
+  """Whether `directory` holds a run secret file."""
   return os.path.isfile(os.path.join(directory, SECRET_FILENAME))
 
 

@@ -2,8 +2,9 @@
 
 A checkpoint holds two items:
   state: TrainState (step, params, the base optimizer's state and the noise
-         counter; checkpoints from before the counter moved out of the
-         optimizer state read back into the current layout)
+         counter; a checkpoint that keeps the counter inside the optimizer
+         state, `(PrivatizeState(count), base state)`, reads back into this
+         layout too)
   meta:  JSON with the privacy ledger, the model config, the sampler
          description and the data position (the step: batches are a pure
          function of (secret, step), so the step is the data position; with
@@ -112,12 +113,15 @@ class RunMeta:
 
   @property
   def step(self) -> int:
+    """The checkpoint's step (its data position's)."""
     return self.data_position.step
 
   def privacy_ledger(self) -> ledger_lib.PrivacyLedger:
+    """The saved ledger as a `PrivacyLedger`."""
     return ledger_lib.PrivacyLedger.from_json(self.ledger)
 
   def to_json(self) -> dict:
+    """A plain dict of the fields (JSON-serializable)."""
     return dataclasses.asdict(self)
 
   @classmethod
@@ -403,6 +407,7 @@ def _read_state_part(mngr: ocp.CheckpointManager, step: int, target,
 
 
 def jax_abstract(tree):
+  """`tree` with each array as its `jax.ShapeDtypeStruct` (sharding kept)."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                      sharding=getattr(x, "sharding", None)),
@@ -446,6 +451,7 @@ def model_json(model_config) -> dict:
 
 
 def saved_model_json(meta: RunMeta) -> dict:
+  """The saved model's JSON with its class name, as `model_json` gives it."""
   return {"class": meta.model_class, **meta.model_config}
 
 

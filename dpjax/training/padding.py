@@ -21,8 +21,9 @@ computed and how much padding is computed with them. Each example's clipped
 gradient depends on that example alone (`privacy.clipping`), so the clipped
 sum that is noised is the same sum taken in another order (float rounding
 aside), and the accountant's model of the sampling still holds. As with any
-length-dependent computation, a step's duration now depends on its examples'
-lengths: a guarantee about the released model says nothing about timings.
+length-dependent computation, a trimmed step's duration depends on its
+examples' lengths: a guarantee about the released model says nothing about
+timings.
 """
 
 from __future__ import annotations

@@ -201,6 +201,7 @@ def data_parallel_size(mesh: Mesh, rules: Rules | None = None) -> int:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """The sharding that places a whole copy on every device of `mesh`."""
   return NamedSharding(mesh, P())
 
 

@@ -58,6 +58,7 @@ class Plan:
 
   @property
   def releases_per_step(self) -> int:
+    """The clipped sums released per DP step: one per loss bound."""
     return len(self.clip_norms) if self.clip_norms else 1
 
   @property
@@ -66,6 +67,7 @@ class Plan:
     return self.redaction["dp_steps"] if self.redaction else self.steps
 
   def guarantee(self) -> dict:
+    """What the checkpoint keeps: the fields and the mechanism's record."""
     plan = dataclasses.asdict(self)  # copies: the caller may change it
     del plan["mechanism"]  # its record, below
     for optional in ("redaction", "clip_norms"):
@@ -75,6 +77,11 @@ class Plan:
 
 
 def steps_for(train_steps, epochs, n, batch_size) -> int:
+  """The run's steps: `train_steps`, else `epochs` passes at `batch_size`.
+
+  Raises:
+    UsageError: neither `train_steps` nor `epochs` is set.
+  """
   if train_steps:
     return int(train_steps)
   if epochs:
@@ -239,6 +246,7 @@ class RunPlan:
 
   @property
   def noise_multiplier(self) -> float:
+    """σ, the ledger's noise multiplier."""
     return self.ledger.noise_multiplier
 
   @property
@@ -261,6 +269,7 @@ class RunPlan:
     return self.sampler.expected_batch_size
 
   def dp_steps_before(self, step: int) -> int:
+    """The DP steps (releases) among steps `0 .. step - 1`."""
     return int(np.count_nonzero(~self.public[:step]))
 
   def summary(self) -> str:

@@ -128,6 +128,10 @@ class Summaries:
         for split in ("train", "eval")} if jax.process_index() == 0 else {}
 
   def scalars(self, split: str, step: int, values: dict[str, float]) -> None:
+    """Writes `values` at `step` to the `split` ('train' or 'eval') event file.
+
+    Only process 0 writes; non-finite values are skipped.
+    """
     if not self._writers:  # not process 0
       return
     writer = self._writers[split]
@@ -137,5 +141,6 @@ class Summaries:
     writer.flush()
 
   def close(self) -> None:
+    """Closes the event files."""
     for writer in self._writers.values():
       writer.close()

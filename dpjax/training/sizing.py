@@ -108,9 +108,11 @@ class Choice:
   tried: tuple[dict, ...] = ()  # {'microbatch_size', 'remat', 'peak_bytes'}
 
   def to_json(self) -> dict:
+    """A plain dict of the fields (JSON-serializable)."""
     return dataclasses.asdict(self)
 
   def summary(self) -> str:
+    """The choice in one console line."""
     remat = "" if self.remat is None else f", remat {self.remat!r}"
     if self.peak_bytes is None:
       return f"microbatch {self.microbatch_size}{remat}"
@@ -331,5 +333,6 @@ def load(model_dir: str, key: str) -> Choice | None:
 
 
 def save(model_dir: str, key: str, choice: Choice) -> None:
+  """Records `choice` for fingerprint `key` in `model_dir` (atomically)."""
   fileio.write_atomic(os.path.join(model_dir, FILENAME), json.dumps(
       {"fingerprint": key, "choice": choice.to_json()}, indent=2))

@@ -55,7 +55,7 @@ from dpjax.training import (checkpoints, distributed, loop, padding,
                             reporting, run_config, sizing as sizing_lib,
                             step as step_lib, targets)
 from dpjax.training import optimizer as optimizer_lib
-from dpjax.training.state import init_state
+from dpjax.training.state import TrainState, init_state
 from dpjax import errors, fileio, pretrained, verify
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
@@ -205,78 +205,32 @@ def train(config: RunConfig, *,
       config, which `dpjax.infer` reads back); None: no config.gin.
   """
   distributed.initialize()  # before any other JAX use; single process: no-op
-  from dpjax.data import arrays as data_arrays  # TF: the DP core needs none
   wall_start = time.perf_counter()
   built = build(config)
-  model_dir, placed, run_secret = built.model_dir, built.placed, built.run_secret
-  plan, mngr = built.plan, built.mngr  # a resume may replace them
-  task = config.mixture_or_task_name
-  m, k = built.sizing.microbatch_size, built.sizing.accumulation_steps
-  start_step = 0
-  if built.resume:  # restored straight into place (any saved mesh: re-sharded)
-    start_step, state, saved = checkpoints.restore_newest(
-        mngr, placed.abstract_state, model_dir, run_secret.meta_key())
-    if start_step != built.resume.step:  # newer ones unreadable: its ledger
-      verify.check_run(saved, checkpoint_step=start_step,
-                       noise_count=int(state.noise_count))
-      plan = built.plan_for(saved)
-    reporting.say(f"resumed {model_dir} at step {start_step}, "
-                  f"ε spent {plan.ledger.epsilon_spent():.4f}")
-  else:  # built in place on the mesh, the same on every process
-    params = _initial_params(config, built.model, built.init_run,
-                             placed.state_shardings.params)
-    state = jax.jit(lambda p: init_state(p, placed.optimizer),
-                    out_shardings=placed.state_shardings)(params)
-    mngr = mngr or checkpoints.manager(model_dir,
-                                       max_to_keep=config.keep_checkpoints)
-  if built.init_run:  # read; orbax's threads need not live through the run
-    built.init_run.manager.close()
-  _write_run_files(model_dir, run_secret, plan.ledger, config_text)
-  reporting.log_libraries_to(model_dir)
+  start_step, state, plan, mngr = _start(built)
+  _write_run_files(built.model_dir, built.run_secret, plan.ledger, config_text)
+  reporting.log_libraries_to(built.model_dir)
   if built.sizing_key and distributed.is_primary():
-    sizing_lib.save(model_dir, built.sizing_key, built.sizing)
+    sizing_lib.save(built.model_dir, built.sizing_key, built.sizing)
 
-  # --- The loop. ------------------------------------------------------------
   noise_secret = distributed.global_array(
-      run_secret.noise_key(), partitioning.replicated(built.mesh))
-  step_fn = step_function(plan, placed, built.splits, mesh=built.mesh,
-                          rules=built.rules, m=m, k=k,
+      built.run_secret.noise_key(), partitioning.replicated(built.mesh))
+  step_fn = step_function(plan, built.placed, built.splits, mesh=built.mesh,
+                          rules=built.rules, m=built.sizing.microbatch_size,
+                          k=built.sizing.accumulation_steps,
                           noise_secret=noise_secret)
-
-  def meta(step: int) -> checkpoints.RunMeta:
-    dp_steps = plan.dp_steps_before(step)
-    return checkpoints.RunMeta(
-        ledger=plan.ledger.to_json(), plan=plan.privacy.guarantee(),
-        model_class=type(config.model_config).__name__,
-        model_config=checkpoints.config_json(config.model_config),
-        data_position=checkpoints.DataPosition(
-            step=step, seed=config.seed, dp_steps=dp_steps,
-            public_steps=step - dp_steps),
-        sampler=plan.sampler.describe(), mixture_or_task_name=task,
-        task_feature_lengths=built.lengths,
-        initial_checkpoint_path=config.initial_checkpoint_path,
-        tokenizer_files=built.tokenizer or {})
-
-  summaries = reporting.Summaries(model_dir)
+  summaries = reporting.Summaries(built.model_dir)
   reporter = loop.Reporter(
       period=config.log_period, ledger=plan.ledger, summaries=summaries,
       progress=reporting.Progress(plan.steps, start_step),
       target_epsilon=built.target_epsilon, schedule=built.schedule,
       mixed=bool(config.redaction_schedule))
-  callbacks = [reporter]
-  evaluator = None
-  if config.eval_period:
-    eval_data = data_arrays.load_task_arrays(
-        task, config.eval_split, built.lengths,
-        converter=built.model.converter)
-    evaluator = loop.Evaluator(
-        period=config.eval_period, summaries=summaries,
-        evaluate=_eval_loss_fn(placed.eval, eval_data, built.mesh,
-                               built.rules, m, config.eval_examples))
-    callbacks.append(evaluator)
-  callbacks.append(loop.Checkpointer(period=config.checkpoint_period,
-                                     manager=mngr, model_dir=model_dir,
-                                     meta=meta, key=run_secret.meta_key()))
+  evaluator = _evaluator(built, summaries)
+  checkpointer = loop.Checkpointer(
+      period=config.checkpoint_period, manager=mngr,
+      model_dir=built.model_dir, meta=lambda step: _run_meta(built, plan, step),
+      key=built.run_secret.meta_key())
+  callbacks = [c for c in (reporter, evaluator, checkpointer) if c]
   with distributed.preemption_watch() as preempted:
     state, done = loop.fit(state, step_fn, start_step=start_step,
                            end_step=plan.steps, callbacks=callbacks,
@@ -286,25 +240,99 @@ def train(config: RunConfig, *,
           "command to resume", flush=True)
   summaries.close()
   mngr.close()  # orbax's threads and event loops; a long job trains many runs
-  ledger = plan.ledger
-  eps = ledger.epsilon_spent()
-  result = {"model_dir": model_dir, "steps": plan.steps, "steps_done": done,
-            "epsilon_spent": eps, "target_epsilon": built.target_epsilon,
-            "delta": plan.delta, "noise_multiplier": plan.noise_multiplier,
-            "wall_seconds": time.perf_counter() - wall_start, **reporter.last,
-            "dp_steps": ledger.steps, "public_steps": done - ledger.steps}
+  result = {**reporter.last,
+            "wall_seconds": time.perf_counter() - wall_start}
   if evaluator and evaluator.last_loss is not None:
     result["eval_loss"] = evaluator.last_loss
+  return _finish(built, plan, done, result)
+
+
+def _start(built: Built) -> tuple[int, TrainState, plan_lib.RunPlan, Any]:
+  """The state to train from: the newest checkpoint restored straight into
+  place (any saved mesh: re-sharded) with the plan its ledger gives, or a new
+  state built in place on the mesh, the same on every process. Returns
+  (start step, state, plan, checkpoint manager)."""
+  config, placed, plan = built.config, built.placed, built.plan
+  if built.resume:
+    start_step, state, saved = checkpoints.restore_newest(
+        built.mngr, placed.abstract_state, built.model_dir,
+        built.run_secret.meta_key())
+    if start_step != built.resume.step:  # newer ones unreadable: its ledger
+      verify.check_run(saved, checkpoint_step=start_step,
+                       noise_count=int(state.noise_count))
+      plan = built.plan_for(saved)
+    reporting.say(f"resumed {built.model_dir} at step {start_step}, "
+                  f"ε spent {plan.ledger.epsilon_spent():.4f}")
+    mngr = built.mngr
+  else:
+    params = _initial_params(config, built.model, built.init_run,
+                             placed.state_shardings.params)
+    start_step = 0
+    state = jax.jit(lambda p: init_state(p, placed.optimizer),
+                    out_shardings=placed.state_shardings)(params)
+    mngr = built.mngr or checkpoints.manager(
+        built.model_dir, max_to_keep=config.keep_checkpoints)
+  if built.init_run:  # read; orbax's threads need not live through the run
+    built.init_run.manager.close()
+  return start_step, state, plan, mngr
+
+
+def _run_meta(built: Built, plan: plan_lib.RunPlan,
+              step: int) -> checkpoints.RunMeta:
+  """What a checkpoint at `step` records beside the state: the ledger, the
+  plan, the model and where the data stream stands."""
+  config = built.config
+  dp_steps = plan.dp_steps_before(step)
+  return checkpoints.RunMeta(
+      ledger=plan.ledger.to_json(), plan=plan.privacy.guarantee(),
+      model_class=type(config.model_config).__name__,
+      model_config=checkpoints.config_json(config.model_config),
+      data_position=checkpoints.DataPosition(
+          step=step, seed=config.seed, dp_steps=dp_steps,
+          public_steps=step - dp_steps),
+      sampler=plan.sampler.describe(),
+      mixture_or_task_name=config.mixture_or_task_name,
+      task_feature_lengths=built.lengths,
+      initial_checkpoint_path=config.initial_checkpoint_path,
+      tokenizer_files=built.tokenizer or {})
+
+
+def _evaluator(built: Built, summaries) -> loop.Evaluator | None:
+  """The held-out loss every `eval_period` steps, or None without one."""
+  config = built.config
+  if not config.eval_period:
+    return None
+  from dpjax.data import arrays as data_arrays  # TF: the DP core needs none
+  eval_data = data_arrays.load_task_arrays(
+      config.mixture_or_task_name, config.eval_split, built.lengths,
+      converter=built.model.converter)
+  return loop.Evaluator(
+      period=config.eval_period, summaries=summaries,
+      evaluate=_eval_loss_fn(built.placed.eval, eval_data, built.mesh,
+                             built.rules, built.sizing.microbatch_size,
+                             config.eval_examples))
+
+
+def _finish(built: Built, plan: plan_lib.RunPlan, done: int,
+            result: dict) -> dict:
+  """Says where the run stopped and what it spent; writes and returns the
+  summary (`result` holds the last step's metrics)."""
+  ledger, eps = plan.ledger, plan.ledger.epsilon_spent()
+  result = {"model_dir": built.model_dir, "steps": plan.steps,
+            "steps_done": done, "epsilon_spent": eps,
+            "target_epsilon": built.target_epsilon, "delta": plan.delta,
+            "noise_multiplier": plan.noise_multiplier, **result,
+            "dp_steps": ledger.steps, "public_steps": done - ledger.steps}
   spent = (f"({ledger.steps} DP steps): ε spent {eps:.4f} of "
            f"{built.target_epsilon} (δ={plan.delta:.3g})"
            if math.isfinite(built.target_epsilon) else "without noise (ε = ∞)")
   reporting.say(
-      f"{'trained' if done == plan.steps else 'stopped'} {model_dir} at "
+      f"{'trained' if done == plan.steps else 'stopped'} {built.model_dir} at "
       f"step {done}/{plan.steps} {spent}; checkpoints in "
-      f"{os.path.join(model_dir, 'checkpoints')}, privacy ledger in "
-      f"{os.path.join(model_dir, ledger_lib.LEDGER_FILENAME)}")
+      f"{os.path.join(built.model_dir, 'checkpoints')}, privacy ledger in "
+      f"{os.path.join(built.model_dir, ledger_lib.LEDGER_FILENAME)}")
   if distributed.is_primary():
-    fileio.write_atomic(os.path.join(model_dir, "train_summary.json"),
+    fileio.write_atomic(os.path.join(built.model_dir, "train_summary.json"),
                         json.dumps(result, indent=2, default=str))
   return result
 

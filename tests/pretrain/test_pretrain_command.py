@@ -3,7 +3,6 @@ the same bits, `--verify` says so (and catches a changed file), and the
 release holds the run's final params under INITIAL_CHECKPOINT_PATH's
 loader."""
 import json
-import os
 
 import gin
 import jax

@@ -18,7 +18,7 @@ from dp_accounting import pld
 from dpjax import configurables
 from dpjax import gin_cli
 from dpjax.models import dual_encoder, t5, trainable
-from dpjax.privacy import accounting, clipping, clipping_method
+from dpjax.privacy import clipping, clipping_method
 from dpjax.privacy import ledger as ledger_lib
 
 ENCODER = t5.T5Config(vocab_size=61, d_model=16, d_kv=8, d_ff=32, num_heads=2,

@@ -47,6 +47,7 @@ class MalformedPolicy:
       self.first = str(error)
 
   def report(self) -> None:
+    """Logs one warning with the skipped count and first location, if any."""
     if self.count:
       logger.warning(
           "Skipped %d malformed %s (first: %s)", self.count, self.what,

@@ -76,6 +76,7 @@ _TURN_NUMBER = re.compile(r"\d+(\.0*)?")
 
 @dataclasses.dataclass(frozen=True)
 class Utterance:
+  """One turn of a conversation: its number, speaker role and text."""
   turn_number: int
   role: str  # a key of ROLE_TOKENS
   text: str  # whitespace-normalised, non-empty
@@ -83,12 +84,14 @@ class Utterance:
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
+  """One conversation of `domain`, its utterances in turn order."""
   domain: str
   conversation_id: str
   utterances: tuple[Utterance, ...]  # by turn number
 
 
 def domain_token(domain: str) -> str:
+  """The control token of `domain`: `<DOMAIN>`."""
   return f"<{domain}>"
 
 

@@ -18,6 +18,7 @@ SPLITS = ("train", "validation")
 
 
 def split_path(corpus_dir: str, split: str) -> str:
+  """The JSON Lines file of `split` in `corpus_dir`; ValueError if unknown."""
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; a corpus has {SPLITS}")
   return os.path.join(corpus_dir, f"{split}.jsonl")

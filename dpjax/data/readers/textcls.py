@@ -72,6 +72,7 @@ TEXT_START = 3  # first text position in a converted row
 
 
 def label_token(label: str) -> str:
+  """The token of class `label`: `<|label|>`."""
   return f"<|{label}|>"
 
 
@@ -80,6 +81,7 @@ EXTRA_TOKENS = (SEP_TOKEN, *(label_token(name) for d in DATASETS for name in LAB
 
 @dataclasses.dataclass(frozen=True)
 class Example:
+  """One labelled text; `label` indexes `LABELS[dataset]`."""
   text: str
   label: int  # 0-based index into LABELS[dataset]
 

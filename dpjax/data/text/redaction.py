@@ -100,6 +100,7 @@ class Policy(abc.ABC):
 
   def spans(self, text: str, domains: Sequence[str] | None = None
             ) -> list[Span]:
+    """The sorted, merged character spans of `text` private to `domains`."""
     return self.spans_batch([text], domains)[0]
 
   def flags(self, text: str, domains: Sequence[str] | None = None) -> bool:
@@ -108,13 +109,16 @@ class Policy(abc.ABC):
 
   def flags_batch(self, texts: Sequence[str],
                   domains: Sequence[str] | None = None) -> list[bool]:
+    """Per text: whether it contains anything private to `domains`."""
     return [bool(s) for s in self.spans_batch(texts, domains)]
 
   def redact(self, text: str, domains: Sequence[str] | None = None) -> str:
+    """`text` with every word in a private span replaced by `REDACTED`."""
     return self.redact_batch([text], domains)[0]
 
   def redact_batch(self, texts: Sequence[str],
                    domains: Sequence[str] | None = None) -> list[str]:
+    """Per text: `redact(text, domains)`, with one `spans_batch` call."""
     return [redact_spans(t, s)
             for t, s in zip(texts, self.spans_batch(texts, domains))]
 

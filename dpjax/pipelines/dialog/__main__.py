@@ -82,6 +82,7 @@ def _run(args, gin_files, bindings) -> dict:
 
 
 def main(argv=None) -> dict:
+  """Runs `python -m dpjax.pipelines.dialog`."""
   return harness.run_command(argv, "The domain-privacy experiment of dpjax.",
                              _add_arguments, _run)
 

@@ -61,9 +61,11 @@ class Vocabulary(Protocol):
   """What the attack needs of a task vocabulary (`ByteLevelBPEVocabulary`)."""
   eos_id: int
 
-  def encode(self, s: str) -> Sequence[int]: ...
+  def encode(self, s: str) -> Sequence[int]:
+    """The token ids of `s`."""
 
-  def decode(self, ids: Sequence[int]) -> str: ...
+  def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids`."""
 
 
 def conversation_prompts(conversations: Sequence[multidogo.Conversation], *,
@@ -218,6 +220,7 @@ def success_rates(texts: Sequence[str], flagged: np.ndarray, *,
 
 @dataclasses.dataclass(frozen=True)
 class Model:
+  """A GPT-2 to attack, or a reference model: its config and params."""
   config: GPT2Config
   params: object
 

@@ -242,6 +242,11 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
 
 
 def write_outputs(root: str, rows: Sequence[Mapping]) -> dict:
+  """Writes the membership results and table under `root`; prints the table.
+
+  Returns:
+    `{"rows": rows, "table_md": the path of table.md}`.
+  """
   harness.write_results(os.path.join(root, harness.RESULTS_FILENAME),
                         [dict(r, kind="membership") for r in rows])
   header = ["training", "ε spent", "validation PPL", "LiRA AUC",

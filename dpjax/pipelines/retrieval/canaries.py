@@ -87,6 +87,7 @@ class Canary:
 
   @property
   def query(self) -> str:
+    """The canary's query: `prefix + " " + secret`."""
     return f"{self.prefix} {self.secret}"
 
 
@@ -202,6 +203,7 @@ def insert_canaries(data_dir: str, out_dir: str, *, per_cell: int = 2,
 
 
 def load_canaries(data_dir: str) -> list[Canary]:
+  """The canaries recorded in `data_dir`'s `CANARIES_FILE`."""
   with open(os.path.join(data_dir, CANARIES_FILE), encoding="utf-8") as f:
     rows = json.load(f)["canaries"]
   return [Canary(**dict(r, qids=tuple(r["qids"]))) for r in rows]

@@ -69,6 +69,7 @@ def _run(args, gin_files, bindings) -> dict:
 
 
 def main(argv=None) -> dict:
+  """Runs `python -m dpjax.pipelines.semparse`."""
   return harness.run_command(
       argv, "The semantic-parse experiments of dpjax.", _add_arguments, _run,
       extra_prefixes=("parser_gin",))

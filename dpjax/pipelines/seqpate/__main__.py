@@ -65,6 +65,7 @@ def _run(args, gin_files, bindings) -> dict:
 
 
 def main(argv=None) -> dict:
+  """Runs `python -m dpjax.pipelines.seqpate`."""
   return harness.run_command(argv, "SeqPATE's experiments (Table 1).",
                              _add_arguments, _run)
 

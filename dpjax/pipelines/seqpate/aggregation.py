@@ -152,6 +152,7 @@ class AnswerStore:
   @classmethod
   def empty(cls, fingerprint: str, num_positions: int,
             width: int) -> AnswerStore:
+    """A store with no answers, for candidate sets `width` wide."""
     return cls(fingerprint, num_positions, np.zeros(0, np.int64),
                np.zeros((0, width), np.int32), np.zeros((0, width), np.float32))
 
@@ -160,6 +161,7 @@ class AnswerStore:
 
   @property
   def width(self) -> int:
+    """C, the candidates of each answer."""
     return self.candidates.shape[1]
 
   def find(self, keys: np.ndarray) -> np.ndarray:
@@ -171,6 +173,11 @@ class AnswerStore:
 
   def add(self, keys: np.ndarray, candidates: np.ndarray,
           probs: np.ndarray) -> None:
+    """Adds the answers of new `keys`, keeping the store sorted by key.
+
+    Raises:
+      ValueError: a key is already answered, or given twice.
+    """
     if (self.find(keys) >= 0).any() or len(np.unique(keys)) != len(keys):
       raise ValueError("a query is answered at most once.")
     keys = np.concatenate([self.keys, keys])
@@ -188,6 +195,7 @@ class AnswerStore:
 
   @classmethod
   def load(cls, path: str) -> AnswerStore:
+    """Reads a store written by `save`."""
     with np.load(path) as f:
       return cls(str(f["fingerprint"]), int(f["num_positions"]), f["keys"],
                  f["candidates"], f["probs"])

@@ -49,6 +49,12 @@ def _time_runs(train, params, opt_state, data, schedule, keys,
 
 
 def run(args: argparse.Namespace) -> dict:
+  """Times the teachers' training vmapped as one group and one at a time.
+
+  Returns:
+    The JSON line's fields: the settings, the median times, teacher tokens/s
+    of each way and the speedup.
+  """
   config = dpjax_bench.model_config(args.model, dtype=args.dtype,
                                     vocab_size=args.vocab)
   g, b, length = args.teachers, args.batch, args.seq
@@ -96,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """Parses the flags of `python -m dpjax.pipelines.seqpate.bench`."""
   p = argparse.ArgumentParser(
       prog="python -m dpjax.pipelines.seqpate.bench",
       description="Teacher-training throughput: vmapped group vs one at a "
@@ -123,6 +130,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `python -m dpjax.pipelines.seqpate.bench`; returns the exit status."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   context = dpjax_bench.machine_context("dpjax.pipelines.seqpate.bench", argv)

@@ -44,6 +44,7 @@ def fingerprint(tokens: np.ndarray) -> str:
 
 
 def group_path(cache_dir: str, group: int) -> str:
+  """The cache file of group `group` in `cache_dir`."""
   return os.path.join(cache_dir, GROUP_PATTERN.format(group))
 
 
@@ -76,6 +77,7 @@ def write_group(cache_dir: str, group: int, teacher_ids: np.ndarray,
 
 
 def group_paths(cache_dir: str) -> list[str]:
+  """The group files in `cache_dir`, sorted by group."""
   return sorted(glob.glob(os.path.join(cache_dir, "group-*.npz")))
 
 

@@ -141,9 +141,11 @@ class Tokenizer:
     self.eos_id = self._bpe.token_to_id("<|endoftext|>")
 
   def encode(self, text: str) -> list[int]:
+    """The token ids of `text` (no EOS added)."""
     return self._bpe.encode(text).ids
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids`."""
     return self._bpe.decode(list(ids))
 
 
@@ -159,11 +161,13 @@ def load_splits(dataset: str, settings: Settings, seed: int) -> dict:
 
 
 def save_params(path: str, params) -> None:
+  """Writes `params` to `path` atomically, in flax's msgpack format."""
   with fileio.open_atomic(path, "wb") as f:
     f.write(flax.serialization.to_bytes(params))
 
 
 def load_params(path: str, config: gpt2.GPT2Config, length: int):
+  """Reads `save_params`' file as the params of GPT-2 `config` at `length`."""
   template = gpt2.init_params(config, jax.random.key(0), max_length=length)[0]
   with open(path, "rb") as f:
     return flax.serialization.from_bytes(template, f.read())
@@ -184,6 +188,7 @@ def train_lm(config, init_params, arrays: dict, *, epochs: int,
 @functools.lru_cache(maxsize=None)
 # Rows: name -> (kind, student/aggregator options).
 def table_rows(settings: Settings) -> dict[str, tuple[str, dict]]:
+  """Table 1's rows: name -> (kind, student/aggregator options)."""
   rows = {"Pub-GPT": ("public", {}),
           "Pub-GPT+D^pub": ("warmup", {}),
           "Pri-GPT (no DP)": ("private", {}),

@@ -116,6 +116,7 @@ def user_partition(user_ids: Sequence[Hashable] | np.ndarray,
 
 
 def teacher_sizes(assignment: np.ndarray, num_teachers: int) -> np.ndarray:
+  """The examples of each teacher: `[num_teachers]` counts of `assignment`."""
   return np.bincount(assignment, minlength=num_teachers)
 
 

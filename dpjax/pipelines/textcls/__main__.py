@@ -52,6 +52,7 @@ def _run(args, gin_files, bindings):
 
 
 def main(argv=None):
+  """Runs `python -m dpjax.pipelines.textcls`."""
   return harness.run_command(
       argv, "Tables 1 and 4 of DP conditional text generation.",
       _add_arguments, _run)

@@ -158,6 +158,7 @@ def task_data(gin_files: Sequence[str] = DEFAULT_GIN_FILES,
 
 
 def run_dir(out_dir: str, kind: str, eps: float) -> str:
+  """The directory of the `kind` run at ε = `eps` under `out_dir`."""
   return os.path.join(out_dir, "runs", f"{kind}_eps{eps_name(eps)}")
 
 

@@ -65,6 +65,7 @@ class Strategy:
 
   @property
   def bands(self) -> int:
+    """The number of bands b."""
     return len(self.coefs)
 
   def noising_matrix(self):
@@ -261,6 +262,7 @@ class BandMF(dpsgd.DPSGD):
 
   @property
   def strategy(self) -> Strategy:
+    """The resolved strategy: `coefs`, normalised for `steps` releases."""
     return Strategy(tuple(self.coefs), self.steps)
 
   def sampler(self, inputs, *, seed, unit_ids=None):

@@ -179,11 +179,16 @@ class DPSGD:
     return "DP-SGD"
 
   def describe_sampling(self, sampler, n: int, batch_size: int) -> str:
+    """The sampling of `sampler` over n units, for the plan's console line."""
     return (f"{sampler.describe()['method']} sampling "
             f"(q={batch_size / n:.4g})")
 
   def describe_clipping(self, clip_norm: float,
                         clip_norms: Mapping | None) -> str:
+    """The clip bound, or the per-loss `clip_norms`, in words.
+
+    For the plan's console line and the release's privacy statement.
+    """
     return str(clip_norms if clip_norms else clip_norm)
 
   # --- The step. ------------------------------------------------------------
