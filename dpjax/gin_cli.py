@@ -1,12 +1,12 @@
 """t5x-style gin command line: --gin_file, --gin_bindings, --gin.NAME=VALUE.
 
   python -m dpjax.train --gin_file=gin/quickstart.gin \\
-      --gin.TRAIN_STEPS=100 --gin.MODEL_DIR="'/tmp/run'" \\
+      --gin.TRAIN_STEPS=100 --gin.MODEL_DIR="'runs/quickstart'" \\
       --gin_bindings='train.log_period = 5'
 
 `--gin.NAME=VALUE` becomes the binding `NAME = VALUE`. VALUE is a gin value
 (Python literal, @reference or %MACRO); as a convenience a VALUE that is none
-of these is taken as a string, so --gin.MODEL_DIR=/tmp/run works unquoted.
+of these is taken as a string, so --gin.MODEL_DIR=runs/quickstart works unquoted.
 """
 from __future__ import annotations
 

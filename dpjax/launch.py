@@ -1,7 +1,7 @@
 """`python -m dpjax.launch`: a multi-host job as N processes on this machine.
 
   python -m dpjax.launch --num_processes=2 [--devices_per_process=1] -- \\
-      --gin_file=gin/quickstart.gin --gin.MODEL_DIR=/tmp/run [...]
+      --gin_file=gin/quickstart.gin --gin.MODEL_DIR=runs/quickstart [...]
 
 For trying and testing multi-host runs on one machine, on CPU: starts N
 `python -m dpjax.train` processes (the arguments after `--`) that join one JAX

@@ -1,7 +1,7 @@
 """`python -m dpjax.bench.mechanism_comparison`: BandMF against DP-SGD, and
 user-level against example-level DP, on the embedded samples.
 
-  python -m dpjax.bench.mechanism_comparison --work_dir=/tmp/cmp
+  python -m dpjax.bench.mechanism_comparison --work_dir=runs/comparison
       [--steps=300] [--only=bandmf|user_level]
 
 BandMF vs DP-SGD: from the quickstart's pretrained start (the shipped tiny

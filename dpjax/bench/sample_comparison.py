@@ -2,7 +2,7 @@
 fine-tuning, and adaptive clipping against a grid of fixed bounds, on the
 embedded MSMARCO-format sample, from one pretrained start.
 
-  python -m dpjax.bench.sample_comparison --work_dir=/tmp/cmp [--steps=60]
+  python -m dpjax.bench.sample_comparison --work_dir=runs/comparison [--steps=60]
 
 The start: the quickstart's, the shipped tiny T5 pretrained with span
 corruption on the public world (tasks/data/pretrained/msmarco_t5). Every

@@ -298,7 +298,8 @@ def make_plan(config: run_config.RunConfig, *, n: int,
               clip_norms: Mapping[str, float] | None = None,
               public_n: int | None = None,
               saved: checkpoints.RunMeta | None = None,
-              unit_ids: np.ndarray | None = None) -> RunPlan:
+              unit_ids: np.ndarray | None = None,
+              mechanism: mechanisms.DPSGD | None = None) -> RunPlan:
   """The run's plan from its settings and the data: `n` training rows (and
   `public_n` public ones with a redaction schedule; `unit_ids`, each row's
   privacy unit, where the mechanism has a `unit_column`, e.g. its user),
@@ -308,9 +309,10 @@ def make_plan(config: run_config.RunConfig, *, n: int,
   over. `secret_source` is where the run's secret came from
   (`RunSecret.source`), recorded in the ledger. Raises before anything is
   written if the settings are bad or the budget would be exceeded.
+  `mechanism`: the one the settings choose, if the caller has it already.
   """
   target_epsilon = run_config.check(config)
-  mechanism = mechanisms.from_config(config)
+  mechanism = mechanism or mechanisms.from_config(config)
   if mechanism.unit_column is None:
     unit_ids = None
   n = mechanism.privacy_units(n, unit_ids)  # the units of privacy from here

@@ -144,7 +144,7 @@ def build(config: RunConfig, *, dry_run: bool = False,
         secret_source=run_secret.source, clip_norms=bounds,
         public_n=(None if splits.public is None
                   else len(splits.public_tokens)),
-        saved=saved, unit_ids=splits.units)
+        saved=saved, unit_ids=splits.units, mechanism=mechanism)
 
   plan = plan_for(resume.meta if resume else None)
   if resume:

@@ -25,10 +25,10 @@ the tokenizer's `vocab.json` + `merges.txt`, so `DomainClassifier.load` (and
 MultiDoGo tasks take that policy from the pipeline, as gin bindings::
 
     register_multidogo_tasks.classifier_policy = @classifier_policy
-    classifier_policy.classifier_dir = '/tmp/dogo_clf'
+    classifier_policy.classifier_dir = 'runs/dogo_clf'
     classifier_policy.threshold = 0.9
 
-    python -m dpjax.pipelines.dialog.classifier --output_dir /tmp/dogo_clf
+    python -m dpjax.pipelines.dialog.classifier --output_dir runs/dogo_clf
 
 trains one on the embedded MultiDoGo sample (or `--data_dir`), sized by
 `--gin_file` (default `models/bert_tiny.gin`).
