@@ -17,6 +17,7 @@ from dpjax.training import partitioning, state as state_lib, step as step_lib
 from dpjax.models import gpt2, t5
 from dpjax.privacy import clipping_method, optimizers
 from dpjax.privacy.secret import RunSecret
+from tests import numerics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ({"data": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 2, "tensor": 2})
@@ -165,9 +166,20 @@ def _sharded_run():
       for _ in range(2):
         state = sharded(state, jax.device_put(batch, batch_sh),
                         jax.device_put(mask, mask_sh))
-      jax.tree.map(lambda a, b: np.testing.assert_allclose(
-          a, b, rtol=1e-5, atol=1e-6, err_msg=f"{name} {shape}"),
-          state, reference)
+      # In norm, per leaf (`numerics.update_differences`): the mesh sums in
+      # another order, which elementwise tolerances catch by chance at
+      # near-cancelling coordinates; a wrong shard, batch or noise draw
+      # moves a whole leaf.
+      moved = numerics.update_differences(reference.params, state.params,
+                                          params)
+      assert max(moved) < 1e-4, (name, shape, moved)
+      for want, got in zip(jax.tree.leaves(reference.opt_state),
+                           jax.tree.leaves(state.opt_state)):
+        want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) <= 1e-4 * np.linalg.norm(want), (
+            name, shape)
+      assert (int(state.step), int(state.noise_count)) == (
+          int(reference.step), int(reference.noise_count)) == (2, 2)
       # Stored sharded where the mesh has a parameter axis: every parameter
       # with a d_model axis, and both its Adam moments.
       adam = state.opt_state[0]

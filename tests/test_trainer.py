@@ -190,8 +190,8 @@ def test_resumed_run_checkpoints_the_data_position_at_the_end(killed):
 
 
 def test_dp_steps_lower_the_loss(tmp_path):
-  result = run(tmp_path, "TRAIN_STEPS = 30", "LEARNING_RATE = 1e-2",
-               "train.eval_period = 30", "train.eval_examples = 128")
+  result = run(tmp_path, "TRAIN_STEPS = 12", "LEARNING_RATE = 1e-2",
+               "train.eval_period = 12", "train.eval_examples = 128")
   configure(tmp_path)
   tasks.register_tasks()
   config = configurables.T5Config()
@@ -240,22 +240,6 @@ def _cli(*args, cwd=REPO):
   return subprocess.run([sys.executable, "-m", "dpjax.train", *args],
                         capture_output=True, text=True, cwd=cwd, env=env,
                         timeout=600)
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--gin_file=no_such.gin"], "gin file not found: no_such.gin"),
-    (["--gin_file=quickstart.gin", "--gin.train.no_such_flag=1"],
-     "no_such_flag"),
-    (["--gin_file=quickstart.gin", "--gin.MSMARCO_DIR=/no/such/dir"],
-     "/no/such/dir"),
-])
-def test_cli_bad_input_exits_2_with_a_message(tmp_path, args, message):
-  model_dir = tmp_path / "never_written"
-  proc = _cli(*args, f"--gin.MODEL_DIR={model_dir}")
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  assert message in proc.stderr
-  assert "Traceback" not in proc.stderr
-  assert not model_dir.exists()
 
 
 @pytest.fixture(scope="module")
@@ -552,31 +536,6 @@ def test_checkpoint_of_another_architecture_is_refused_before_writing(tmp_path):
   with pytest.raises(pretrained.CheckpointError, match="d_model"):
     run(model_dir, "TRAIN_STEPS = 2", f"INITIAL_CHECKPOINT_PATH = '{ckpt}'")
   assert not model_dir.exists()
-
-
-@pytest.fixture(scope="module")
-def infer_without_model(tmp_path_factory):
-  """`python -m dpjax.infer` on a model dir that does not exist."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  model_dir = tmp_path_factory.mktemp("infer") / "no_model"
-  proc = subprocess.run([sys.executable, "-m", "dpjax.infer",
-                         f"--model_dir={model_dir}"], capture_output=True,
-                        text=True, cwd=REPO, env=env, timeout=300)
-  return model_dir, proc
-
-
-def test_infer_without_a_trained_model_exits_2(infer_without_model):
-  assert infer_without_model[1].returncode == 2
-
-
-def test_infer_without_a_trained_model_says_so_without_a_traceback(
-    infer_without_model):
-  stderr = infer_without_model[1].stderr
-  assert "no checkpoint under" in stderr and "Traceback" not in stderr
-
-
-def test_infer_without_a_trained_model_writes_nothing(infer_without_model):
-  assert not infer_without_model[0].exists()
 
 
 GPT2_ON_SAMPLE = [  # a tiny GPT-2 as a prompted LM: passage -> query

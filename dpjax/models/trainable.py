@@ -73,11 +73,28 @@ def config_from_json(class_name: str | None, fields: Mapping[str, Any]):
 def trainable(config, task_feature_lengths: Mapping[str, int]) -> Trainable:
   """The `Trainable` of model `config` at the task's feature lengths.
 
+  The same object for equal arguments (memoized: a pure function of them),
+  so the steps placed for it are found again (`step.place_steps`).
+
   Raises:
     TypeError: `config` is not a T5, GPT-2, GPT-2 discriminator or dual
       encoder config.
   """
-  lengths = dict(task_feature_lengths)
+  key = (config, tuple(sorted(dict(task_feature_lengths).items())))
+  try:
+    hash(key)
+  except TypeError:  # a config holding a list: built afresh
+    return _trainable(*key)
+  return _memo_trainable(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _memo_trainable(key) -> Trainable:
+  return _trainable(*key)
+
+
+def _trainable(config, lengths: tuple[tuple[str, int], ...]) -> Trainable:
+  lengths = dict(lengths)
   if isinstance(config, t5.T5Config):
     kw = dict(input_length=lengths["inputs"], target_length=lengths["targets"])
     return Trainable(

@@ -7,6 +7,8 @@ state.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,7 +25,17 @@ OPTIMIZERS = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
 def learning_rate_schedule(settings: run_config.LearningRateSchedule,
                            total_steps: int | None = None) -> optax.Schedule:
   """`settings`' schedule over `total_steps`: 'constant' | 'linear_decay' |
-  'cosine' | 'rsqrt', after linear warmup."""
+  'cosine' | 'rsqrt', after linear warmup. The same function for the same
+  schedule (memoized), so steps placed with it are found again
+  (`step.place_steps`)."""
+  if settings.name in ("constant", "rsqrt"):  # the length changes nothing
+    total_steps = None
+  return _schedule(settings, total_steps)
+
+
+@functools.lru_cache(maxsize=32)
+def _schedule(settings: run_config.LearningRateSchedule,
+              total_steps: int | None) -> optax.Schedule:
   learning_rate, name = settings.learning_rate, settings.name
   warmup_steps = settings.warmup_steps
   decay_steps = max((total_steps or 1) - warmup_steps, 1)

@@ -31,6 +31,7 @@ here reads data or imports TensorFlow.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Mapping, NamedTuple
 
@@ -234,6 +235,7 @@ class PlacedSteps(NamedTuple):
   optimizer: optimizers.DPOptimizer
   state_shardings: TrainState
   abstract_state: TrainState  # ShapeDtypeStructs with shardings
+  init: Callable  # params -> the initial state, in place
   zero_sums: Callable  # params -> the accumulator of one logical batch
   sums_shardings: dict  # of zero_sums' result
   accumulate: Callable  # (params, sums, batch, mask, index, call, C)
@@ -250,7 +252,33 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
   """The DP, public and eval steps jitted on `mesh`: params by their logical
   axes (replicated, FSDP or tensor-parallel per `rules`), optimizer moments
   like their params, counters and the mechanism's small sums replicated;
-  the state and clipped sums are donated."""
+  the state and clipped sums are donated.
+
+  Memoized on its arguments (the model by `trainable.trainable`'s own memo):
+  a second run of the same model and settings in one process (a pipeline's
+  runs, a resume) gets the same jitted functions, whose in-memory cache then
+  neither traces nor compiles again. Arguments that cannot be hashed (a
+  schedule is hashed by identity) are placed afresh.
+  """
+  key = (model, mechanism, mesh, rules, optimizer, learning_rate, clip_norm,
+         None if clip_norms is None else tuple(sorted(clip_norms.items())),
+         noise_multiplier, normalizer, seed, clipping_method)
+  try:
+    hash(key)
+  except TypeError:
+    return _place_steps(*key)
+  return _placed_steps(key)
+
+
+@functools.lru_cache(maxsize=8)  # a few runs' executables, not a suite's
+def _placed_steps(key: tuple) -> PlacedSteps:
+  return _place_steps(*key)
+
+
+def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
+                 clip_norm, clip_norms, noise_multiplier, normalizer, seed,
+                 clipping_method) -> PlacedSteps:
+  clip_norms = None if clip_norms is None else dict(clip_norms)
   tx, accumulate, apply = build_dp_step(
       model, mechanism, clip_norm=clip_norm, optimizer=optimizer,
       learning_rate=learning_rate, noise_multiplier=noise_multiplier,
@@ -268,6 +296,7 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
                               mechanism.extra_sums(names)))
   return PlacedSteps(
       optimizer=tx, state_shardings=state_sh, abstract_state=target,
+      init=jax.jit(lambda p: init_state(p, tx), out_shardings=state_sh),
       zero_sums=jax.jit(lambda p: zero_sums(p, names, mechanism),
                         out_shardings=sums_sh),
       sums_shardings=sums_sh,

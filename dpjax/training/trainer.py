@@ -55,7 +55,7 @@ from dpjax.training import (checkpoints, distributed, loop, padding,
                             reporting, run_config, sizing as sizing_lib,
                             step as step_lib, targets)
 from dpjax.training import optimizer as optimizer_lib
-from dpjax.training.state import TrainState, init_state
+from dpjax.training.state import TrainState
 from dpjax import errors, fileio, pretrained, verify
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import ledger as ledger_lib
@@ -231,15 +231,17 @@ def train(config: RunConfig, *,
       model_dir=built.model_dir, meta=lambda step: _run_meta(built, plan, step),
       key=built.run_secret.meta_key())
   callbacks = [c for c in (reporter, evaluator, checkpointer) if c]
-  with distributed.preemption_watch() as preempted:
-    state, done = loop.fit(state, step_fn, start_step=start_step,
-                           end_step=plan.steps, callbacks=callbacks,
-                           should_stop=preempted)
+  try:
+    with distributed.preemption_watch() as preempted:
+      state, done = loop.fit(state, step_fn, start_step=start_step,
+                             end_step=plan.steps, callbacks=callbacks,
+                             should_stop=preempted)
+  finally:  # a failed save too: a long job trains many runs in one process
+    summaries.close()
+    mngr.close()  # orbax's threads and event loops
   if done < plan.steps:  # said by every process, in every host's log
     print(f"dpjax: SIGTERM: checkpointed step {done}; rerun the same "
           "command to resume", flush=True)
-  summaries.close()
-  mngr.close()  # orbax's threads and event loops; a long job trains many runs
   result = {**reporter.last,
             "wall_seconds": time.perf_counter() - wall_start}
   if evaluator and evaluator.last_loss is not None:
@@ -268,8 +270,7 @@ def _start(built: Built) -> tuple[int, TrainState, plan_lib.RunPlan, Any]:
     params = _initial_params(config, built.model, built.init_run,
                              placed.state_shardings.params)
     start_step = 0
-    state = jax.jit(lambda p: init_state(p, placed.optimizer),
-                    out_shardings=placed.state_shardings)(params)
+    state = placed.init(params)
     mngr = built.mngr or checkpoints.manager(
         built.model_dir, max_to_keep=config.keep_checkpoints)
   if built.init_run:  # read; orbax's threads need not live through the run
