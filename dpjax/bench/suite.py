@@ -20,7 +20,7 @@ need).
 Rows that would start after `--budget_s` are listed as skipped; a running
 row is stopped at the budget.
 
-Targets (an H100's, from the issue that asked for this suite):
+Targets (an H100's):
   * a DP step (ghost) at most 1.10x the nodp step at the same batch;
   * DP throughput at the largest batch that fits at least 3x jax-privacy's
     at its own largest;

@@ -22,7 +22,7 @@ mode (nodp, vmap, ghost, jax_privacy) gets
 Every compile is its own process (`suite.run_row`), so the host memory a
 large compile holds is returned before the next.
 
-Targets (from the issue that asked for this suite), each printed met, not
+Targets, each printed met, not
 met or n/a:
   * ghost's step at most 1.10 x nodp's at equal batch, by the TPU
     compiler's estimate;
