@@ -22,8 +22,7 @@ mode (nodp, vmap, ghost, jax_privacy) gets
 Every compile is its own process (`suite.run_row`), so the host memory a
 large compile holds is returned before the next.
 
-Targets, each printed met, not
-met or n/a:
+Targets, each printed met, not met or n/a:
   * ghost's step at most 1.10 x nodp's at equal batch, by the TPU
     compiler's estimate;
   * DP (ghost) examples/s at its largest batch at least 3 x jax-privacy's at
