@@ -44,7 +44,6 @@ import time
 import jax
 
 from dpjax.training import (distributed, partitioning, run_config, sizing, step_cost, targets, trainer)
-from dpjax.training.state import init_state
 from dpjax import errors
 from dpjax.privacy import clipping_method as clipping_lib
 
@@ -177,8 +176,7 @@ def _timed_steps(built: trainer.Built, steps: int, start: int) -> dict:
   params = jax.jit(
       lambda: built.model.init_params(jax.random.PRNGKey(0))[0],
       out_shardings=placed.state_shardings.params)()
-  state = jax.jit(lambda p: init_state(p, placed.optimizer),
-                  out_shardings=placed.state_shardings)(params)
+  state = placed.init(params)
   step_fn = trainer.step_function(
       built.plan, placed, built.splits, mesh=built.mesh, rules=built.rules,
       m=built.sizing.microbatch_size, k=built.sizing.accumulation_steps,
