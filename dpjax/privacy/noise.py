@@ -78,8 +78,10 @@ def uniform(keys: jax.Array, shape, low: float, high: float = 1.0
   """float32 uniform in [low, high) from the XOR of the pair's bits, mapped
   as `jax.random.uniform` maps its bits; either key alone determines
   nothing."""
-  bits = (jax.random.bits(keys[0], shape, jnp.uint32)
-          ^ jax.random.bits(keys[1], shape, jnp.uint32))
+  # Both streams in one threefry call over the pair (the same bits as two
+  # calls): half the hash loops to compile, one per noised leaf.
+  pair = jax.vmap(lambda k: jax.random.bits(k, shape, jnp.uint32))(keys)
+  bits = pair[0] ^ pair[1]
   unit = jax.lax.bitcast_convert_type(
       (bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
   low, high = np.float32(low), np.float32(high)

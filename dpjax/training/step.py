@@ -215,19 +215,45 @@ def build_dp_step(model, mechanism: DPSGD = DPSGD(), *, clip_norm: float,
   `apply(state, sums, noise_secret)` takes the run's secret noise key
   (`RunSecret.noise_key()`).
   """
-  clipped = mechanism.clipped_grad(
+  clipped = clipped_grad(model, mechanism, clip_norm, clip_norms,
+                         clipping_method)
+  tx = dp_optimizer(model, mechanism, clipped, optimizer=optimizer,
+                    learning_rate=learning_rate,
+                    noise_multiplier=noise_multiplier, normalizer=normalizer)
+  return tx, dp_accumulate(model, mechanism, clipped, seed=seed), make_apply(tx)
+
+
+def clipped_grad(model, mechanism: DPSGD, clip_norm: float,
+                 clip_norms: Mapping[str, float] | None,
+                 clipping_method: str) -> Callable:
+  """The mechanism's clipped-gradient callable for `model`, one bound per
+  named loss (`multi_loss.release_bounds`)."""
+  return mechanism.clipped_grad(
       model, clip_norm=clip_norm,
       bounds=multi_loss.release_bounds(model, clip_norm, clip_norms),
       method=clipping_method)
-  tx = optimizers.DPOptimizer(
+
+
+def dp_optimizer(model, mechanism: DPSGD, clipped: Callable, *,
+                 optimizer: str, learning_rate: optax.ScalarOrSchedule,
+                 noise_multiplier: float,
+                 normalizer: float) -> optimizers.DPOptimizer:
+  """The mechanism's release (noise scaled to `clipped`'s sensitivities)
+  followed by the base optimizer."""
+  return optimizers.DPOptimizer(
       mechanism.privatizer(sensitivities=multi_loss.sensitivities(clipped),
                            noise_multiplier=noise_multiplier,
                            normalizer=normalizer,
                            trainable=multi_loss.trainable_mask(model)),
       optimizer_lib.base_optimizer(model, optimizer, learning_rate))
-  accumulate = mechanism.accumulate(
-      make_accumulate(clipped, seed=seed, dropout=model.example_rng))
-  return tx, flat_metrics(accumulate), make_apply(tx)
+
+
+def dp_accumulate(model, mechanism: DPSGD, clipped: Callable, *,
+                  seed: int) -> Callable:
+  """`make_accumulate` of `clipped` as the mechanism wraps it, its metrics
+  flat by name. It does not depend on the noise or the optimizer."""
+  return flat_metrics(mechanism.accumulate(
+      make_accumulate(clipped, seed=seed, dropout=model.example_rng)))
 
 
 class PlacedSteps(NamedTuple):
@@ -257,58 +283,95 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
   Memoized on its arguments (the model by `trainable.trainable`'s own memo):
   a second run of the same model and settings in one process (a pipeline's
   runs, a resume) gets the same jitted functions, whose in-memory cache then
-  neither traces nor compiles again. Arguments that cannot be hashed (a
+  neither traces nor compiles again. The gradient side (`zero_sums`,
+  `accumulate`, `eval`: the costly compiles) is memoized apart from the
+  noise and the optimizer, so runs that differ only in σ, the batch
+  normalizer, the optimizer or its learning rate (runs of other lengths
+  calibrate another σ) share it. Arguments that cannot be hashed (a
   schedule is hashed by identity) are placed afresh.
   """
-  key = (model, mechanism, mesh, rules, optimizer, learning_rate, clip_norm,
-         None if clip_norms is None else tuple(sorted(clip_norms.items())),
-         noise_multiplier, normalizer, seed, clipping_method)
+  return _memoized(
+      _place_steps, model, mechanism, mesh, rules, optimizer, learning_rate,
+      clip_norm,
+      None if clip_norms is None else tuple(sorted(clip_norms.items())),
+      noise_multiplier, normalizer, seed, clipping_method)
+
+
+def _memoized(placed: Callable, *args):
+  """`placed(*args)` from its LRU cache, or afresh when an argument cannot
+  be hashed."""
   try:
-    hash(key)
+    hash(args)
   except TypeError:
-    return _place_steps(*key)
-  return _placed_steps(key)
+    return placed.__wrapped__(*args)
+  return placed(*args)
+
+
+class _GradientSteps(NamedTuple):
+  """The jitted steps that do not depend on the noise or the optimizer."""
+  zero_sums: Callable
+  sums_shardings: dict
+  accumulate: Callable
+  eval: Callable
+
+
+@functools.lru_cache(maxsize=8)
+def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
+                    seed, clipping_method) -> _GradientSteps:
+  clipped = clipped_grad(model, mechanism, clip_norm,
+                         None if clip_norms is None else dict(clip_norms),
+                         clipping_method)
+  abstract, axes = model.abstract_params()
+  names = multi_loss.release_names(model)
+  replicated = partitioning.replicated(mesh)
+  sums_sh = {k: partitioning.param_shardings(mesh, axes, rules,
+                                             shapes=abstract)
+             for k in names}  # one sum per loss, laid out like the params
+  sums_sh.update(jax.tree.map(lambda _: replicated,
+                              mechanism.extra_sums(names)))
+  return _GradientSteps(
+      zero_sums=jax.jit(lambda p: zero_sums(p, names, mechanism),
+                        out_shardings=sums_sh),
+      sums_shardings=sums_sh,
+      accumulate=jax.jit(dp_accumulate(model, mechanism, clipped, seed=seed),
+                         donate_argnums=(1,),
+                         out_shardings=(sums_sh, replicated)),
+      eval=jax.jit(make_eval_step(model.batch_loss)))
 
 
 @functools.lru_cache(maxsize=8)  # a few runs' executables, not a suite's
-def _placed_steps(key: tuple) -> PlacedSteps:
-  return _place_steps(*key)
-
-
 def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
                  clip_norm, clip_norms, noise_multiplier, normalizer, seed,
                  clipping_method) -> PlacedSteps:
-  clip_norms = None if clip_norms is None else dict(clip_norms)
-  tx, accumulate, apply = build_dp_step(
-      model, mechanism, clip_norm=clip_norm, optimizer=optimizer,
-      learning_rate=learning_rate, noise_multiplier=noise_multiplier,
-      normalizer=normalizer, seed=seed, clipping_method=clipping_method,
-      clip_norms=clip_norms)
+  gradients = _memoized(_gradient_steps, model, mechanism, mesh, rules,
+                        clip_norm, clip_norms, seed, clipping_method)
+  tx = dp_optimizer(
+      model, mechanism,
+      clipped_grad(model, mechanism, clip_norm,
+                   None if clip_norms is None else dict(clip_norms),
+                   clipping_method),
+      optimizer=optimizer, learning_rate=learning_rate,
+      noise_multiplier=noise_multiplier, normalizer=normalizer)
   abstract, axes = model.abstract_params()
   state_sh = partitioning.state_shardings(mesh, tx, abstract, axes, rules)
   target = jax.tree.map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda p: init_state(p, tx), abstract), state_sh)
-  names = multi_loss.release_names(model)
   replicated = partitioning.replicated(mesh)
-  sums_sh = {k: state_sh.params for k in names}  # one sum per loss
-  sums_sh.update(jax.tree.map(lambda _: replicated,
-                              mechanism.extra_sums(names)))
   return PlacedSteps(
       optimizer=tx, state_shardings=state_sh, abstract_state=target,
       init=jax.jit(lambda p: init_state(p, tx), out_shardings=state_sh),
-      zero_sums=jax.jit(lambda p: zero_sums(p, names, mechanism),
-                        out_shardings=sums_sh),
-      sums_shardings=sums_sh,
-      accumulate=jax.jit(accumulate, donate_argnums=(1,),
-                         out_shardings=(sums_sh, replicated)),
-      apply=jax.jit(apply, donate_argnums=(0,), out_shardings=state_sh),
+      zero_sums=gradients.zero_sums,
+      sums_shardings=gradients.sums_shardings,
+      accumulate=gradients.accumulate,
+      apply=jax.jit(make_apply(tx), donate_argnums=(0,),
+                    out_shardings=state_sh),
       public=jax.jit(make_public_step(
           model.example_loss,
           optimizer_lib.base_optimizer(model, optimizer, learning_rate),
           seed=seed, dropout=model.example_rng),
                      donate_argnums=(0,), out_shardings=(state_sh, replicated)),
-      eval=jax.jit(make_eval_step(model.batch_loss)))
+      eval=gradients.eval)
 
 
 def microbatch_groups(idx: np.ndarray, mask: np.ndarray, k: int):

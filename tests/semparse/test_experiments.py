@@ -14,15 +14,21 @@ from dpjax.privacy import accounting
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.pipelines.semparse import experiments, pipeline
 
-FAST = ["BATCH_SIZE = 256", "MICROBATCH_SIZE = 128"]
-# One bucket: the parsers' trimmed microbatches keep one shape (6 steps of
-# a few widths would each compile).
-FAST_PARSER = ["EPOCHS = None", "TRAIN_STEPS = 6", "BATCH_SIZE = 128",
+# A few DP steps of one microbatch each: T1 = 2 and T2 = 3 on TreeDST's
+# 1,723 training turns, so each stage and the composition over both count.
+BATCH = 64
+EPOCHS = (0.04, 0.08)
+FAST = [f"BATCH_SIZE = {BATCH}", f"MICROBATCH_SIZE = {BATCH}"]
+# The parsers parse nothing after 2 steps; they decode to the full target
+# length, so it is short. One bucket: the trimmed microbatches keep one
+# shape (each width would compile).
+FAST_PARSER = ["EPOCHS = None", "TRAIN_STEPS = 2", "BATCH_SIZE = 64",
+               "TASK_FEATURE_LENGTHS = {'inputs': 48, 'targets': 32}",
                "train.length_buckets = 1"]
-SHORT = {"utterance_lm": {"inputs": 1, "targets": 24},
-         "domain_to_utterance": {"inputs": 8, "targets": 24},
-         "parse_lm": {"inputs": 1, "targets": 48},
-         "parse_to_utterance": {"inputs": 48, "targets": 24}}
+# Every generator's rows are 32 tokens (prompts and parses cut short), so
+# the DP runs of all methods share one compiled step.
+SHORT = {kind: {"inputs": 8, "targets": 24} for kind in (
+    "utterance_lm", "domain_to_utterance", "parse_lm", "parse_to_utterance")}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +36,7 @@ def table(tmp_path_factory):
   out = tmp_path_factory.mktemp("semparse")
   result = experiments.generation_table(
       str(out), dataset="treedst", epsilons=(8.0,), seeds=(0,),
-      epochs=(0.3, 0.6), bindings=FAST, parser_bindings=FAST_PARSER,
+      epochs=EPOCHS, bindings=FAST, parser_bindings=FAST_PARSER,
       feature_lengths=SHORT, num_samples=12)
   return out, result
 
@@ -38,7 +44,7 @@ def table(tmp_path_factory):
 def test_two_stage_epsilon_is_one_accountant_run_over_both_stages(table):
   out, result = table
   n = len(semparse.load_turns("treedst", "train"))
-  t1, t2 = math.ceil(0.3 * n / 256), math.ceil(0.6 * n / 256)
+  t1, t2 = (math.ceil(e * n / BATCH) for e in EPOCHS)
   run = os.path.join(out, "treedst", "2-stage", "eps8", "seed0")
   stage1 = ledger_lib.PrivacyLedger.load(
       os.path.join(run, "parse_lm", ledger_lib.LEDGER_FILENAME))
@@ -46,7 +52,7 @@ def test_two_stage_epsilon_is_one_accountant_run_over_both_stages(table):
       os.path.join(run, "parse_to_utterance", ledger_lib.LEDGER_FILENAME))
   assert (stage1.steps, stage2.steps) == (t1, t2)
   assert stage1.noise_multiplier == stage2.noise_multiplier
-  direct = accounting.dpsgd_epsilon(stage1.noise_multiplier, 256 / n,
+  direct = accounting.dpsgd_epsilon(stage1.noise_multiplier, BATCH / n,
                                     t1 + t2, 1 / (2 * n))
   assert stage2.epsilon_spent() == pytest.approx(direct, rel=1e-9)
   assert stage2.epsilon_spent() == pytest.approx(8.0, rel=1e-2)
@@ -82,7 +88,7 @@ def test_rerun_reuses_everything(table, monkeypatch):
                       lambda *a, **k: pytest.fail("regenerated"))
   again = experiments.generation_table(
       str(out), dataset="treedst", epsilons=(8.0,), seeds=(0,),
-      epochs=(0.3, 0.6), bindings=FAST, parser_bindings=FAST_PARSER,
+      epochs=EPOCHS, bindings=FAST, parser_bindings=FAST_PARSER,
       feature_lengths=SHORT, num_samples=12)
   assert again["rows"] == result["rows"]
 
@@ -124,7 +130,7 @@ def test_adaptation_experiment_end_to_end(tmp_path, monkeypatch):
   monkeypatch.setattr(pipeline, "parse_utterances", oracle)
   result = experiments.adaptation_table(
       str(tmp_path), dataset="smcalflow", missing="weather", epsilon=8.0,
-      methods=("1-stage", "2-stage"), epochs=(0.3, 0.6), bindings=FAST,
+      methods=("1-stage", "2-stage"), epochs=EPOCHS, bindings=FAST,
       parser_bindings=FAST_PARSER, feature_lengths=SHORT, num_synthetic=16)
   root = tmp_path / "smcalflow_adaptation"
   rows = result["rows"]
@@ -150,8 +156,8 @@ def test_adaptation_experiment_end_to_end(tmp_path, monkeypatch):
     assert ledger.dataset_size == n
     assert ledger.delta == pytest.approx(1 / (2 * len(private)))
     direct = accounting.dpsgd_epsilon(
-        ledger.noise_multiplier, 256 / n, math.ceil(0.3 * n / 256) +
-        math.ceil(0.6 * n / 256), 1 / (2 * len(private)))
+        ledger.noise_multiplier, BATCH / n,
+        sum(math.ceil(e * n / BATCH) for e in EPOCHS), 1 / (2 * len(private)))
     assert ledger.epsilon_spent() == pytest.approx(direct, rel=1e-9)
     assert rows[f"D_pub + D_s ({method}, ε=8)"]["epsilon_spent"] == \
         pytest.approx(8.0, rel=1e-2)
