@@ -168,7 +168,9 @@ def privatizer(
     raise ValueError(f"noise_multipliers and sensitivities must name the same "
                      f"releases, got {names} and {list(sensitivities)}.")
   for name in names:
-    if not noise_multipliers[name] >= 0:
+    if isinstance(noise_multipliers[name], jax.core.Tracer):
+      pass  # an argument of the compiled step, checked where it was given
+    elif not noise_multipliers[name] >= 0:
       raise ValueError(f"noise_multipliers[{name!r}] must be >= 0, got "
                        f"{noise_multipliers[name]}.")
     if not sensitivities[name] > 0:

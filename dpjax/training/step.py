@@ -258,14 +258,14 @@ def dp_accumulate(model, mechanism: DPSGD, clipped: Callable, *,
 
 class PlacedSteps(NamedTuple):
   """A run's steps, jitted for its mesh (see `place_steps`)."""
-  optimizer: optimizers.DPOptimizer
+  noise_multiplier: float  # the run's σ, `apply`'s last argument
   state_shardings: TrainState
   abstract_state: TrainState  # ShapeDtypeStructs with shardings
   init: Callable  # params -> the initial state, in place
   zero_sums: Callable  # params -> the accumulator of one logical batch
   sums_shardings: dict  # of zero_sums' result
   accumulate: Callable  # (params, sums, batch, mask, index, call, C)
-  apply: Callable  # (state, sums, noise_secret) -> state
+  apply: Callable  # (state, sums, noise_secret, σ) -> state
   public: Callable  # (state, batch, mask, index) -> (state, metrics)
   eval: Callable  # (params, batch, mask) -> (loss sum, count)
 
@@ -283,18 +283,19 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
   Memoized on its arguments (the model by `trainable.trainable`'s own memo):
   a second run of the same model and settings in one process (a pipeline's
   runs, a resume) gets the same jitted functions, whose in-memory cache then
-  neither traces nor compiles again. The gradient side (`zero_sums`,
-  `accumulate`, `eval`: the costly compiles) is memoized apart from the
-  noise and the optimizer, so runs that differ only in σ, the batch
-  normalizer, the optimizer or its learning rate (runs of other lengths
-  calibrate another σ) share it. Arguments that cannot be hashed (a
-  schedule is hashed by identity) are placed afresh.
+  neither traces nor compiles again. σ is `apply`'s argument, not a
+  constant of its program, so runs that differ only in σ (runs of other
+  lengths calibrate another) share every step; the gradient side
+  (`zero_sums`, `accumulate`, `eval`: the costly compiles) is memoized
+  apart from the optimizer too. Arguments that cannot be hashed (a schedule
+  is hashed by identity) are placed afresh.
   """
-  return _memoized(
+  placed = _memoized(
       _place_steps, model, mechanism, mesh, rules, optimizer, learning_rate,
       clip_norm,
       None if clip_norms is None else tuple(sorted(clip_norms.items())),
-      noise_multiplier, normalizer, seed, clipping_method)
+      normalizer, seed, clipping_method)
+  return placed._replace(noise_multiplier=noise_multiplier)
 
 
 def _memoized(placed: Callable, *args):
@@ -341,31 +342,37 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
 
 @functools.lru_cache(maxsize=8)  # a few runs' executables, not a suite's
 def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
-                 clip_norm, clip_norms, noise_multiplier, normalizer, seed,
+                 clip_norm, clip_norms, normalizer, seed,
                  clipping_method) -> PlacedSteps:
   gradients = _memoized(_gradient_steps, model, mechanism, mesh, rules,
                         clip_norm, clip_norms, seed, clipping_method)
-  tx = dp_optimizer(
-      model, mechanism,
-      clipped_grad(model, mechanism, clip_norm,
-                   None if clip_norms is None else dict(clip_norms),
-                   clipping_method),
-      optimizer=optimizer, learning_rate=learning_rate,
-      noise_multiplier=noise_multiplier, normalizer=normalizer)
+  clipped = clipped_grad(model, mechanism, clip_norm,
+                         None if clip_norms is None else dict(clip_norms),
+                         clipping_method)
+  optimizer_for = lambda sigma: dp_optimizer(
+      model, mechanism, clipped, optimizer=optimizer,
+      learning_rate=learning_rate, noise_multiplier=sigma,
+      normalizer=normalizer)
+  # The state's structure and layout: σ only scales the noise.
+  tx = optimizer_for(0.0)
   abstract, axes = model.abstract_params()
   state_sh = partitioning.state_shardings(mesh, tx, abstract, axes, rules)
   target = jax.tree.map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda p: init_state(p, tx), abstract), state_sh)
   replicated = partitioning.replicated(mesh)
+
+  def apply(state, sums, noise_secret, noise_multiplier):
+    return make_apply(optimizer_for(noise_multiplier))(state, sums,
+                                                       noise_secret)
+
   return PlacedSteps(
-      optimizer=tx, state_shardings=state_sh, abstract_state=target,
+      noise_multiplier=None, state_shardings=state_sh, abstract_state=target,
       init=jax.jit(lambda p: init_state(p, tx), out_shardings=state_sh),
       zero_sums=gradients.zero_sums,
       sums_shardings=gradients.sums_shardings,
       accumulate=gradients.accumulate,
-      apply=jax.jit(make_apply(tx), donate_argnums=(0,),
-                    out_shardings=state_sh),
+      apply=jax.jit(apply, donate_argnums=(0,), out_shardings=state_sh),
       public=jax.jit(make_public_step(
           model.example_loss,
           optimizer_lib.base_optimizer(model, optimizer, learning_rate),

@@ -167,8 +167,10 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
                         placed.sums_shardings)
   accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
                                        index, state.clip_norms).compile()
-  apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
-      (4,), np.uint32, sharding=replicated)).compile()  # the noise key
+  apply = placed.apply.lower(
+      state, grads,
+      jax.ShapeDtypeStruct((4,), np.uint32, sharding=replicated),  # noise key
+      jax.ShapeDtypeStruct((), np.float32, sharding=replicated)).compile()
   state_bytes = device_bytes(state)
   resident = state_bytes - device_bytes(state.params)  # not accumulate's args
   acc_peak = memory_analysis(accumulate)["peak_estimate_bytes"] + resident

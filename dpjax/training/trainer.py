@@ -430,6 +430,9 @@ def step_function(plan: plan_lib.RunPlan, placed: step_lib.PlacedSteps,
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
+  sigma = distributed.global_array(
+      np.asarray(placed.noise_multiplier, np.float32),
+      partitioning.replicated(mesh))
 
   def inputs(step: int):
     """The step's host work, done a step ahead (`prefetch.Ahead`): its
@@ -467,7 +470,7 @@ def step_function(plan: plan_lib.RunPlan, placed: step_lib.PlacedSteps,
       sums, call_metrics = placed.accumulate(state.params, sums, batch, mask,
                                              index, call, state.clip_norms)
       metrics.append(call_metrics)
-    state = placed.apply(state, sums, noise_secret)
+    state = placed.apply(state, sums, noise_secret, sigma)
     plan.ledger.record_dp_steps(noise_multipliers=plan.noise_multipliers)
     return state, loop.StepOutput(True, metrics, tokens)
 
