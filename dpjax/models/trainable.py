@@ -100,7 +100,7 @@ def _trainable(config, lengths: tuple[tuple[str, int], ...]) -> Trainable:
     return Trainable(
         config, "encoder_decoder",
         lambda rng: t5.init_params(config, rng, **kw),
-        functools.partial(t5.abstract_params, config, **kw),
+        _once(functools.partial(t5.abstract_params, config, **kw)),
         t5.make_example_loss(config), t5.make_batch_loss(config),
         example_rng=config.dropout_rate > 0 or _lora_dropout(config),
         trainable_mask=_lora_mask(config))
@@ -109,7 +109,7 @@ def _trainable(config, lengths: tuple[tuple[str, int], ...]) -> Trainable:
     return Trainable(
         config, "decoder_only",
         lambda rng: gpt2.init_params(config, rng, **kw),
-        functools.partial(gpt2.abstract_params, config, **kw),
+        _once(functools.partial(gpt2.abstract_params, config, **kw)),
         gpt2.make_example_loss(config), gpt2.make_batch_loss(config),
         example_rng=config.dropout_rate > 0 or _lora_dropout(config),
         trainable_mask=_lora_mask(config))
@@ -123,7 +123,7 @@ def _trainable(config, lengths: tuple[tuple[str, int], ...]) -> Trainable:
     return Trainable(
         config, dual_encoder.PairGroups(config.group_size, config.group_seed),
         lambda rng: dual_encoder.init_params(config, rng),
-        functools.partial(dual_encoder.abstract_params, config),
+        _once(functools.partial(dual_encoder.abstract_params, config)),
         dual_encoder.make_example_loss(config),
         dual_encoder.make_batch_loss(config),
         example_rng=config.dropout_rate > 0 or _lora_dropout(config.encoder),
@@ -131,6 +131,13 @@ def _trainable(config, lengths: tuple[tuple[str, int], ...]) -> Trainable:
   raise TypeError(f"no trainer support for {type(config).__name__}; "
                   "expected a T5Config, GPT2Config, DualEncoderConfig or "
                   "GPT2DiscConfig")
+
+
+def _once(abstract_params: Callable[[], tuple[PyTree, PyTree]]):
+  """`abstract_params` traced once: the plan, the mask of trained leaves,
+  the placed steps and the sizing all ask for the shapes, and each trace of
+  a model's init takes seconds. Callers read the trees, never change them."""
+  return functools.cache(abstract_params)
 
 
 def _lora_mask(config):
@@ -157,7 +164,7 @@ def _gpt2_disc(config: gpt2_disc.GPT2DiscConfig, lengths) -> Trainable:
   return Trainable(
       config, "decoder_only",
       lambda rng: gpt2_disc.init_params(config, rng, **kw),
-      functools.partial(gpt2_disc.abstract_params, config, **kw),
+      _once(functools.partial(gpt2_disc.abstract_params, config, **kw)),
       # The joint objective (a public step's loss); DP steps clip each loss.
       lambda params, example: sum(losses(params, example).values()),
       lambda params, batch: lm_batch_loss(gpt2_disc.lm_params(params), batch),
