@@ -13,19 +13,34 @@ from dpjax import errors
 from dpjax.generation import inference
 from dpjax.training import trainer
 from dpjax.data.readers import msmarco
+from dpjax.pipelines import harness
 from dpjax.pipelines.retrieval import canaries, experiment as retrieval
 from dpjax.privacy import ledger as ledger_lib
 
+# The one finite ε (a moderate one: calibrating σ at a large ε is slower)
+# and its name in directories and tables.
+EPS = 3.0
+NAME = harness.eps_name(EPS)
+LIMIT = 40  # synthetic queries generated, decoded in one batch
 SETTINGS = dict(
-    epsilons=(8.0,), seeds=(0,), mechanisms=("dpsgd", "bandmf"),
-    canary_epsilons=(8.0,), canaries_per_cell=1,
+    epsilons=(EPS,), seeds=(0,), mechanisms=("dpsgd", "bandmf"),
+    canary_epsilons=(EPS,), canaries_per_cell=1,
     canary_repetitions=(1, 3), num_candidates=31,
     generator_bindings=[
         "TRAIN_STEPS = 2", "BATCH_SIZE = 32", "MICROBATCH_SIZE = 32",
         "TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 32}",
-        "train.eval_period = 0", "generate_synthetic.limit = 40"],
-    dual_encoder_bindings=["EPOCHS = None", "TRAIN_STEPS = 2",
-                           "train.eval_period = 0"])
+        # BandMF's band count, the most that T = 2 steps allow (DP-SGD
+        # ignores it): choosing it (tests/privacy/test_bandmf.py) costs a
+        # strategy optimisation and a calibration per candidate.
+        "train.bands = 2",
+        "train.eval_period = 0", f"generate_synthetic.limit = {LIMIT}",
+        f"generate_synthetic.batch_size = {LIMIT}"],
+    # The dual encoders: 1 layer (trained from scratch) on 64-token
+    # passages, so training, encoding the corpus and compiling stay small.
+    dual_encoder_bindings=[
+        "EPOCHS = None", "TRAIN_STEPS = 2", "train.eval_period = 0",
+        "TASK_FEATURE_LENGTHS = {'queries': 32, 'documents': 64}",
+        "T5Config.num_encoder_layers = 1"])
 
 
 TRAIN_PAIRS, DEV_PAIRS = 96, 24
@@ -58,20 +73,20 @@ def experiment(tmp_path_factory):
 def test_tables_and_plot_are_written(experiment):
   out, data, result = experiment
   approaches = [(r["approach"], r["epsilon"]) for r in result["rows"]]
-  assert approaches == [("original", math.inf), ("synthetic", 8.0),
-                        ("synthetic (BandMF)", 8.0), ("direct DP", 8.0)]
+  assert approaches == [("original", math.inf), ("synthetic", EPS),
+                        ("synthetic (BandMF)", EPS), ("direct DP", EPS)]
   for row in result["rows"]:
     for m in retrieval.METRICS:
       assert 0.0 <= row[m] <= 1.0
   with open(os.path.join(out, "table.csv")) as f:
     table = list(csv.DictReader(f))
   assert [(t["approach"], t["ε"]) for t in table] == [
-      ("original", "inf"), ("synthetic", "8"), ("synthetic (BandMF)", "8"),
-      ("direct DP", "8")]
+      ("original", "inf"), ("synthetic", NAME), ("synthetic (BandMF)", NAME),
+      ("direct DP", NAME)]
   assert float(table[1]["NDCG@10"]) == pytest.approx(result["rows"][1]["ndcg@10"],
                                                      abs=1e-4)
   md = open(os.path.join(out, "table.md")).read()
-  assert "| synthetic | 8 |" in md and "Canary exposure" in md
+  assert f"| synthetic | {NAME} |" in md and "Canary exposure" in md
   with open(os.path.join(out, "ndcg_vs_epsilon.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   lines = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
@@ -80,19 +95,19 @@ def test_tables_and_plot_are_written(experiment):
 
 def test_synthetic_pipeline_and_privacy(experiment):
   out, data, result = experiment
-  run = os.path.join(out, "synthetic", "eps8", "seed0")
+  run = os.path.join(out, "synthetic", f"eps{NAME}", "seed0")
   synthetic = [json.loads(l) for l in open(os.path.join(run, "synthetic",
                                                         "synthetic.jsonl"))]
-  assert len(synthetic) == 40  # generate_synthetic.limit from the generator gin
+  assert len(synthetic) == LIMIT  # generate_synthetic.limit from the generator gin
   # The dual encoder trained on the synthetic pairs (not the original ones).
   meta = inference.load_trained(os.path.join(run, "dual_encoder"))[2]
-  assert meta.plan["dataset_size"] == math.ceil(40 / 32)  # groups of 32
+  assert meta.plan["dataset_size"] == math.ceil(LIMIT / 32)  # groups of 32
   for name, approach in (("generator", "synthetic"),):
     ledger = ledger_lib.PrivacyLedger.load(
         os.path.join(run, name, ledger_lib.LEDGER_FILENAME))
-    assert ledger.epsilon_spent() <= 8.0 * (1 + 1e-9)
+    assert ledger.epsilon_spent() <= EPS * (1 + 1e-9)
   for row in result["rows"][1:]:
-    assert row["epsilon_spent"] == pytest.approx(8.0, rel=0.02)
+    assert row["epsilon_spent"] == pytest.approx(EPS, rel=0.02)
   quality = result["rows"][1]
   assert 0 <= quality["bleu"] <= 100 and 0 <= quality["mauve"] <= 1
 
@@ -101,14 +116,15 @@ def test_bandmf_generator_is_recorded_by_its_ledger(experiment):
   """The BandMF row's generator trained with correlated noise and spent
   (within the PLD grid) the ε its ledger recomputes."""
   out, _, result = experiment
-  generator = os.path.join(out, "synthetic_bandmf", "eps8", "seed0",
+  generator = os.path.join(out, "synthetic_bandmf", f"eps{NAME}", "seed0",
                            "generator")
   ledger = ledger_lib.PrivacyLedger.load(
       os.path.join(generator, ledger_lib.LEDGER_FILENAME))
   assert ledger.mechanism["name"] == "bandmf"
+  assert ledger.mechanism["bands"] == 2  # correlated (1 band is DP-SGD's noise)
   row = next(r for r in result["rows"] if r["approach"] == "synthetic (BandMF)")
   assert row["epsilon_spent"] == pytest.approx(ledger.epsilon_spent())
-  assert row["epsilon_spent"] <= 8.0 * (1 + 1e-9)
+  assert row["epsilon_spent"] <= EPS * (1 + 1e-9)
 
 
 def test_unknown_mechanism_is_refused(tmp_path):
@@ -121,7 +137,7 @@ def test_canary_audit_rows(experiment):
   out, data, result = experiment
   made = canaries.load_canaries(os.path.join(out, "canaries", "data"))
   assert len(made) == 3 * 2
-  per_canary = json.load(open(os.path.join(out, "canaries", "eps8",
+  per_canary = json.load(open(os.path.join(out, "canaries", f"eps{NAME}",
                                            "audit.json")))
   assert [r["secret"] for r in per_canary] == [c.secret for c in made]
   for r in per_canary:

@@ -20,15 +20,21 @@ from dpjax import errors, gin_cli, verify
 from dpjax.models import gpt2_disc, trainable
 from dpjax.privacy import accounting, ledger as ledger_lib
 from dpjax.pipelines.textcls import __main__ as cli, experiment
+from dpjax.pipelines.harness import eps_name
 
 # Few steps and a small head; the GPT-2 is the sample's, from its pretrained
 # start (gin/textcls_sample.gin).
-SHRUNK = ["EPOCHS = None", "TRAIN_STEPS = 2", "BATCH_SIZE = 32", "MICROBATCH_SIZE = 64",
+N, BATCH = 800, 32  # the sample's train split; examples expected a step
+SHRUNK = ["EPOCHS = None", "TRAIN_STEPS = 2", f"BATCH_SIZE = {BATCH}", "MICROBATCH_SIZE = 64",
           "GPT2DiscConfig.head_hidden = 8", "train.log_period = 2"]
 SETTINGS = experiment.Settings(samples_per_class=6, generation_batch=12, max_new_tokens=6,
                                classifier_layers=1, classifier_width=16,
                                classifier_max_tokens=16, classifier_epochs=0.5)
-EPSILONS = (8.0,)
+# The one ε (a moderate one: calibrating σ at a large ε is slower) and its
+# name in directories, tables and result keys.
+EPS = 3.0
+EPSILONS = (EPS,)
+NAME = eps_name(EPS)
 
 
 @pytest.fixture(scope="module")
@@ -46,47 +52,47 @@ def _csv(path):
 
 def test_tables_are_written_from_runs_with_matching_ledgers(out_dir):
   table4 = _csv(os.path.join(out_dir, "table4.csv"))
-  assert [r[0] for r in table4[1:]] == ["8"]
+  assert [r[0] for r in table4[1:]] == [NAME]
   losses = [float(x) for r in table4[1:] for x in r[1:3]]
   assert all(0 < x < 2 * math.log(1507) for x in losses)  # real cross entropies
   # Each run's ledger: naive one release per step, multitask two, both at
-  # the same (q, T) and ε ≤ 8 by a direct accountant call.
+  # the same (q, T) and ε ≤ EPS by a direct accountant call.
   for kind, releases in (("naive", 1), ("multitask", 2)):
     saved = ledger_lib.PrivacyLedger.load(os.path.join(
-        experiment.run_dir(out_dir, kind, 8.0), ledger_lib.LEDGER_FILENAME))
-    sigma, q = saved.noise_multiplier, 32 / 800
+        experiment.run_dir(out_dir, kind, EPS), ledger_lib.LEDGER_FILENAME))
+    sigma, q = saved.noise_multiplier, BATCH / N
     direct = accounting.epsilon([accounting.PoissonGaussian(q, (sigma,) * releases, 2)],
-                                1 / 800)
-    assert saved.epsilon_spent() == pytest.approx(direct, rel=1e-9) and direct <= 8.0
+                                1 / N)
+    assert saved.epsilon_spent() == pytest.approx(direct, rel=1e-9) and direct <= EPS
   table1 = _csv(os.path.join(out_dir, "table1.csv"))
   assert table1[0][1:4] == ["ours (multitask + PPLM)", "baseline 2 (post-hoc disc + PPLM)",
                             "baseline 1 (filtered)"]
-  assert [r[0] for r in table1] == ["variant", "original", "synthetic ε=8"]
+  assert [r[0] for r in table1] == ["variant", "original", f"synthetic ε={NAME}"]
   assert 0.0 <= float(table1[1][1]) <= 1.0
   assert all(0.0 <= float(x) <= 1.0 for x in table1[2][1:3])
   kept = int(table1[2][4])
   for name, rows in (("pplm", 2 * 6), ("posthoc_pplm", 2 * 6), ("filtered", kept)):
-    with open(os.path.join(out_dir, "synthetic", f"{name}_eps8.tsv")) as f:
+    with open(os.path.join(out_dir, "synthetic", f"{name}_eps{NAME}.tsv")) as f:
       assert len(f.read().splitlines()) == 1 + rows  # header + the texts
   assert os.path.isfile(os.path.join(out_dir, "table1.md"))
 
 
 def _ledger(out_dir, kind):
   return ledger_lib.PrivacyLedger.load(os.path.join(
-      experiment.run_dir(out_dir, kind, 8.0), ledger_lib.LEDGER_FILENAME))
+      experiment.run_dir(out_dir, kind, EPS), ledger_lib.LEDGER_FILENAME))
 
 
 def _params(out_dir, kind):
-  mngr, step, _ = verify.read_run(experiment.run_dir(out_dir, kind, 8.0))
+  mngr, step, _ = verify.read_run(experiment.run_dir(out_dir, kind, EPS))
   return checkpoints.restore_params(mngr, step)
 
 
 def test_baseline_pipeline_ledger_counts_both_trainings(out_dir):
   """The head run's ledger (the pipeline's ε) = dp_accounting's PLD ε of
   T1 = 2 LM steps then T2 = 2 head steps, one Gaussian each at q = 32/800,
-  with the one σ both runs used; it meets ε = 8 and exceeds the LM's alone."""
+  with the one σ both runs used; it meets ε = EPS and exceeds the LM's alone."""
   lm, head = _ledger(out_dir, "baseline_lm"), _ledger(out_dir, "baseline_disc")
-  sigma, q, delta = head.noise_multiplier, 32 / 800, 1 / 800
+  sigma, q, delta = head.noise_multiplier, BATCH / N, 1 / N
   assert lm.noise_multiplier == sigma and (lm.steps, head.steps) == (2, 2)
   step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
   assert head.accountant == "pld"
@@ -95,9 +101,9 @@ def test_baseline_pipeline_ledger_counts_both_trainings(out_dir):
                                      dp_accounting.SelfComposedDpEvent(step, 2)])
   ).get_epsilon(delta)
   assert head.epsilon_spent() == pytest.approx(direct, rel=1e-9)
-  assert lm.epsilon_spent() < direct <= 8.0 * (1 + 1e-9)
-  assert direct == pytest.approx(8.0, rel=0.02)  # σ calibrated for T1 + T2, not T1
-  row = experiment._read_results(out_dir)["table1/baselines/8"]
+  assert lm.epsilon_spent() < direct <= EPS * (1 + 1e-9)
+  assert direct == pytest.approx(EPS, rel=0.02)  # σ calibrated for T1 + T2, not T1
+  row = experiment._read_results(out_dir)[f"table1/baselines/{NAME}"]
   assert row["epsilon_spent"] == pytest.approx(direct, rel=1e-9) and row["steps"] == [2, 2]
 
 
@@ -111,7 +117,7 @@ def test_head_only_run_changes_only_the_head(out_dir):
 
 
 def _head_config(out_dir):
-  _, _, meta = verify.read_run(experiment.run_dir(out_dir, "baseline_disc", 8.0))
+  _, _, meta = verify.read_run(experiment.run_dir(out_dir, "baseline_disc", EPS))
   return trainable.config_from_json(meta.model_class, meta.model_config)
 
 
@@ -130,7 +136,7 @@ def test_init_from_run_reads_the_lm_and_initialises_the_head(out_dir):
   model = trainable.trainable(config, {"inputs": 3, "targets": 32})
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = jax.tree.map(lambda _: device, model.abstract_params()[0])
-  mngr, step, _ = verify.read_run(experiment.run_dir(out_dir, "baseline_lm", 8.0))
+  mngr, step, _ = verify.read_run(experiment.run_dir(out_dir, "baseline_lm", EPS))
   params = checkpoints.init_from_run(model, mngr, step, shardings, seed=3)
   jax.tree.map(np.testing.assert_array_equal, gpt2_disc.lm_params(params),
                _params(out_dir, "baseline_lm"))
@@ -146,7 +152,7 @@ def test_a_head_on_another_gpt2_is_refused_before_writing(out_dir, tmp_path):
         *SHRUNK, "GPT2Config.d_model = 32", "GPT2DiscConfig.head_only = True",
         f"MODEL_DIR = '{never}'", "train.clip_norms = None",
         f"train.initial_checkpoint_path = "
-        f"'{experiment.run_dir(out_dir, 'baseline_lm', 8.0)}'"])
+        f"'{experiment.run_dir(out_dir, 'baseline_lm', EPS)}'"])
     with pytest.raises(checkpoints.CheckpointMismatchError, match="d_model"):
       configurables.train()
   finally:
@@ -163,14 +169,16 @@ def test_rerun_retrains_and_regenerates_nothing(out_dir, monkeypatch):
   monkeypatch.setattr(experiment, "_classifier_accuracy", refuse)
   with open(os.path.join(out_dir, "results.jsonl")) as f:
     before = f.read()
-  cli.main(["table4", f"--output_dir={out_dir}", "--epsilons=8",
+  cli.main(["table4", f"--output_dir={out_dir}", f"--epsilons={NAME}",
             *[f"--gin_bindings={b}" for b in SHRUNK]])
   experiment.table1(out_dir, epsilons=EPSILONS, bindings=SHRUNK, settings=SETTINGS)
   with open(os.path.join(out_dir, "results.jsonl")) as f:
     assert f.read() == before
   rows = [json.loads(line) for line in before.splitlines()]
-  assert {r["key"] for r in rows} == {"original", "table1/8", "table1/baselines/8",
-                                      "table4/naive/8", "table4/multitask/8"}
+  assert {r["key"] for r in rows} == {"original", f"table1/{NAME}",
+                                      f"table1/baselines/{NAME}",
+                                      f"table4/naive/{NAME}",
+                                      f"table4/multitask/{NAME}"}
 
 
 def test_task_data_follows_the_gin_task_files_and_vocabulary(tmp_path):
