@@ -27,13 +27,15 @@ FIELDS = {"model", "mode", "dtype", "batch", "microbatch", "lengths",
           "peak_memory_source", "mfu", "flops", "bytes_accessed",
           "cost_parts", "device_kind", "jax_version", "xla_flags",
           "command"}
-TINY = ["--model=gpt2_tiny", "--vocab=128", "--seq=16", "--batch=4",
-        "--microbatch=2", "--steps=2", "--warmup=1"]
+SHAPE = ["--vocab=128", "--seq=16", "--batch=4", "--microbatch=2",
+         "--steps=2", "--warmup=1"]
+TINY = ["--model=gpt2_tiny", "--layers=1", *SHAPE]  # one layer: cheaper
 
 
-def gpt2_tiny_params(vocab: int) -> int:
-  """GPT-2 parameter count by hand: d_model 64, 2 layers, 256 positions."""
-  d, layers, positions = 64, 2, 256
+def gpt2_tiny_params(vocab: int, layers: int) -> int:
+  """GPT-2 parameter count by hand: d_model 64, `layers` layers, 256
+  positions."""
+  d, positions = 64, 256
   attention = 4 * (d * d + d)
   mlp = d * 4 * d + 4 * d + 4 * d * d + d
   norms = 2 * 2 * d
@@ -44,7 +46,7 @@ def check_result(result, mode):
   assert FIELDS <= set(result), FIELDS - set(result)
   assert result["mode"] == mode and result["steps"] == 2
   assert result["tokens_per_step"] == 4 * 16
-  assert result["params"] == gpt2_tiny_params(128)
+  assert result["params"] == gpt2_tiny_params(128, layers=1)
   assert result["tokens_per_s"] == pytest.approx(
       64 / result["step_time_s"], rel=1e-3)
   assert result["peak_memory_bytes"] > 0
@@ -53,8 +55,10 @@ def check_result(result, mode):
 
 
 def test_cli_prints_one_json_line():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false")
+  # The suite's cheap code generation (conftest.py), and a flag of our own.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
+      [os.environ.get("XLA_FLAGS", ""),
+       "--xla_cpu_enable_concurrency_optimized_scheduler=false"]).strip())
   proc = subprocess.run([sys.executable, "-m", "dpjax.bench", *TINY,
                          "--mode=nodp"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
@@ -76,9 +80,9 @@ def test_dp_modes(mode, capsys):
 
 
 def test_memory_only_compiles_t5_without_running(capsys):
-  assert bench.main(["--model=t5_tiny", "--vocab=64", "--input_length=16",
-                     "--target_length=8", "--batch=4", "--mode=nodp",
-                     "--memory_only"]) == 0
+  assert bench.main(["--model=t5_tiny", "--layers=1", "--vocab=64",
+                     "--input_length=16", "--target_length=8", "--batch=4",
+                     "--mode=nodp", "--memory_only"]) == 0
   result = json.loads(capsys.readouterr().out)
   assert result["tokens_per_step"] == 4 * (16 + 8)
   assert "step_time_s" not in result
@@ -89,16 +93,19 @@ def test_memory_only_compiles_t5_without_running(capsys):
 
 
 def test_memory_only_without_the_cost_analysis(capsys):
-  assert bench.main(["--model=t5_tiny", "--vocab=64", "--seq=16", "--batch=2",
-                     "--mode=ghost", "--memory_only", "--no_cost"]) == 0
+  # The step of test_memory_only_with_remat: compiled once (the cache).
+  assert bench.main(["--model=t5_tiny", "--layers=1", "--vocab=64",
+                     "--seq=16", "--batch=2", "--mode=ghost", "--remat=layer",
+                     "--memory_only", "--no_cost"]) == 0
   result = json.loads(capsys.readouterr().out)
   assert result["flops"] is None and result["cost_parts"] is None
   assert result["memory_analysis"]["peak_estimate_bytes"] > 0
 
 
 def test_memory_only_with_remat(capsys):
-  assert bench.main(["--model=t5_tiny", "--vocab=64", "--seq=16", "--batch=2",
-                     "--mode=ghost", "--remat=layer", "--memory_only"]) == 0
+  assert bench.main(["--model=t5_tiny", "--layers=1", "--vocab=64",
+                     "--seq=16", "--batch=2", "--mode=ghost", "--remat=layer",
+                     "--memory_only"]) == 0
   result = json.loads(capsys.readouterr().out)
   assert result["remat"] == "layer"
   assert result["residual_bytes"] > 0 and "memory_analysis" in result
@@ -107,15 +114,17 @@ def test_memory_only_with_remat(capsys):
 @pytest.mark.parametrize("mode", ["nodp", "ghost"])
 def test_a_lora_step_trains_and_keeps_state_for_the_adapters_only(mode,
                                                                    capsys):
-  assert bench.main(TINY + [f"--mode={mode}", "--lora_rank=2"]) == 0
+  lora = ["--model=gpt2_tiny", *SHAPE]  # two layers: adapters on each
+  assert bench.main(lora + [f"--mode={mode}", "--lora_rank=2"]) == 0
   result = json.loads(capsys.readouterr().out)
   d, rank, layers = 64, 2, 2  # adapters on q, k, v, o: a [d, r] and b [r, d]
   assert result["trained_params"] == layers * 4 * 2 * d * rank
-  assert result["params"] == gpt2_tiny_params(128) + result["trained_params"]
+  assert result["params"] == (gpt2_tiny_params(128, layers)
+                              + result["trained_params"])
   assert result["lora_rank"] == 2 and result["step_time_s"] > 0
   # Adam's moments for the adapters alone: the arguments are the float32
   # params and two moments of each trained leaf (and counters).
-  assert bench.main(TINY + [f"--mode={mode}", "--lora_rank=2",
+  assert bench.main(lora + [f"--mode={mode}", "--lora_rank=2",
                             "--memory_only"]) == 0
   arguments = json.loads(capsys.readouterr().out)["memory_analysis"][
       "argument_size_in_bytes"]
@@ -125,8 +134,8 @@ def test_a_lora_step_trains_and_keeps_state_for_the_adapters_only(mode,
 
 # --- XLA cost analysis: compile only, nothing timed. ------------------------
 
-COST = ["--model=gpt2_tiny", "--vocab=128", "--seq=16", "--batch=4",
-        "--microbatch=2", "--cost_only"]
+COST = ["--model=gpt2_tiny", "--layers=1", "--vocab=128", "--seq=16",
+        "--batch=4", "--microbatch=2", "--cost_only"]
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +168,7 @@ def test_cost_fields_exist_and_add_up(cost_lines):
 def test_nodp_flops_cover_every_microbatch(cost_lines):
   """At least 6 flops per matmul weight and token (forward + backward): all
   4 examples' tokens, not one microbatch's, and not twice them."""
-  d, layers, vocab = 64, 2, 128
+  d, layers, vocab = 64, 1, 128
   matmul_weights = vocab * d + layers * 12 * d * d  # logits, attention, MLP
   line = cost_lines["nodp"]
   forward_backward = line["flops"] - line["cost_parts"]["apply"]["flops"]
@@ -232,6 +241,18 @@ def test_residual_bytes_by_hand():
   x = jax.ShapeDtypeStruct((3, 5), jnp.float32)
   w = jax.ShapeDtypeStruct((5,), jnp.float32)
   assert bench.residual_bytes(lambda w, x: jnp.sum(x @ w), w, x) == 4 * 15
+
+
+def test_model_overrides():
+  """--vocab and --layers (T5: encoder and decoder each) over the gin file."""
+  gpt2 = bench.model_config("gpt2_tiny", dtype="float32", vocab_size=128,
+                            num_layers=1)
+  assert (gpt2.vocab_size, gpt2.num_layers, gpt2.d_model) == (128, 1, 64)
+  assert bench.model_config("gpt2_tiny", dtype="float32").num_layers == 2
+  t5_config = bench.model_config("t5_tiny", dtype="float32", num_layers=1)
+  assert (t5_config.num_encoder_layers, t5_config.num_decoder_layers) == (1, 1)
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--model=gpt2_tiny", "--layers=0"])
 
 
 def test_unavailable_setups_are_json_errors(capsys):

@@ -102,8 +102,9 @@ def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
     accumulate = placed.accumulate.lower(state.params, grads, batch, mask,
                                          index, index,
                                          state.clip_norms).compile()
-    apply = placed.apply.lower(state, grads, jax.ShapeDtypeStruct(
-        (4,), np.uint32, sharding=one)).compile()
+    apply = placed.apply.lower(
+        state, grads, jax.ShapeDtypeStruct((4,), np.uint32, sharding=one),
+        jax.ShapeDtypeStruct((), np.float32, sharding=one)).compile()
   optimizer_state = sum(  # what accumulate does not take but stays resident
       int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
       for x in jax.tree.leaves((state.opt_state, state.step,
@@ -126,17 +127,19 @@ def test_a_run_that_does_not_fit_the_slice_is_refused_with_the_numbers(
   gin.clear_config()
   argv = ["--gin_file=quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
           *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
-          "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5",
+          # BATCH_SIZE's padded batch: one call, so one accumulate compiled
+          "--gin.MICROBATCH_SIZE=84", "--gin.train.memory_headroom=1e-5",
           "--dry_run", "--target=tpu:v5e:2x2"]
   err = _refused(capsys, argv)
   assert "does not fit tpu:v5e:2x2: peak" in err
-  assert "GiB per device at microbatch 16" in err
+  assert "GiB per device at microbatch 84" in err
   assert "0.00 GiB usable (tpu:v5e:2x2 HBM per device x " in err
   assert os.listdir(tmp_path) == []
 
 
 def test_a_gpu_plan_is_for_the_gpus_and_their_memory(tmp_path):
-  configure(tmp_path / "run", "MICROBATCH_SIZE = 16")
+  # The whole padded batch in one call: one accumulate compiled.
+  configure(tmp_path / "run", "MICROBATCH_SIZE = None")
   line = dry_run.dry_run(configurables.run_config(), target="gpu:h100:1x2")
   assert (line["backend"], line["device_kind"], line["devices"]) == (
       "gpu", "NVIDIA H100 80GB HBM3", 2)
@@ -242,7 +245,7 @@ def test_the_pod_preflight_refuses_an_oversized_run_before_creating_anything(
        "--accelerator_type=v5litepod-4", "--preflight", "--dry-run", "--",
        "--gin_file=quickstart.gin",
        *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
-       "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5"],
+       "--gin.MICROBATCH_SIZE=84", "--gin.train.memory_headroom=1e-5"],
       capture_output=True, text=True, cwd=os.path.dirname(
           os.path.dirname(os.path.abspath(__file__))), timeout=600,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -260,9 +263,10 @@ def test_the_bench_compiles_a_dp_step_for_a_target(capsys, target, platform,
   """`python -m dpjax.bench --target`: the target's memory analysis and
   cost (DP against nodp by its compiler), nothing run."""
   from dpjax.bench import step as bench
-  assert bench.main(["--model=gpt2_tiny", "--vocab=128", "--seq=16",
-                     "--batch=8", "--microbatch=8", "--mode=ghost",
-                     "--compare_nodp", f"--target={target}"]) == 0
+  assert bench.main(["--model=gpt2_tiny", "--layers=1", "--vocab=128",
+                     "--seq=16", "--batch=8", "--microbatch=8",
+                     "--mode=ghost", "--compare_nodp",
+                     f"--target={target}"]) == 0
   line = json.loads(capsys.readouterr().out)
   assert (line["platform"], line["device_kind"], line["num_devices"]) == (
       platform, kind, devices)

@@ -127,9 +127,11 @@ def mfu(num_params: int, tokens_per_second: float,
 
 
 def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
-                 remat: str = "none", lora_rank: int = 0):
+                 num_layers: int | None = None, remat: str = "none",
+                 lora_rank: int = 0):
   """The config of gin/models/{name}.gin with compute `dtype`, dropout off,
-  rematerialisation `remat` and, with `lora_rank`, LoRA adapters of that
+  rematerialisation `remat`, with `num_layers` that many layers (T5: in the
+  encoder and in the decoder) and, with `lora_rank`, LoRA adapters of that
   rank on the attention projections (only they train)."""
   path = os.path.join(MODEL_DIR, f"{name}.gin")
   family = name.split("_")[0]
@@ -144,6 +146,10 @@ def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
   finally:
     gin.clear_config()
   overrides = {"vocab_size": vocab_size} if vocab_size else {}
+  if num_layers:
+    overrides.update(
+        {"num_encoder_layers": num_layers, "num_decoder_layers": num_layers}
+        if family == "t5" else {"num_layers": num_layers})
   if lora_rank:
     overrides["lora"] = lora.LoRAConfig(rank=lora_rank,
                                         alpha=2.0 * lora_rank)
@@ -228,8 +234,10 @@ def build_step(mode: str, model: trainable_lib.Trainable, *, batch_size: int,
       adam, noise_multipliers={multi_loss.LOSS: noise_multiplier},
       sensitivities={multi_loss.LOSS: sensitivity}, normalizer=batch_size,
       trainable=trainable)
-  # A benchmark releases nothing: its noise key may be a compiled constant.
-  noise_secret = jnp.asarray(secret.RunSecret.draw().noise_key())
+  # A benchmark releases nothing: its noise key may be a compiled constant,
+  # pinned to `seed` so that the same step is the same program (jax's
+  # persistent compilation cache then compiles it once).
+  noise_secret = jnp.asarray(secret.RunSecret.pinned(seed).noise_key())
   if mode == "jax_privacy":
     try:
       from jax_privacy import clipping as jp_clipping
@@ -326,7 +334,8 @@ def residual_bytes(loss: Callable, params, microbatch) -> int:
 def run(args: argparse.Namespace) -> dict:
   """Builds, compiles and (unless --memory_only) times the step."""
   config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab,
-                        remat=args.remat, lora_rank=args.lora_rank)
+                        num_layers=args.layers, remat=args.remat,
+                        lora_rank=args.lora_rank)
   if isinstance(config, t5.T5Config):
     lengths = {"inputs": args.input_length or args.seq,
                "targets": args.target_length or args.seq}
@@ -498,6 +507,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--vocab", type=int,
                  help="override the vocabulary size (tiny gin files leave "
                  "it to the task)")
+  p.add_argument("--layers", type=int,
+                 help="override the number of layers (T5: encoder and "
+                 "decoder each)")
   p.add_argument("--lora_rank", type=int, default=0,
                  help="LoRA adapters of this rank on q, k, v, o (alpha = 2 "
                       "rank); only they train (0: every weight)")
@@ -528,6 +540,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")
+  if args.layers is not None and args.layers < 1:
+    p.error("--layers must be >= 1")
   if args.no_cost and (args.cost_only or args.compare_nodp):
     p.error("--no_cost leaves nothing for --cost_only or --compare_nodp")
   return args
