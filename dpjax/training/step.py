@@ -258,7 +258,6 @@ def dp_accumulate(model, mechanism: DPSGD, clipped: Callable, *,
 
 class PlacedSteps(NamedTuple):
   """A run's steps, jitted for its mesh (see `place_steps`)."""
-  noise_multiplier: float  # the run's σ, `apply`'s last argument
   state_shardings: TrainState
   abstract_state: TrainState  # ShapeDtypeStructs with shardings
   init: Callable  # params -> the initial state, in place
@@ -273,7 +272,7 @@ class PlacedSteps(NamedTuple):
 def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
                 learning_rate: optax.ScalarOrSchedule, clip_norm: float,
                 clip_norms: Mapping[str, float] | None,
-                noise_multiplier: float, normalizer: float, seed: int,
+                normalizer: float, seed: int,
                 clipping_method: str) -> PlacedSteps:
   """The DP, public and eval steps jitted on `mesh`: params by their logical
   axes (replicated, FSDP or tensor-parallel per `rules`), optimizer moments
@@ -283,19 +282,18 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
   Memoized on its arguments (the model by `trainable.trainable`'s own memo):
   a second run of the same model and settings in one process (a pipeline's
   runs, a resume) gets the same jitted functions, whose in-memory cache then
-  neither traces nor compiles again. σ is `apply`'s argument, not a
-  constant of its program, so runs that differ only in σ (runs of other
-  lengths calibrate another) share every step; the gradient side
+  neither traces nor compiles again. σ is `apply`'s last argument (the
+  plan's), not a constant of its program, so runs that differ only in σ
+  (runs of other lengths calibrate another) share every step; the gradient side
   (`zero_sums`, `accumulate`, `eval`: the costly compiles) is memoized
   apart from the optimizer too. Arguments that cannot be hashed (a schedule
   is hashed by identity) are placed afresh.
   """
-  placed = _memoized(
+  return _memoized(
       _place_steps, model, mechanism, mesh, rules, optimizer, learning_rate,
       clip_norm,
       None if clip_norms is None else tuple(sorted(clip_norms.items())),
       normalizer, seed, clipping_method)
-  return placed._replace(noise_multiplier=noise_multiplier)
 
 
 def _memoized(placed: Callable, *args):
@@ -309,7 +307,10 @@ def _memoized(placed: Callable, *args):
 
 
 class _GradientSteps(NamedTuple):
-  """The jitted steps that do not depend on the noise or the optimizer."""
+  """The jitted steps that do not depend on the noise or the optimizer, and
+  the clipped-gradient callable they were built from (its sensitivities
+  size the noise)."""
+  clipped: Callable
   zero_sums: Callable
   sums_shardings: dict
   accumulate: Callable
@@ -331,6 +332,7 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
   sums_sh.update(jax.tree.map(lambda _: replicated,
                               mechanism.extra_sums(names)))
   return _GradientSteps(
+      clipped=clipped,
       zero_sums=jax.jit(lambda p: zero_sums(p, names, mechanism),
                         out_shardings=sums_sh),
       sums_shardings=sums_sh,
@@ -346,11 +348,8 @@ def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
                  clipping_method) -> PlacedSteps:
   gradients = _memoized(_gradient_steps, model, mechanism, mesh, rules,
                         clip_norm, clip_norms, seed, clipping_method)
-  clipped = clipped_grad(model, mechanism, clip_norm,
-                         None if clip_norms is None else dict(clip_norms),
-                         clipping_method)
   optimizer_for = lambda sigma: dp_optimizer(
-      model, mechanism, clipped, optimizer=optimizer,
+      model, mechanism, gradients.clipped, optimizer=optimizer,
       learning_rate=learning_rate, noise_multiplier=sigma,
       normalizer=normalizer)
   # The state's structure and layout: σ only scales the noise.
@@ -367,7 +366,7 @@ def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
                                                        noise_secret)
 
   return PlacedSteps(
-      noise_multiplier=None, state_shardings=state_sh, abstract_state=target,
+      state_shardings=state_sh, abstract_state=target,
       init=jax.jit(lambda p: init_state(p, tx), out_shardings=state_sh),
       zero_sums=gradients.zero_sums,
       sums_shardings=gradients.sums_shardings,

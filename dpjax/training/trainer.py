@@ -174,7 +174,6 @@ def build(config: RunConfig, *, dry_run: bool = False,
         sized, plan.mechanism, mesh=mesh, rules=rules,
         optimizer=config.optimizer, learning_rate=schedule,
         clip_norm=plan.privacy.clip_norm, clip_norms=bounds,
-        noise_multiplier=float(plan.noise_multiplier),
         normalizer=plan.normalizer, seed=config.seed,
         clipping_method=config.clipping_method)
 
@@ -430,8 +429,8 @@ def step_function(plan: plan_lib.RunPlan, placed: step_lib.PlacedSteps,
   # only the sampled rows its own devices hold.
   batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
-  sigma = distributed.global_array(
-      np.asarray(placed.noise_multiplier, np.float32),
+  sigma = distributed.global_array(  # the ledger's σ, an argument of apply
+      np.asarray(plan.noise_multiplier, np.float32),
       partitioning.replicated(mesh))
 
   def inputs(step: int):
