@@ -119,8 +119,10 @@ def generate_synthetic(*, model_dir: str, output_dir: str | None = None,
       "targets"].vocabulary
 
   mesh = partitioning.make_mesh()
-  batch_size = -(-batch_size // mesh.shape.get("data", 1)) * mesh.shape.get(
-      "data", 1)
+  data = mesh.shape.get("data", 1)
+  # No wider than the inputs (a `limit` below the batch decodes no padding
+  # rows), and a multiple of the data axis.
+  batch_size = max(1, -(-min(batch_size, len(inputs)) // data)) * data
   sharding = partitioning.batch_sharding(mesh, 2)
   settings = dict(top_p=top_p, top_k=top_k, temperature=temperature,
                   greedy=greedy, max_length=max_len, seed=seed)
