@@ -28,34 +28,6 @@ if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
 import pytest  # noqa: E402
 
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-
-# The slowest files, slowest first (worker-seconds, the sums of a whole run's
-# `--junitxml` times). `--dist loadfile` hands a worker one whole file at a
-# time, and by default the files with the most tests first; the heavy files
-# hold few tests, so one of them started last kept a worker busy for minutes
-# while the other had finished (e.g. 1,151 s against 1,029 s of tests). Longest
-# first, the many short files fill in at the end.
-_SLOWEST_FILES = (
-    "tests/test_trainer.py",  # 260 s
-    "tests/distributed/test_multihost.py",  # 164 s
-    "tests/semparse/test_experiments.py",  # 153 s
-    "tests/test_targets.py",  # 153 s
-    "tests/privacy/test_bandmf.py",  # 128 s
-    "tests/test_bench.py",  # 113 s
-    "tests/test_partitioning.py",  # 75 s
-    "tests/experiments/test_retrieval_experiment.py",  # 71 s
-    "tests/textcls/test_experiment.py",  # 65 s
-    "tests/test_dry_run.py",  # 65 s
-    "tests/privacy/test_adaptive_clipping.py",  # 63 s
-    "tests/test_outsider.py",  # 56 s
-    "tests/privacy/test_ghost.py",  # 52 s
-    "tests/models/test_remat.py",  # 51 s
-    "tests/models/test_lora.py",  # 47 s
-    "tests/dialog/test_membership.py",  # 44 s
-    "tests/seqpate/test_experiment.py",  # 41 s
-    "tests/privacy/test_user_level.py",  # 40 s
-    "tests/test_padding.py",  # 38 s
-)
 _WORKER_KEY = "dpjax_xla_cache"
 
 
@@ -72,16 +44,6 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_max_size",
                     int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
   compilation_cache.reset_cache()  # in case something compiled already
-  if hasattr(config.option, "loadscopereorder"):  # xdist: keep our order
-    config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items):
-  """Slowest files first (`_SLOWEST_FILES`); the order within a file and of
-  the other files is kept."""
-  rank = {path: i for i, path in enumerate(_SLOWEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0],
-                                       len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)
