@@ -11,16 +11,21 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# Cheaper LLVM code generation: the suite's programs are tiny and each runs
-# a few times, so compiling them dominates. Measured on the whole suite
-# (docs/benchmarks.md): 26 min 34 s with these flags, 28 min 41 s with the
-# expensive passes off alone; level 0 slows the decoding-heavy pipeline
-# files but speeds up the rest more. The tests check values, never speed;
-# runs compared bit for bit compile under the same flags (commands the tests
-# start inherit them; a test that sets XLA_FLAGS itself replaces them, and
-# compares within a tolerance).
+# Cheaper code generation: the suite's programs are tiny and each runs a few
+# times, so compiling them dominates (docs/benchmarks.md, "Where the suite's
+# time goes"). LLVM at level 0 without its expensive passes; XLA:CPU's
+# classic elemental emitters instead of its MLIR fusion emitters, and each
+# module compiled on one thread (two workers already fill both cores): on
+# six of the heaviest files 266 s of CPU against 412 s with the LLVM flags
+# alone, the same values. Targets compiled for GPUs use cuBLAS calls
+# instead of Triton GEMM kernels (ptxas on fewer kernels). The tests check
+# values, never speed; runs compared bit for bit compile under the same
+# flags (commands the tests start inherit them: `tests/host_devices.py`).
 _FAST_COMPILE = ("--xla_backend_optimization_level=0 "
-                 "--xla_llvm_disable_expensive_passes=true")
+                 "--xla_llvm_disable_expensive_passes=true "
+                 "--xla_cpu_use_fusion_emitters=false "
+                 "--xla_cpu_parallel_codegen_split_count=1 "
+                 "--xla_gpu_enable_triton_gemm=false")
 if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(
       f for f in (os.environ.get("XLA_FLAGS"), _FAST_COMPILE) if f)

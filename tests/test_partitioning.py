@@ -17,7 +17,7 @@ from dpjax.training import partitioning, state as state_lib, step as step_lib
 from dpjax.models import gpt2, t5
 from dpjax.privacy import clipping_method, optimizers
 from dpjax.privacy.secret import RunSecret
-from tests import numerics
+from tests import host_devices, numerics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ({"data": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 2, "tensor": 2})
@@ -196,12 +196,8 @@ def _sharded_run():
 
 
 def test_sharded_dp_step_equals_one_device_step():
-  # Cheaper LLVM codegen: compiling dominates, both sides use the same flags.
-  flags = ("--xla_force_host_platform_device_count=8 "
-           "--xla_backend_optimization_level=0 "
-           "--xla_llvm_disable_expensive_passes=true")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = host_devices.env(8, PYTHONPATH=REPO + os.pathsep
+                         + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
