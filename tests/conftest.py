@@ -1,34 +1,22 @@
-"""Test setup: CPU only, quiet TensorFlow, cheap code generation, and one
-XLA compilation cache for the whole run: tests build the same tiny models'
-steps many times, and the persistent cache shares the compiled programs
-across processes. The pytest-xdist workers and the commands the tests start
-as subprocesses (they inherit the environment) share the one directory; a
-size limit turns on the cache's file lock, so two processes never read an
-entry half written."""
+"""Test setup: CPU only, quiet TensorFlow, cheap code generation
+(`tests/xla_env.py`), and one XLA compilation cache for the whole run:
+tests build the same tiny models' steps many times, and the persistent
+cache shares the compiled programs across processes. The pytest-xdist
+workers and the commands the tests start as subprocesses (they inherit the
+environment) share the one directory; a size limit turns on the cache's
+file lock, so two processes never read an entry half written."""
 import os
 import shutil
 import tempfile
 
+from tests import xla_env
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# Cheaper code generation: the suite's programs are tiny and each runs a few
-# times, so compiling them dominates (docs/benchmarks.md, "Where the suite's
-# time goes"). LLVM at level 0 without its expensive passes; XLA:CPU's
-# classic elemental emitters instead of its MLIR fusion emitters, and each
-# module compiled on one thread (two workers already fill both cores): on
-# six of the heaviest files 266 s of CPU against 412 s with the LLVM flags
-# alone, the same values. Targets compiled for GPUs use cuBLAS calls
-# instead of Triton GEMM kernels (ptxas on fewer kernels). The tests check
-# values, never speed; runs compared bit for bit compile under the same
-# flags (commands the tests start inherit them: `tests/host_devices.py`).
-_FAST_COMPILE = ("--xla_backend_optimization_level=0 "
-                 "--xla_llvm_disable_expensive_passes=true "
-                 "--xla_cpu_use_fusion_emitters=false "
-                 "--xla_cpu_parallel_codegen_split_count=1 "
-                 "--xla_gpu_enable_triton_gemm=false")
+# Cheap code generation, inherited by the commands the tests start.
 if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(
-      f for f in (os.environ.get("XLA_FLAGS"), _FAST_COMPILE) if f)
+      f for f in (os.environ.get("XLA_FLAGS"), *xla_env.FAST_COMPILE) if f)
 
 import pytest  # noqa: E402
 

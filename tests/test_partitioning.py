@@ -17,7 +17,7 @@ from dpjax.training import partitioning, state as state_lib, step as step_lib
 from dpjax.models import gpt2, t5
 from dpjax.privacy import clipping_method, optimizers
 from dpjax.privacy.secret import RunSecret
-from tests import host_devices, numerics
+from tests import numerics, xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ({"data": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 2, "tensor": 2})
@@ -196,7 +196,7 @@ def _sharded_run():
 
 
 def test_sharded_dp_step_equals_one_device_step():
-  env = host_devices.env(8, PYTHONPATH=REPO + os.pathsep
+  env = xla_env.with_devices(8, PYTHONPATH=REPO + os.pathsep
                          + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=600)

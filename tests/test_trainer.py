@@ -23,7 +23,7 @@ from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy.mechanisms import multi_loss
 from dpjax.privacy import accounting, ledger as ledger_lib, sampling, secret
-from tests import host_devices, numerics
+from tests import numerics, xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -463,7 +463,7 @@ def test_data_parallel_over_two_devices_matches_one_device(four_sgd_steps,
   it, and a real slip (sum for mean over the 2 devices) moves a leaf by ~1."""
   reference_dir, _ = four_sgd_steps
   model_dir = tmp_path / "two_devices"
-  env = host_devices.env(2)
+  env = xla_env.with_devices(2)
   bindings = [f"--gin_bindings={b}" for b in (*TINY, *SGD_STEPS)]
   same_secret(reference_dir, model_dir)
   proc = subprocess.run(

@@ -25,7 +25,7 @@ import pytest
 from dpjax.training import checkpoints
 from dpjax import launch
 from dpjax.privacy import ledger as ledger_lib, secret
-from tests import host_devices, numerics, test_trainer
+from tests import numerics, test_trainer, xla_env
 from tests.test_trainer import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -62,7 +62,7 @@ def reference(env, tmp_path_factory):
       [sys.executable, "-m", "dpjax.train", *train_args(model_dir),
        "--gin.make_mesh.mesh_shape={'data': 8}"],
       capture_output=True, text=True, cwd=REPO, timeout=TIMEOUT,
-      env=dict(env, XLA_FLAGS=host_devices.env(8)["XLA_FLAGS"]))
+      env=dict(env, XLA_FLAGS=xla_env.with_devices(8)["XLA_FLAGS"]))
   assert proc.returncode == 0, proc.stderr[-3000:]
   return model_dir
 

@@ -14,7 +14,7 @@ import pytest
 
 from dpjax.models import gpt2
 from dpjax.pipelines.seqpate import cache, teachers
-from tests import host_devices
+from tests import xla_env
 
 CONFIG = gpt2.GPT2Config(vocab_size=50, n_positions=16, d_model=16,
                          num_layers=1, num_heads=2, dropout_rate=0.0)
@@ -153,7 +153,7 @@ def test_train_and_cache_on_two_devices_matches_the_vmapped_group(
     init_params, vmapped, tmp_path):
   """Groups of 2 teachers, one per device (teacher 2 with a padding slot),
   cache the top-k of the same teachers as the 1-device group of 3."""
-  env = host_devices.env(2)
+  env = xla_env.with_devices(2)
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path)], check=True,
                  env=env, cwd=root, timeout=600)
