@@ -2,11 +2,12 @@
 gloo collectives) against a single-process run of the same plan.
 
 One single-process run on 8 devices is the reference. A two-process job is
-killed (SIGKILL to one process), preempted (SIGTERM to one process) and rerun
-with `python -m dpjax.launch`; a copy of the reference with its newest
-checkpoint corrupted is resumed on two processes. Each must end with the
-reference's params (up to the order of float sums across devices) and its
-privacy ledger exactly.
+killed (SIGKILL to one process): the other ends, a whole checkpoint stays.
+The reference's checkpoint at step 4 is resumed by a two-process job,
+preempted (SIGTERM to one process) and rerun with `python -m dpjax.launch`;
+a copy of the reference with its newest checkpoint corrupted is resumed on
+two processes. Each must end with the reference's params (up to the order of
+float sums across devices) and its privacy ledger exactly.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from dpjax.training import checkpoints
 from dpjax import launch
-from dpjax.privacy import ledger as ledger_lib, secret
+from dpjax.privacy import ledger as ledger_lib
 from tests import numerics, test_trainer, xla_env
 from tests.test_trainer import TINY
 
@@ -127,30 +129,39 @@ def assert_same_run(model_dir, reference_dir):
   assert max(differences) < 1e-3, differences
 
 
-def test_killed_and_preempted_job_resumes_to_the_reference(reference, env,
-                                                          tmp_path):
+def test_a_killed_process_ends_the_job_and_leaves_a_readable_checkpoint(
+    env, tmp_path):
+  """A process dies (SIGKILL) after the first checkpoint: the other fails
+  within the heartbeat timeout instead of hanging, and the newest checkpoint
+  left behind is whole (resuming from one: the tests below)."""
   model_dir = tmp_path / "job"
-  # The reference's secret (OS entropy), so the job draws its batches and
-  # noise; process 0 hands it to process 1.
-  model_dir.mkdir()
-  shutil.copy(os.path.join(reference, secret.SECRET_FILENAME), model_dir)
-
-  # A process dies (SIGKILL) after the first checkpoint: the other fails
-  # within the heartbeat timeout instead of hanging.
   procs, logs = start(model_dir, tmp_path / "killed", env)
   wait_for_path(model_dir / "checkpoints" / "2", procs, logs[0])
   procs[1].kill()
   killed_at = time.monotonic()
   assert procs[0].wait(timeout=HEARTBEAT + 50) != 0
   assert time.monotonic() - killed_at < HEARTBEAT + 50
-  kept = checkpoints.manager(str(model_dir), create=False).latest_step()
+  mngr = checkpoints.manager(str(model_dir), create=False)
+  kept = mngr.latest_step()
   assert kept in (2, 4)
+  params = checkpoints.restore_params(mngr, kept)
+  assert jax.tree.structure(params) == jax.tree.structure(
+      test_trainer.initial_params())
 
-  # Rerun; once it trains, SIGTERM reaches one process only: both checkpoint
-  # the same step and exit 0.
+
+def test_preempted_job_checkpoints_once_and_the_launcher_ends_it_as_the_reference(
+    reference, env, tmp_path):
+  """The reference's checkpoint at step 4 (one process, 8 devices) resumed by
+  a two-process job; SIGTERM reaches one process only: both checkpoint the
+  same step and exit 0; `python -m dpjax.launch` resumes it to the end."""
+  model_dir = tmp_path / "job"
+  shutil.copytree(reference, model_dir)
+  os.remove(model_dir / ledger_lib.LEDGER_FILENAME)  # to be written anew
+  for step in (6, 8):
+    shutil.rmtree(model_dir / "checkpoints" / str(step))
   procs, logs = start(model_dir, tmp_path / "preempted", env)
   resumed = int(wait_for(r"resumed .* at step (\d+)", logs[0], procs)[1])
-  assert resumed == kept
+  assert resumed == 4
   wait_for(rf"step {resumed + 2}/{STEPS}", logs[0], procs)
   procs[1].send_signal(signal.SIGTERM)
   assert finish(procs) == [0, 0], read(logs[1])[-3000:]
