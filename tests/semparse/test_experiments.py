@@ -14,10 +14,10 @@ from dpjax.privacy import accounting
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.pipelines.semparse import experiments, pipeline
 
-# A few DP steps of one microbatch each: T1 = 2 and T2 = 3 on TreeDST's
+# A few DP steps of one microbatch each: T1 = 1 and T2 = 2 on TreeDST's
 # 1,723 training turns, so each stage and the composition over both count.
 BATCH = 64
-EPOCHS = (0.04, 0.08)
+EPOCHS = (0.03, 0.07)
 FAST = [f"BATCH_SIZE = {BATCH}", f"MICROBATCH_SIZE = {BATCH}"]
 # The parsers parse nothing after 2 steps; they decode to the full target
 # length, so it is short. One bucket: the trimmed microbatches keep one
