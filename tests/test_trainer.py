@@ -458,9 +458,10 @@ def test_data_parallel_over_two_devices_matches_one_device(four_sgd_steps,
   Compared per leaf as ||Δ₂ - Δ₁|| / ||Δ₁||, Δ the update from the init:
   elementwise tolerances fail on the few coordinates where rounding of
   near-cancelling sums lands (CI saw 1.6e-6 at rtol 1e-5). Measured: the mesh
-  gives ≤ 2.4e-7 here and up to 1.6e-5 on another CPU; a 0.1% change of
-  learning rate gives ≥ 9.9e-4 in every leaf, so the bound 1e-4 still catches
-  it, and a real slip (sum for mean over the 2 devices) moves a leaf by ~1."""
+  gives ≤ 1.3e-6 here in six runs alone, up to 1.6e-5 on another CPU, and
+  once 1.2e-4 inside a whole-suite run; a 0.1% change of learning rate gives
+  ≥ 9.9e-4 in every leaf, so the bound 3e-4 still catches it, and a real
+  slip (sum for mean over the 2 devices) moves a leaf by ~1."""
   reference_dir, _ = four_sgd_steps
   model_dir = tmp_path / "two_devices"
   env = xla_env.with_devices(2)
@@ -478,7 +479,7 @@ def test_data_parallel_over_two_devices_matches_one_device(four_sgd_steps,
              zip(jax.tree.leaves(one), jax.tree.leaves(init)))
   differences = numerics.update_differences(one, restored_params(model_dir),
                                             init)
-  assert max(differences) < 1e-4, differences
+  assert max(differences) < 3e-4, differences
 
 
 @pytest.fixture(scope="module")
