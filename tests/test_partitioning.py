@@ -114,7 +114,7 @@ def _models(remat="none"):
           "gpt2": (gpt2.make_example_loss(gpt_cfg), *gpt_params, gpt_batch)}
 
 
-def _dp_step(example_loss, method="vmap"):
+def _dp_step(example_loss, axes, method="vmap"):
   clipped = clipping_method.make_clipped_grad(example_loss, clip_norm=CLIP,
                                        method=method)
   # eps far above the rounding of the gradient sums, so that Adam's
@@ -122,7 +122,8 @@ def _dp_step(example_loss, method="vmap"):
   # add in another order) up to the size of a step.
   tx = optimizers.dp_optimizer(optax.adam(1e-2, eps=1e-3),
                                noise_multipliers={"loss": 0.5},
-                               sensitivities={"loss": CLIP}, normalizer=K * M)
+                               sensitivities={"loss": CLIP}, normalizer=K * M,
+                               layouts=axes)
   accumulate = step_lib.make_accumulate(clipped, seed=0, dropout=False)
   apply = step_lib.make_apply(tx)
 
@@ -147,14 +148,14 @@ def _sharded_run():
   # fullest mesh, against the plain model's vmap step on one device.
   remat_loss = _models(remat="layer")["gpt2"][0]
   for name, (example_loss, params, axes, batch) in _models().items():
-    tx, step = _dp_step(example_loss)
+    tx, step = _dp_step(example_loss, axes)
     one = jax.jit(step)
     reference = jax.device_put(state_lib.init_state(params, tx), jax.devices()[0])
     for _ in range(2):
       reference = one(reference, batch, mask)
     runs = [(shape, step) for shape in MESHES]
     if name == "gpt2":
-      runs.append((MESHES[-1], _dp_step(remat_loss, method="ghost")[1]))
+      runs.append((MESHES[-1], _dp_step(remat_loss, axes, method="ghost")[1]))
     for shape, run_step in runs:
       mesh = partitioning.make_mesh(shape)
       state_sh = partitioning.state_shardings(mesh, tx, params, axes, rules)

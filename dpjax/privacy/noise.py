@@ -101,21 +101,38 @@ def standard_laplace(keys: jax.Array, shape) -> jax.Array:
   return -jnp.sign(u) * jnp.log1p(-jnp.abs(u))
 
 
-def add_gaussian_noise(
-    tree: PyTree, keys: jax.Array, stddev: float | jax.Array) -> PyTree:
+def add_gaussian_noise(tree: PyTree, keys: jax.Array,
+                       stddev: float | jax.Array,
+                       layouts: PyTree | None = None) -> PyTree:
   """Adds independent `N(0, stddev^2)` to every coordinate of `tree`.
 
-  `keys`: a pair from `noise_key`; each leaf gets its own split of both.
-  Leaves are returned as float32; `stddev == 0` returns the input (as
-  float32) exactly.
+  `keys`: a pair from `noise_key`; leaf i gets split i of both. Leaves are
+  returned as float32; `stddev == 0` returns the input (as float32) exactly.
+
+  The leaves of one shape (and one `layouts` label) are drawn together, one
+  `vmap` over their keys: the same bits as a draw per leaf, but one hash
+  loop for XLA to compile per group instead of one per leaf (a model's
+  layers repeat a few shapes: the tests' tiny T5 has 47 leaves of 6 shapes,
+  and its noise compiled in 2.6 s instead of 6.7 s, with other work
+  running). On a mesh, pass
+  `layouts`, a hashable label per leaf (its logical axes; a prefix tree of
+  `tree`): leaves of one shape but different layouts (a layer's input and
+  output projections) are then drawn apart, so each group's stacked draw
+  can take its leaves' one layout instead of moving noise between devices.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
+  labels = ([None] * len(leaves) if layouts is None
+            else treedef.flatten_up_to(layouts))
   split = jax.vmap(lambda k: jax.random.split(k, len(leaves)))(keys)
-  noisy = [
-      leaf.astype(jnp.float32)
-      + stddev * standard_normal(split[:, i], jnp.shape(leaf))
-      for i, leaf in enumerate(leaves)
-  ]
+  groups: dict[Any, list[int]] = {}
+  for i, (leaf, label) in enumerate(zip(leaves, labels)):
+    groups.setdefault((jnp.shape(leaf), label), []).append(i)
+  noisy = [None] * len(leaves)
+  for (shape, _), members in groups.items():
+    draws = jax.vmap(lambda pair, shape=shape: standard_normal(pair, shape),
+                     in_axes=1)(split[:, np.asarray(members)])
+    for draw, i in zip(draws, members):
+      noisy[i] = leaves[i].astype(jnp.float32) + stddev * draw
   return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
@@ -125,6 +142,7 @@ def privatizer(
     sensitivities: Mapping[str, float],
     normalizer: float,
     trainable: PyTree | None = None,
+    layouts: PyTree | None = None,
 ) -> Callable[[Mapping[str, PyTree], jax.Array, jax.Array], PyTree]:
   """The noisy release of one logical batch's clipped sums.
 
@@ -162,6 +180,8 @@ def privatizer(
       Poisson sampling, or the fixed batch size for shuffling. Dividing by the
       realised batch size instead would leak it.
     trainable: Optional bools shaped like the params.
+    layouts: Optional hashable label per param (its logical axes), for
+      `add_gaussian_noise`'s groups on a mesh; it changes no value.
   """
   names = list(noise_multipliers)
   if not names or set(names) != set(sensitivities):
@@ -187,7 +207,7 @@ def privatizer(
     total = None
     for k, name in enumerate(names):
       keys = step_keys if len(names) == 1 else fold_in(step_keys, k)
-      noisy = add_gaussian_noise(sums[name], keys, stddevs[name])
+      noisy = add_gaussian_noise(sums[name], keys, stddevs[name], layouts)
       if trainable is not None:  # frozen leaves: exactly the (zero) sum
         noisy = jax.tree_util.tree_map(
             lambda n, u, t: n if t else u.astype(jnp.float32), noisy,

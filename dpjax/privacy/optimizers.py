@@ -51,12 +51,14 @@ class Privatizer(NamedTuple):
 
 def gaussian_privatizer(*, noise_multipliers: Mapping[str, float],
                         sensitivities: Mapping[str, float], normalizer: float,
-                        trainable: Any = None) -> Privatizer:
+                        trainable: Any = None,
+                        layouts: Any = None) -> Privatizer:
   """DP-SGD's release: `noise.privatizer(...)` (see it for the args and the
   guarantee), with no state."""
   privatize = noise.privatizer(noise_multipliers=noise_multipliers,
                                sensitivities=sensitivities,
-                               normalizer=normalizer, trainable=trainable)
+                               normalizer=normalizer, trainable=trainable,
+                               layouts=layouts)
 
   def update(sums, clip_norms, noise_state, count, noise_secret):
     return privatize(sums, count, noise_secret), clip_norms, noise_state
@@ -88,12 +90,12 @@ class DPOptimizer(NamedTuple):
 def dp_optimizer(base: optax.GradientTransformation, *,
                  noise_multipliers: Mapping[str, float],
                  sensitivities: Mapping[str, float], normalizer: float,
-                 trainable: Any = None) -> DPOptimizer:
+                 trainable: Any = None, layouts: Any = None) -> DPOptimizer:
   """`base` fed by DP-SGD's `gaussian_privatizer(...)`."""
   return DPOptimizer(
       gaussian_privatizer(noise_multipliers=noise_multipliers,
                           sensitivities=sensitivities, normalizer=normalizer,
-                          trainable=trainable), base)
+                          trainable=trainable, layouts=layouts), base)
 
 
 def freeze(base: optax.GradientTransformation, trainable: Any

@@ -244,7 +244,8 @@ def dp_optimizer(model, mechanism: DPSGD, clipped: Callable, *,
       mechanism.privatizer(sensitivities=multi_loss.sensitivities(clipped),
                            noise_multiplier=noise_multiplier,
                            normalizer=normalizer,
-                           trainable=multi_loss.trainable_mask(model)),
+                           trainable=multi_loss.trainable_mask(model),
+                           layouts=model.abstract_params()[1]),
       optimizer_lib.base_optimizer(model, optimizer, learning_rate))
 
 

@@ -149,7 +149,7 @@ def test_a_killed_process_ends_the_job_and_leaves_a_readable_checkpoint(
       test_trainer.initial_params())
 
 
-def test_preempted_job_checkpoints_once_and_the_launcher_ends_it_as_the_reference(
+def test_a_preempted_job_relaunched_ends_as_the_reference(
     reference, env, tmp_path):
   """The reference's checkpoint at step 4 (one process, 8 devices) resumed by
   a two-process job; SIGTERM reaches one process only: both checkpoint the

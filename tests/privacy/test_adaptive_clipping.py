@@ -10,6 +10,7 @@ import dp_accounting
 from dp_accounting import pld, rdp
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -320,16 +321,17 @@ def test_a_two_loss_step_moves_each_bound_by_its_own_count():
   import types
   losses = lambda p, ex: {"a": jnp.sum(p["w"] * ex["x"]),
                           "b": 10 * p["v"] * ex["x"][0]}
+  params = {"w": jnp.zeros(2), "v": jnp.zeros(())}
   model = types.SimpleNamespace(
       example_loss=None, example_losses=losses, loss_names=("a", "b"),
-      trainable_mask=None, example_rng=False)
+      trainable_mask=None, example_rng=False,
+      abstract_params=lambda: (params, {"w": P("embed"), "v": P()}))
   settings = adaptive.AdaptiveClipping(initial_clip_norm=1.0,
                                        count_stddev=1e-6)
   tx, accumulate, apply = step_lib.build_dp_step(
       model, clip_norm=1.0, optimizer="sgd", learning_rate=1.0,
       noise_multiplier=0.0, normalizer=3.0, seed=0, clipping_method="vmap",
       mechanism=adaptive.AdaptiveDPSGD(settings=settings))
-  params = {"w": jnp.zeros(2), "v": jnp.zeros(())}
   batch = {"x": jnp.array([[[3.0, 4.0], [0.2, 0.1], [0.03, 0.0]]])}
   mask = jnp.ones((1, 3))
   state = state_lib.init_state(params, tx)

@@ -75,10 +75,11 @@ class NoisyCount(mechanisms.DPSGD):
     return {COUNT: jnp.zeros((), jnp.float32)}
 
   def privatizer(self, *, sensitivities, noise_multiplier, normalizer,
-                 trainable=None):
+                 trainable=None, layouts=None):
     noisy_sum = noise.privatizer(
         noise_multipliers={k: noise_multiplier for k in sensitivities},
-        sensitivities=sensitivities, normalizer=1.0, trainable=trainable)
+        sensitivities=sensitivities, normalizer=1.0, trainable=trainable,
+        layouts=layouts)
 
     def update(sums, clip_norms, noise_state, count, noise_secret):
       sums = dict(sums)

@@ -115,6 +115,33 @@ def test_gaussian_noise_of_the_same_key_is_the_same(gaussian_noise):
                                 np.asarray(again["a"]).ravel())
 
 
+# Three leaves of one shape (two with one layout), one of another.
+MIXED = {"q": jnp.ones((4, 6)), "o": jnp.zeros((4, 6)), "k": jnp.ones((4, 6)),
+         "b": jnp.arange(5.0)}
+
+
+@pytest.mark.parametrize("layouts, draws", [
+    (None, 2),
+    ({"q": ("embed", "heads"), "o": ("heads", "embed"),
+      "k": ("embed", "heads"), "b": ("embed",)}, 3)])
+def test_leaves_drawn_together_get_the_bits_of_a_draw_each(layouts, draws):
+  """Leaf i is `leaf + stddev * standard_normal(split i of both keys)`,
+  drawn alone: grouping the leaves of one shape and layout changes no bit,
+  and there is one draw of bits per group."""
+  keys = noise.noise_key(SECRET, 7)
+  got = noise.add_gaussian_noise(MIXED, keys, STDDEV, layouts)
+  leaves, treedef = jax.tree_util.tree_flatten(MIXED)
+  split = jax.vmap(lambda k: jax.random.split(k, len(leaves)))(keys)
+  want = treedef.unflatten([
+      leaf + STDDEV * noise.standard_normal(split[:, i], leaf.shape)
+      for i, leaf in enumerate(leaves)])
+  for name in MIXED:
+    np.testing.assert_array_equal(got[name], want[name])
+  jaxpr = jax.make_jaxpr(lambda t, k: noise.add_gaussian_noise(
+      t, k, STDDEV, layouts))(MIXED, keys)
+  assert str(jaxpr).count("random_bits[") == draws
+
+
 BF16 = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
 
 

@@ -202,7 +202,7 @@ def counting(accumulate: Callable) -> Callable:
 def adaptive_privatizer(settings: AdaptiveClipping, *,
                         sensitivities: Mapping[str, float],
                         noise_multiplier: float, normalizer: float,
-                        trainable: Any = None):
+                        trainable: Any = None, layouts: Any = None):
   """The release of one step's unit-space sums and counts, and the bounds
   of the next step (`settings` resolved: its `count_stddev` set).
 
@@ -211,7 +211,8 @@ def adaptive_privatizer(settings: AdaptiveClipping, *,
   toward the target quantile."""
   privatize = noise.privatizer(
       noise_multipliers={k: noise_multiplier for k in sensitivities},
-      sensitivities=sensitivities, normalizer=normalizer, trainable=trainable)
+      sensitivities=sensitivities, normalizer=normalizer, trainable=trainable,
+      layouts=layouts)
 
   def init(params):
     return ({k: jnp.asarray(settings.initial_clip_norm, jnp.float32)
@@ -316,7 +317,8 @@ class AdaptiveDPSGD(dpsgd.DPSGD):
     return {UNCLIPPED: dpsgd.zeros(names)}
 
   def privatizer(self, *, sensitivities, noise_multiplier, normalizer,
-                 trainable=None):
+                 trainable=None, layouts=None):
     return adaptive_privatizer(self.settings, sensitivities=sensitivities,
                                noise_multiplier=noise_multiplier,
-                               normalizer=normalizer, trainable=trainable)
+                               normalizer=normalizer, trainable=trainable,
+                               layouts=layouts)

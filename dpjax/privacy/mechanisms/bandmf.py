@@ -127,7 +127,7 @@ def choose_bands(steps: int, candidates: Sequence[int],
 
 def correlated_privatizer(strategy: Strategy, *, noise_multiplier: float,
                           sensitivity: float, normalizer: float,
-                          trainable: Any = None):
+                          trainable: Any = None, layouts: Any = None):
   """`(init, privatize)` for one clipped sum with BandMF noise.
 
   `init(params) -> state` (the streaming matrix's: a release counter and
@@ -160,7 +160,7 @@ def correlated_privatizer(strategy: Strategy, *, noise_multiplier: float,
     (total,) = sums.values()
     fresh = noise.add_gaussian_noise(noise_shaped(total),
                                      noise.noise_key(noise_secret, count),
-                                     stddev)
+                                     stddev, layouts)
     correlated, state = matrix.multiply_next(fresh, state)
     noisy = jax.tree.map(
         lambda s, z, t: s.astype(jnp.float32) + z if t
@@ -303,7 +303,7 @@ class BandMF(dpsgd.DPSGD):
             f"n // {self.bands})")
 
   def privatizer(self, *, sensitivities, noise_multiplier, normalizer,
-                 trainable=None) -> optimizers.Privatizer:
+                 trainable=None, layouts=None) -> optimizers.Privatizer:
     if len(sensitivities) != 1:
       raise errors.UsageError(
           "train.mechanism = 'bandmf' noises one loss at a fixed clip norm: "
@@ -311,7 +311,8 @@ class BandMF(dpsgd.DPSGD):
     (sensitivity,) = sensitivities.values()
     init, privatize = correlated_privatizer(
         self.strategy, noise_multiplier=noise_multiplier,
-        sensitivity=sensitivity, normalizer=normalizer, trainable=trainable)
+        sensitivity=sensitivity, normalizer=normalizer, trainable=trainable,
+        layouts=layouts)
 
     def update(sums, clip_norms, noise_state, count, noise_secret):
       release, noise_state = privatize(sums, count, noise_secret,

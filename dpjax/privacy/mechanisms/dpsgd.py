@@ -213,12 +213,15 @@ class DPSGD:
 
   def privatizer(self, *, sensitivities: Mapping[str, float],
                  noise_multiplier: float, normalizer: float,
-                 trainable: Any = None) -> optimizers.Privatizer:
-    """The release of one step's clipped sums: one Gaussian each."""
+                 trainable: Any = None,
+                 layouts: Any = None) -> optimizers.Privatizer:
+    """The release of one step's clipped sums: one Gaussian each.
+    `trainable`: the trained-leaf mask; `layouts`: each param's logical
+    axes (`noise.add_gaussian_noise` draws leaves alike together)."""
     return optimizers.gaussian_privatizer(
         noise_multipliers={k: noise_multiplier for k in sensitivities},
         sensitivities=sensitivities, normalizer=normalizer,
-        trainable=trainable)
+        trainable=trainable, layouts=layouts)
 
 
 def zeros(names: Sequence[str]) -> dict:
