@@ -114,11 +114,11 @@ def add_gaussian_noise(tree: PyTree, keys: jax.Array,
   loop for XLA to compile per group instead of one per leaf (a model's
   layers repeat a few shapes: the tests' tiny T5 has 47 leaves of 6 shapes,
   and its noise compiled in 2.6 s instead of 6.7 s, with other work
-  running). On a mesh, pass
-  `layouts`, a hashable label per leaf (its logical axes; a prefix tree of
-  `tree`): leaves of one shape but different layouts (a layer's input and
-  output projections) are then drawn apart, so each group's stacked draw
-  can take its leaves' one layout instead of moving noise between devices.
+  running). On a mesh, pass `layouts`, a hashable label per leaf (its
+  logical axes; a prefix tree of `tree`): leaves of one shape but different
+  layouts (a layer's input and output projections) are then drawn apart, so
+  each group's stacked draw can take its leaves' one layout instead of
+  moving noise between devices.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   labels = ([None] * len(leaves) if layouts is None
