@@ -18,6 +18,7 @@ Two tasks, one example per relevant (query, passage) pair:
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import gin
@@ -51,6 +52,20 @@ def _examples_dataset(pairs: list[tuple[int, int, str, str]],
   })
 
 
+def _relevant_count(path: str, on_malformed: str) -> int:
+  """The relevant rows of the qrels file at `path`, counted once per version
+  of the file (its size, inode and modification time): every training run
+  registers the tasks again, and reading the qrels was most of that."""
+  stat = os.stat(path)
+  return _counted_relevant(path, on_malformed, stat.st_size, stat.st_ino,
+                           stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _counted_relevant(path: str, on_malformed: str, *version: int) -> int:
+  return len(msmarco.relevant_qrels(path, on_malformed))
+
+
 def _register_pairs_task(task_name: str, files: dict[str, tuple],
                          vocabulary_path: str, on_malformed: str, *,
                          query_key: str, passage_key: str,
@@ -70,7 +85,7 @@ def _register_pairs_task(task_name: str, files: dict[str, tuple],
   # Fail fast on a wrong directory, and count the examples from the (small)
   # qrels files: exact unless rows get skipped as malformed.
   num_input_examples = {
-      split: len(msmarco.relevant_qrels(msmarco.split_files(*where)["qrels"], on_malformed))
+      split: _relevant_count(msmarco.split_files(*where)["qrels"], on_malformed)
       for split, where in files.items()
   }
   if not tf.io.gfile.exists(vocabulary_path):

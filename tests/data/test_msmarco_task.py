@@ -167,6 +167,25 @@ def test_reregistration_replaces_and_gin_configures(tmp_path):
     seqio.TaskRegistry.remove(name)
 
 
+def test_a_changed_qrels_file_is_counted_again(tmp_path):
+  """Registration counts the examples once per version of the qrels file:
+  a row added (or the file replaced) is counted at the next registration."""
+  name = "test_msmarco_qg_counted"
+  data_dir = _tiny_dir(tmp_path, "alpha")
+  try:
+    count = lambda: msmarco_tasks.register_msmarco_query_generation(
+        data_dir=data_dir, task_name=name).num_input_examples("train")
+    assert count() == count() == 1
+    with open(os.path.join(data_dir, "qrels.train.tsv"), "a") as f:
+      f.write("9\t0\t6\t1\n9\t0\t7\t0\n")  # one relevant row more
+    assert count() == 2
+    os.replace(_tiny_dir(tmp_path / "other", "beta") + "/qrels.dev.tsv",
+               os.path.join(data_dir, "qrels.train.tsv"))
+    assert count() == 1
+  finally:
+    seqio.TaskRegistry.remove(name)
+
+
 def test_registration_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="nope"):
     msmarco_tasks.register_msmarco_query_generation(
