@@ -126,6 +126,34 @@ def test_run_writes_config_summary_and_tensorboard_events(eight_steps):
   assert os.listdir(os.path.join(model_dir, "train"))  # TensorBoard events
 
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compiles = {"counting": False, "events": []}
+
+
+def _count_compile(event, duration, **kwargs):
+  if _compiles["counting"] and event in _COMPILE_EVENTS:
+    _compiles["events"].append((event, kwargs.get("fun_name")))
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def test_a_second_run_of_the_same_shapes_traces_and_compiles_nothing(
+    eight_steps, tmp_path):
+  """The steps and the initializer are found again in jit's cache: a run
+  of the model and batch shapes of `eight_steps` (fewer steps: another σ)
+  neither traces, lowers nor compiles."""
+  _compiles.update(counting=True, events=[])
+  try:
+    result = run(tmp_path, "TRAIN_STEPS = 2")
+  finally:
+    _compiles["counting"] = False
+  assert result["steps_done"] == 2
+  assert _compiles["events"] == []
+
+
 def run_killed_at(step, reference_dir, model_dir, *extra) -> None:
   """`run(model_dir, *extra)` with the secret of the run in
   `reference_dir`, killed as it samples DP step `step`."""

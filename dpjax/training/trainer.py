@@ -41,6 +41,7 @@ checkpoints all of them at one step boundary.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -528,8 +529,16 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
         shardings=shardings, rng=jax.random.PRNGKey(seed))
     reporting.say(f"initialised from {config.initial_checkpoint_path}")
     return params
-  return jax.jit(lambda: model.init_params(jax.random.PRNGKey(seed))[0],
-                 out_shardings=shardings)()
+  return jax.jit(_params_initializer(model), out_shardings=shardings)(
+      jax.random.PRNGKey(seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _params_initializer(model: trainable_lib.Trainable) -> Callable:
+  """`rng -> params` of `model`, one function per (memoized) model: jit's
+  cache then finds the compiled initializer again for the next run of the
+  same model in this process (a fresh closure would compile it again)."""
+  return lambda rng: model.init_params(rng)[0]
 
 
 def _write_run_files(model_dir: str, run_secret: secret_lib.RunSecret,
