@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpjax.audit import canaries as canaries_lib
 from dpjax.training import optimizer as optimizer_lib, partitioning
 from dpjax.training.state import PyTree, TrainState, init_state
 from dpjax.privacy import clipping, optimizers
@@ -236,17 +237,22 @@ def clipped_grad(model, mechanism: DPSGD, clip_norm: float,
 
 def dp_optimizer(model, mechanism: DPSGD, clipped: Callable, *,
                  optimizer: str, learning_rate: optax.ScalarOrSchedule,
-                 noise_multiplier: float,
-                 normalizer: float) -> optimizers.DPOptimizer:
+                 noise_multiplier: float, normalizer: float,
+                 canaries: canaries_lib.GradientCanaries | None = None
+                 ) -> optimizers.DPOptimizer:
   """The mechanism's release (noise scaled to `clipped`'s sensitivities)
-  followed by the base optimizer."""
+  followed by the base optimizer; with `canaries` (an audit run,
+  `dpjax.audit`), releases that carry them and keep what they show."""
+  sensitivities = multi_loss.sensitivities(clipped)
+  privatizer = mechanism.privatizer(
+      sensitivities=sensitivities, noise_multiplier=noise_multiplier,
+      normalizer=normalizer, trainable=multi_loss.trainable_mask(model),
+      layouts=model.abstract_params()[1])
+  if canaries is not None:
+    privatizer = canaries_lib.audited(privatizer, canaries, sensitivities)
   return optimizers.DPOptimizer(
-      mechanism.privatizer(sensitivities=multi_loss.sensitivities(clipped),
-                           noise_multiplier=noise_multiplier,
-                           normalizer=normalizer,
-                           trainable=multi_loss.trainable_mask(model),
-                           layouts=model.abstract_params()[1]),
-      optimizer_lib.base_optimizer(model, optimizer, learning_rate))
+      privatizer, optimizer_lib.base_optimizer(model, optimizer,
+                                               learning_rate))
 
 
 def dp_accumulate(model, mechanism: DPSGD, clipped: Callable, *,
@@ -273,9 +279,11 @@ class PlacedSteps(NamedTuple):
 def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
                 learning_rate: optax.ScalarOrSchedule, clip_norm: float,
                 clip_norms: Mapping[str, float] | None,
-                normalizer: float, seed: int,
-                clipping_method: str) -> PlacedSteps:
-  """The DP, public and eval steps jitted on `mesh`: params by their logical
+                normalizer: float, seed: int, clipping_method: str,
+                canaries: canaries_lib.GradientCanaries | None = None
+                ) -> PlacedSteps:
+  """The DP, public and eval steps jitted on `mesh` (with `canaries`, an
+  audit run's: `dp_optimizer`): params by their logical
   axes (replicated, FSDP or tensor-parallel per `rules`), optimizer moments
   like their params, counters and the mechanism's small sums replicated;
   the state and clipped sums are donated.
@@ -294,7 +302,7 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
       _place_steps, model, mechanism, mesh, rules, optimizer, learning_rate,
       clip_norm,
       None if clip_norms is None else tuple(sorted(clip_norms.items())),
-      normalizer, seed, clipping_method)
+      normalizer, seed, clipping_method, canaries)
 
 
 def _memoized(placed: Callable, *args):
@@ -346,13 +354,13 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
 @functools.lru_cache(maxsize=8)  # a few runs' executables, not a suite's
 def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
                  clip_norm, clip_norms, normalizer, seed,
-                 clipping_method) -> PlacedSteps:
+                 clipping_method, canaries) -> PlacedSteps:
   gradients = _memoized(_gradient_steps, model, mechanism, mesh, rules,
                         clip_norm, clip_norms, seed, clipping_method)
   optimizer_for = lambda sigma: dp_optimizer(
       model, mechanism, gradients.clipped, optimizer=optimizer,
       learning_rate=learning_rate, noise_multiplier=sigma,
-      normalizer=normalizer)
+      normalizer=normalizer, canaries=canaries)
   # The state's structure and layout: σ only scales the noise.
   tx = optimizer_for(0.0)
   abstract, axes = model.abstract_params()

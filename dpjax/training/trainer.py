@@ -46,7 +46,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -92,11 +92,14 @@ class Built(NamedTuple):
 
 
 def build(config: RunConfig, *, dry_run: bool = False,
-          target: targets.Target | None = None) -> Built:
+          target: targets.Target | None = None,
+          canaries: Callable | None = None) -> Built:
   """Everything a run needs before its first write: inputs checked, data
   loaded, plan made (σ calibrated, budget checked), microbatch and remat
   sized, steps placed. With `dry_run` nothing is ever written: a new run's
-  secret is drawn and kept in memory only. `target` (a dry run's): the mesh
+  secret is drawn and kept in memory only. `canaries` (an audit's,
+  `dpjax.audit`): `(model, plan) -> GradientCanaries` that the releases
+  carry. `target` (a dry run's): the mesh
   is over its devices and sized to its memory (`dpjax.training.targets`)."""
   if target is not None and not dry_run:
     raise ValueError("a compile target is for dry runs: its devices are "
@@ -167,6 +170,8 @@ def build(config: RunConfig, *, dry_run: bool = False,
               optimizer_lib.learning_rate_schedule(
                   config.learning_rate_schedule, total_steps=plan.steps))
 
+  audit_canaries = canaries and canaries(model, plan)
+
   def place(remat: str) -> tuple[trainable_lib.Trainable,
                                  step_lib.PlacedSteps]:
     sized = trainable_lib.trainable(
@@ -176,7 +181,7 @@ def build(config: RunConfig, *, dry_run: bool = False,
         optimizer=config.optimizer, learning_rate=schedule,
         clip_norm=plan.privacy.clip_norm, clip_norms=bounds,
         normalizer=plan.normalizer, seed=config.seed,
-        clipping_method=config.clipping_method)
+        clipping_method=config.clipping_method, canaries=audit_canaries)
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}
@@ -194,7 +199,9 @@ def build(config: RunConfig, *, dry_run: bool = False,
 
 
 def train(config: RunConfig, *,
-          config_text: Callable[[], str] | None = None) -> dict:
+          config_text: Callable[[], str] | None = None,
+          canaries: Callable | None = None,
+          callbacks: Sequence[loop.Callback] = ()) -> dict:
   """Runs (or resumes) one DP training job; returns a summary dict.
 
   Args:
@@ -203,10 +210,12 @@ def train(config: RunConfig, *,
     config_text: Gives the configuration's text, written as MODEL_DIR/
       config.gin once the data is loaded (a command line's gin operative
       config, which `dpjax.infer` reads back); None: no config.gin.
+    canaries: An audit's canaries (`build`).
+    callbacks: More `loop.fit` callbacks, after the run's own.
   """
   distributed.initialize()  # before any other JAX use; single process: no-op
   wall_start = time.perf_counter()
-  built = build(config)
+  built = build(config, canaries=canaries)
   start_step, state, plan, mngr = _start(built)
   _write_run_files(built.model_dir, built.run_secret, plan.ledger, config_text)
   reporting.log_libraries_to(built.model_dir)
@@ -230,7 +239,8 @@ def train(config: RunConfig, *,
       period=config.checkpoint_period, manager=mngr,
       model_dir=built.model_dir, meta=lambda step: _run_meta(built, plan, step),
       key=built.run_secret.meta_key())
-  callbacks = [c for c in (reporter, evaluator, checkpointer) if c]
+  callbacks = [*(c for c in (reporter, evaluator, checkpointer) if c),
+               *callbacks]
   try:
     with distributed.preemption_watch() as preempted:
       state, done = loop.fit(state, step_fn, start_step=start_step,

@@ -1,0 +1,198 @@
+"""`python -m dpjax.audit`: an empirical ε lower bound for a configured run,
+from one training run with canaries.
+
+  python -m dpjax.audit --gin_file=quickstart.gin [--gin.NAME=VALUE ...] \\
+      --output_dir=D [--canaries=N] [--kind=gradient] [--confidence=0.95]
+
+Trains the run the gin files describe (into D/run, a fresh run: its own
+secret, its own ledger) with N gradient canaries (`dpjax.audit.canaries`),
+each included by a secret fair coin; scores each canary from the releases
+(`dpjax.audit.scores`); and prints one JSON line: the run's ε (its ledger)
+beside the ε lower bound the scores prove at the confidence, with the
+estimator and the threat model. D gets the line (audit.json), the scores
+and coins (scores.csv: written after training), the releases at the
+canary and control coordinates (observations.npy) and the scores' in/out
+histograms (scores.png).
+
+A lower bound above the run's ε refutes the run's guarantee (with
+probability at least the confidence, it is not a chance result); one far
+below it says the audit could not see more, not that the run leaks less:
+one-run audits of subsampled DP-SGD sit well below its ε.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Sequence
+
+from absl import logging as absl_logging
+import numpy as np
+
+from dpjax import configurables, errors, gin_cli, train as train_cli
+from dpjax.audit import canaries as canaries_lib, scores as scores_lib
+from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
+from dpjax.training import run_config, trainer
+
+KINDS = ("gradient",)
+THREAT_MODELS = {
+    "gradient": "white box: every DP step's release (the privatized "
+                "gradient), read at the canary and control coordinates",
+}
+# Default canary counts, least first: the first whose perfectly separated
+# scores prove the run's target ε (`default_count`).
+DEFAULT_COUNTS = (10_000, 100_000)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  """Runs `python -m dpjax.audit`; returns the audit's JSON line as a dict."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  args, files, bindings = gin_cli.parse_args(
+      argv, "An empirical ε lower bound from one training run with canaries.",
+      add_arguments=_add_arguments)
+  _check(args)
+  output_dir = os.path.abspath(os.path.expanduser(args.output_dir))
+  run_dir = os.path.join(output_dir, "run")
+  gin_cli.configure(files, [*bindings, f"MODEL_DIR = {run_dir!r}"],
+                    args.gin_search_paths)
+  configurables.initialize()
+  config = dataclasses.replace(configurables.run_config(),
+                               generate_after_training=False)
+  configurables.register_tasks(config)
+
+  chosen = {}
+
+  def canaries(model, plan):
+    count = args.canaries or default_count(
+        run_config.as_float(config.target_epsilon), plan.delta,
+        args.confidence)
+    chosen["canaries"] = canaries_lib.choose(
+        model, count, canaries_lib.participation(plan.sampler), config.seed)
+    return chosen["canaries"]
+
+  recorder = canaries_lib.Recorder()
+  result = trainer.train(
+      config, config_text=lambda: configurables.config_text(config),
+      canaries=canaries, callbacks=[recorder])
+  if result["steps_done"] < result["steps"]:
+    raise errors.UsageError(
+        f"the audit run stopped at step {result['steps_done']} of "
+        f"{result['steps']}: an audit is one uninterrupted run; start it "
+        "again in a fresh --output_dir")
+  return _report(output_dir, run_dir, chosen["canaries"],
+                 recorder.observations(), result, args)
+
+
+def default_count(epsilon: float, delta: float, confidence: float) -> int:
+  """The first of `DEFAULT_COUNTS` with which canaries scored in perfect
+  order (every one in above every one out) prove `epsilon` at
+  `confidence`: a mechanism that leaks all it may can then show it (ε = ∞:
+  the first)."""
+  for count in DEFAULT_COUNTS:
+    half = np.ones(count // 2)
+    if math.isinf(epsilon) or scores_lib.lower_bound(
+        np.concatenate([half, 0 * half]),
+        np.arange(2 * (count // 2)) < count // 2, delta=delta,
+        confidence=confidence)["epsilon_lower_bound"] >= epsilon:
+      return count
+  return DEFAULT_COUNTS[-1]
+
+
+def _report(output_dir: str, run_dir: str,
+            canaries: canaries_lib.GradientCanaries, observations: np.ndarray,
+            result: dict, args) -> dict:
+  """Scores, coins, bound: the files in `output_dir` and the JSON line."""
+  ledger = ledger_lib.PrivacyLedger.load(
+      os.path.join(run_dir, ledger_lib.LEDGER_FILENAME))
+  coins = np.asarray(canaries.coins(
+      secret_lib.RunSecret.load(run_dir).noise_key()))
+  sigma = ledger.noise_multiplier
+  canary_scores = scores_lib.scores(observations, canaries.groups(),
+                                    sigma, canaries.participation)
+  bound = scores_lib.lower_bound(canary_scores, coins, delta=ledger.delta,
+                                 confidence=args.confidence)
+  line = {
+      "epsilon": result["epsilon_spent"],
+      "delta": ledger.delta,
+      **bound,
+      "estimator": scores_lib.ESTIMATOR,
+      "confidence": args.confidence,
+      "canaries": canaries.count,
+      "canaries_in": int(coins.sum()),
+      "kind": args.kind,
+      "threat_model": THREAT_MODELS[args.kind],
+      "mechanism": ledger.mechanism,
+      "noise_multiplier": sigma,
+      "sampling": canaries.participation.describe(),
+      "dp_steps": int(observations.shape[0]),
+      "run_dir": run_dir,
+  }
+  np.save(os.path.join(output_dir, "observations.npy"), observations)
+  with open(os.path.join(output_dir, "scores.csv"), "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["canary", "score", "in"])
+    writer.writerows((i, repr(float(s)), int(c))
+                     for i, (s, c) in enumerate(zip(canary_scores, coins)))
+  _plot(canary_scores, coins, line, os.path.join(output_dir, "scores.png"))
+  with open(os.path.join(output_dir, "audit.json"), "w") as f:
+    json.dump(line, f, indent=1)
+  print(json.dumps(line), flush=True)
+  return line
+
+
+def _plot(canary_scores, coins, line: dict, path: str) -> None:
+  """The in and out canaries' score histograms, the bound in the title."""
+  from dpjax.pipelines import harness  # lazy: matplotlib
+  plt = harness.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  bins = np.histogram_bin_edges(canary_scores, bins=60)
+  ax.hist(canary_scores[~coins], bins=bins, alpha=0.6, label="out")
+  ax.hist(canary_scores[coins], bins=bins, alpha=0.6, label="in")
+  ax.set_yscale("log")
+  ax.set_xlabel("score (log-likelihood ratio, in vs out)")
+  ax.set_ylabel("canaries")
+  ax.set_title(f"ε = {line['epsilon']:.3g}; audited ε ≥ "
+               f"{line['epsilon_lower_bound']:.3g} "
+               f"({line['confidence']:.0%}, {line['canaries']} canaries)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _check(args) -> None:
+  """One UsageError for bad flags, before anything is read or written."""
+  if args.canaries is not None and args.canaries < 2:
+    raise errors.UsageError(f"--canaries must be at least 2, got "
+                             f"{args.canaries}")
+  if args.kind not in KINDS:
+    raise errors.UsageError(f"--kind must be one of {KINDS}, got "
+                             f"{args.kind!r}")
+  if not 0 < args.confidence < 1:
+    raise errors.UsageError(f"--confidence must be in (0, 1), got "
+                             f"{args.confidence}")
+  if os.path.exists(os.path.expanduser(args.output_dir)):
+    raise errors.UsageError(
+        f"--output_dir {args.output_dir} exists: an audit trains a fresh run "
+        "(its own secret and coins); give a new directory")
+
+
+def _add_arguments(parser) -> None:
+  parser.add_argument("--output_dir", required=True, metavar="D",
+                      help="a new directory: the audit run (D/run), its "
+                           "scores, coins, plot and JSON line")
+  parser.add_argument("--canaries", type=int, default=None, metavar="N",
+                      help="canaries (default: the least of "
+                           f"{DEFAULT_COUNTS} that can show the run's ε)")
+  parser.add_argument("--kind", default="gradient",
+                      help=f"canary kind: {' | '.join(KINDS)}")
+  parser.add_argument("--confidence", type=float, default=0.95,
+                      help="the bound's confidence (default 0.95)")
+
+
+if __name__ == "__main__":
+  gin_cli.run_command(main, train_cli.user_errors())

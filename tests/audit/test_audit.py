@@ -1,0 +1,281 @@
+"""`python -m dpjax.audit`: gradient canaries, their scores and the ε lower
+bound, against explicit loops, jax-privacy's estimator called directly,
+runs without noise, and planted bugs the audit must catch."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax_privacy import auditing
+
+from dpjax import errors, gin_cli
+from dpjax.audit import __main__ as audit_cli, canaries as canaries_lib
+from dpjax.audit import scores as scores_lib
+from dpjax.models import trainable
+from dpjax.privacy import mechanisms, sampling
+from dpjax.privacy.mechanisms import dpsgd
+from tests.audit.conftest import CANARIES, audit
+
+# --- Canaries: insertion, sampling and observation. -------------------------
+
+def _tiny_model():
+  return trainable.trainable(dataclasses.replace(
+      _t5_config(), vocab_size=64, d_model=8, d_kv=4, d_ff=8, num_heads=2,
+      num_encoder_layers=1, num_decoder_layers=1),
+                             {"inputs": 4, "targets": 4})
+
+
+def _t5_config():
+  from dpjax.models import t5
+  return t5.T5Config()
+
+
+def test_canaries_and_controls_are_distinct_coordinates_of_trained_leaves():
+  model = _tiny_model()
+  c = canaries_lib.choose(model, 100, canaries_lib.Participation(rate=0.5), 3)
+  leaves = jax.tree_util.tree_leaves(model.abstract_params()[0])
+  seen = {(j, int(i)) for j, flat in c.leaves.items() for i in flat}
+  assert len(seen) == 200
+  assert all(0 <= i < np.prod(leaves[j].shape) for j, i in seen)
+  assert sorted(np.concatenate(list(c.which.values()))) == list(range(200))
+  assert c is canaries_lib.choose(model, 100,
+                                  canaries_lib.Participation(rate=0.5), 3)
+  with pytest.raises(errors.UsageError, match="needs 2 × "):
+    canaries_lib.choose(model, 10**9, canaries_lib.Participation(rate=0.5), 3)
+
+
+def test_included_sampled_canaries_add_the_bound_at_their_coordinate():
+  """Against a loop over the canaries: each included canary the step
+  samples adds min(4 C, C) = C at its coordinate, nothing else changes, and
+  `observe` reads the canaries' then the controls' coordinates."""
+  model = _tiny_model()
+  c = canaries_lib.choose(model, 50, canaries_lib.Participation(rate=0.3), 0)
+  params = model.init_params(jax.random.PRNGKey(0))[0]
+  secret = jnp.asarray(np.arange(4, dtype=np.uint32))
+  bound = 0.25
+  got = c.insert({"loss": params}, {"loss": bound}, 7, secret)["loss"]
+  present = np.asarray(c.coins(secret) & c.sampled(secret, 7))
+  expected = [np.array(x, np.float32).ravel()
+              for x in jax.tree_util.tree_leaves(params)]
+  coordinates = {}
+  for j, flat in c.leaves.items():
+    for i, w in zip(flat, c.which[j]):
+      coordinates[int(w)] = (j, int(i))
+  for k in range(c.count):
+    j, i = coordinates[k]
+    expected[j][i] += bound * present[k]
+  for g, e in zip(jax.tree_util.tree_leaves(got), expected):
+    np.testing.assert_array_equal(np.asarray(g).ravel(), e)
+  observed = np.asarray(c.observe(got))
+  assert [observed[w] for w in range(2 * c.count)] == [
+      expected[coordinates[w][0]][coordinates[w][1]]
+      for w in range(2 * c.count)]
+  assert 0 < present.sum() < c.count
+
+
+def test_coins_are_fair_and_poisson_canaries_are_sampled_at_the_rate():
+  c = dataclasses.replace(
+      canaries_lib.choose(_tiny_model(), 100,
+                          canaries_lib.Participation(rate=0.2), 0),
+      count=20_000)
+  secret = jnp.asarray(np.array([9, 8, 7, 6], np.uint32))
+  coins = np.asarray(c.coins(secret))
+  assert abs(coins.mean() - 0.5) < 4 * math.sqrt(0.25 / 20_000)
+  steps = np.stack([np.asarray(c.sampled(secret, t)) for t in range(5)])
+  assert abs(steps.mean() - 0.2) < 4 * math.sqrt(0.16 / 100_000)
+  assert not (steps[0] == steps[1]).all()  # each step its own draw
+  other = jnp.asarray(np.array([9, 8, 7, 5], np.uint32))
+  assert not (np.asarray(c.coins(other)) == coins).all()
+
+
+def test_shuffled_canaries_are_sampled_once_per_epoch():
+  c = canaries_lib.choose(_tiny_model(), 100,
+                          canaries_lib.Participation(steps_per_epoch=4), 0)
+  secret = jnp.asarray(np.array([1, 2, 3, 4], np.uint32))
+  steps = np.stack([np.asarray(c.sampled(secret, t)) for t in range(8)])
+  assert (steps[:4].sum(0) == 1).all() and (steps[4:].sum(0) == 1).all()
+  assert not (steps[:4] == steps[4:]).all()  # each epoch its own slot
+
+
+def test_samplers_give_the_canaries_their_true_rate():
+  poisson = sampling.PoissonSampler(100, 25, seed=0)
+  assert canaries_lib.participation(poisson).rate == 0.25
+  shuffle = sampling.ShuffleSampler(100, 25, seed=0)
+  assert canaries_lib.participation(shuffle).steps_per_epoch == 4
+  with pytest.raises(errors.UsageError, match="CyclicPoissonSampler"):
+    canaries_lib.participation(sampling.CyclicPoissonSampler(
+        100, 10, cycle_length=2, steps=4, seed=0))
+
+
+# --- Scores. ------------------------------------------------------------------
+
+def test_scores_are_the_poisson_likelihood_ratio_of_standardized_releases():
+  """Against a float64 loop: per step, the release over the robust scale of
+  the controls of the canary's leaf, then log(1 - q + q e^{x/σ - 1/2σ²})."""
+  rng = np.random.default_rng(0)
+  steps, count, sigma, q = 6, 40, 0.8, 0.3
+  obs = rng.normal(size=(steps, 2 * count)) * np.arange(1, steps + 1)[:, None]
+  groups = np.array([0] * 30 + [1] * 10 + [0] * 25 + [1] * 15)
+  got = scores_lib.scores(obs, groups, sigma,
+                          canaries_lib.Participation(rate=q))
+  for i in range(count):
+    total = 0.0
+    for t in range(steps):
+      mine = [count + k for k in range(count) if groups[count + k] == groups[i]]
+      controls = obs[t, mine] if len(mine) >= scores_lib.MIN_CONTROLS else (
+          obs[t, count:])
+      center = np.median(controls)
+      scale = 1.4826 * np.median(np.abs(controls - center))
+      x = (obs[t, i] - center) / scale
+      total += math.log(1 - q + q * math.exp(x / sigma - 1 / (2 * sigma**2)))
+    assert got[i] == pytest.approx(total, rel=1e-9)
+
+
+def test_shuffled_scores_average_the_ratio_over_each_epochs_steps():
+  rng = np.random.default_rng(1)
+  count, sigma, s = 30, 1.5, 4
+  obs = rng.normal(size=(6, 2 * count))  # one epoch and a half
+  groups = np.zeros(2 * count, int)
+  got = scores_lib.scores(obs, groups, sigma,
+                          canaries_lib.Participation(steps_per_epoch=s))
+  w = scores_lib.standardized(obs, groups)
+  ratio = np.exp(w / sigma - 1 / (2 * sigma**2))
+  expected = (np.log(ratio[:4].sum(0) / s)
+              + np.log((ratio[4:].sum(0) + (s - 2)) / s))
+  np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_without_noise_the_score_is_the_sum_of_the_releases():
+  obs = np.arange(24.0).reshape(3, 8)
+  np.testing.assert_array_equal(
+      scores_lib.scores(obs, np.zeros(8, int), 0.0,
+                        canaries_lib.Participation(rate=0.5)),
+      obs[:, :4].sum(0))
+
+
+# --- Audits of training runs. ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def noiseless(tmp_path_factory, data_dir):
+  out = tmp_path_factory.mktemp("noiseless") / "audit"
+  return out, audit(out, data_dir, "TARGET_EPSILON='inf'")
+
+
+def test_without_noise_the_bound_is_far_above_1(noiseless):
+  """ε = ∞: 10,000 canaries, 10 steps at q = 1/2 (measured: 11.3)."""
+  _, line = noiseless
+  assert line["epsilon"] == math.inf
+  assert line["epsilon_lower_bound"] > 8
+
+
+def test_the_bound_is_jax_privacys_estimator_on_the_written_scores(noiseless):
+  out, line = noiseless
+  with open(out / "scores.csv") as f:
+    rows = list(csv.DictReader(f))
+  s = np.array([float(r["score"]) for r in rows])
+  coins = np.array([r["in"] == "1" for r in rows])
+  auditor = auditing.CanaryScoreAuditor(s[coins], s[~coins])
+  # The same up to the root finder's last bits (its search order).
+  assert line["epsilon_lower_bound"] == pytest.approx(
+      auditor.epsilon_one_run_fdp(0.05, line["delta"]), rel=1e-9)
+  assert line["epsilon_one_run"] == pytest.approx(
+      auditor.epsilon_one_run(0.05, line["delta"]), rel=1e-9)
+  assert json.loads((out / "audit.json").read_text()) == line
+  assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
+  assert np.load(out / "observations.npy").shape == (10, 2 * CANARIES)
+  assert line["canaries_in"] == coins.sum()
+
+
+# Planted bugs: test-only mechanisms that break the guarantee they claim.
+
+@dataclasses.dataclass(frozen=True)
+class QuietNoise(dpsgd.DPSGD):
+  """Claims σ, adds 0.3 σ."""
+  name: ClassVar[str] = "planted_quiet_noise"
+  setting: ClassVar[str] = "train.mechanism = 'planted_quiet_noise'"
+
+  def privatizer(self, *, noise_multiplier, **kwargs):
+    return super().privatizer(noise_multiplier=0.3 * noise_multiplier,
+                              **kwargs)
+
+
+class TenthRateSampler(sampling.PoissonSampler):
+  """Samples at q; its accounting (and the ledger) says q / 10."""
+
+  @property
+  def scheme(self):
+    return sampling.PoissonScheme(self.sampling_rate / 10)
+
+  def describe(self):
+    return {**super().describe(), "sampling_rate": self.sampling_rate / 10}
+
+
+@dataclasses.dataclass(frozen=True)
+class TenthRate(dpsgd.DPSGD):
+  """DP-SGD with `TenthRateSampler`."""
+  name: ClassVar[str] = "planted_tenth_rate"
+  setting: ClassVar[str] = "train.mechanism = 'planted_tenth_rate'"
+
+  def sampler(self, inputs, *, seed, unit_ids=None):
+    return TenthRateSampler(inputs.n, inputs.batch_size, seed=seed)
+
+
+@pytest.fixture
+def planted():
+  for m in (QuietNoise, TenthRate):
+    mechanisms.register(m)
+  yield
+  for m in (QuietNoise, TenthRate):
+    mechanisms._REGISTRY.pop(m.name)
+
+
+@pytest.mark.parametrize("bug", ["quiet_noise", "tenth_rate",
+                                 "unclipped_canaries"])
+def test_a_planted_bug_is_caught(bug, planted, data_dir, tmp_path,
+                                 monkeypatch):
+  if bug == "unclipped_canaries":
+    monkeypatch.setattr(canaries_lib, "clipped_norm", lambda raw, bound: raw)
+    bindings = []
+  else:
+    bindings = [f"train.mechanism='planted_{bug}'"]
+  line = audit(tmp_path / "audit", data_dir, *bindings)
+  assert line["epsilon"] == pytest.approx(3.0, abs=0.01)
+  assert line["epsilon_lower_bound"] > line["epsilon"], line
+
+
+# --- Bad input. ----------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--canaries=1"], "--canaries must be at least 2, got 1"),
+    (["--kind=membership"], "--kind must be one of ('gradient',)"),
+    (["--confidence=1.5"], "--confidence must be in (0, 1)"),
+])
+def test_bad_flags_are_one_line_and_exit_2(flags, message, tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    gin_cli.exit_on_user_error(lambda: audit_cli.main(
+        ["--gin_file=quickstart.gin", f"--output_dir={tmp_path / 'a'}",
+         *flags]))
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err
+  assert not (tmp_path / "a").exists()
+
+
+def test_an_existing_output_dir_is_refused_and_left_as_it_is(tmp_path,
+                                                             capsys):
+  (tmp_path / "a").mkdir()
+  (tmp_path / "a" / "mine.txt").write_text("keep")
+  with pytest.raises(SystemExit) as exit_:
+    gin_cli.exit_on_user_error(lambda: audit_cli.main(
+        ["--gin_file=quickstart.gin", f"--output_dir={tmp_path / 'a'}"]))
+  assert exit_.value.code == 2
+  assert "exists: an audit trains a fresh run" in capsys.readouterr().err
+  assert os.listdir(tmp_path / "a") == ["mine.txt"]
