@@ -34,8 +34,9 @@ import numpy as np
 
 from dpjax import configurables, errors, gin_cli, train as train_cli
 from dpjax.audit import canaries as canaries_lib, scores as scores_lib
+from dpjax.pipelines import harness
 from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
-from dpjax.training import run_config, trainer
+from dpjax.training import reporting, run_config, trainer
 
 KINDS = ("gradient",)
 THREAT_MODELS = {
@@ -67,11 +68,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
   chosen = {}
 
   def canaries(model, plan):
-    count = args.canaries or default_count(
-        run_config.as_float(config.target_epsilon), plan.delta,
-        args.confidence)
+    count = args.canaries
+    if count is None:
+      count = default_count(run_config.as_float(config.target_epsilon),
+                            plan.delta, args.confidence)
+      available = canaries_lib.trained_coordinates(model) // 2
+      if count > available:
+        reporting.say(f"the model trains {2 * available} coordinates: "
+                      f"{available} canaries and as many controls")
+        count = available
     chosen["canaries"] = canaries_lib.choose(
         model, count, canaries_lib.participation(plan.sampler), config.seed)
+    chosen["plan"] = plan
     return chosen["canaries"]
 
   recorder = canaries_lib.Recorder()
@@ -83,8 +91,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"the audit run stopped at step {result['steps_done']} of "
         f"{result['steps']}: an audit is one uninterrupted run; start it "
         "again in a fresh --output_dir")
-  return _report(output_dir, run_dir, chosen["canaries"],
-                 recorder.observations(), result, args)
+  coefs = getattr(chosen["plan"].mechanism, "coefs", None)  # BandMF's C
+  observations = recorder.observations()
+  strategy = (None if coefs is None else
+              scores_lib.strategy_matrix(coefs, len(observations)))
+  return _report(output_dir, run_dir, chosen["canaries"], observations,
+                 strategy, result, args)
 
 
 def default_count(epsilon: float, delta: float, confidence: float) -> int:
@@ -104,7 +116,7 @@ def default_count(epsilon: float, delta: float, confidence: float) -> int:
 
 def _report(output_dir: str, run_dir: str,
             canaries: canaries_lib.GradientCanaries, observations: np.ndarray,
-            result: dict, args) -> dict:
+            strategy: np.ndarray | None, result: dict, args) -> dict:
   """Scores, coins, bound: the files in `output_dir` and the JSON line."""
   ledger = ledger_lib.PrivacyLedger.load(
       os.path.join(run_dir, ledger_lib.LEDGER_FILENAME))
@@ -112,7 +124,7 @@ def _report(output_dir: str, run_dir: str,
       secret_lib.RunSecret.load(run_dir).noise_key()))
   sigma = ledger.noise_multiplier
   canary_scores = scores_lib.scores(observations, canaries.groups(),
-                                    sigma, canaries.participation)
+                                    sigma, canaries.participation, strategy)
   bound = scores_lib.lower_bound(canary_scores, coins, delta=ledger.delta,
                                  confidence=args.confidence)
   line = {
@@ -146,7 +158,6 @@ def _report(output_dir: str, run_dir: str,
 
 def _plot(canary_scores, coins, line: dict, path: str) -> None:
   """The in and out canaries' score histograms, the bound in the title."""
-  from dpjax.pipelines import harness  # lazy: matplotlib
   plt = harness.pyplot()
   fig, ax = plt.subplots(figsize=(6, 3.5))
   bins = np.histogram_bin_edges(canary_scores, bins=60)
@@ -187,7 +198,8 @@ def _add_arguments(parser) -> None:
                            "scores, coins, plot and JSON line")
   parser.add_argument("--canaries", type=int, default=None, metavar="N",
                       help="canaries (default: the least of "
-                           f"{DEFAULT_COUNTS} that can show the run's ε)")
+                           f"{DEFAULT_COUNTS} that can show the run's ε, "
+                           "at most half the trained coordinates)")
   parser.add_argument("--kind", default="gradient",
                       help=f"canary kind: {' | '.join(KINDS)}")
   parser.add_argument("--confidence", type=float, default=0.95,

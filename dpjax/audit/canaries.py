@@ -21,8 +21,8 @@ Nasr and Jagielski, "Privacy Auditing with One (1) Training Run", NeurIPS
 independently, by a coin drawn from the run's secret noise key (stream
 `CANARY_STREAM`, apart from the noise's), and an included canary is
 sampled at each step as the data's sampling samples a unit (Poisson at the
-sampler's true rate, or once per epoch for shuffling), from the same
-secret. A canary's contribution is a clipped unit's, so the run's guarantee
+sampler's true rate, in its group's steps only under cyclic Poisson, or
+once per epoch for shuffling), from the same secret. A canary's contribution is a clipped unit's, so the run's guarantee
 holds for each canary exactly as for each example: that is what the audit
 tests. The sampling, clipping, noise and accounting of the real examples
 are unchanged; the canaries change the release by at most the bound per
@@ -32,9 +32,9 @@ not, and the scores (`dpjax.audit.scores`) never read them.
 
 Costs and limits: the insertion and the observation are a scatter-add and
 a gather over the 2m coordinates per step (on a mesh, a leaf holding
-canaries is gathered to do so: an audit run is small). Mechanisms whose
-sampler is neither Poisson (example or user) nor shuffling (BandMF's cyclic
-Poisson) are refused (`participation`).
+canaries is gathered to do so: an audit run is small). A sampler other than
+Poisson (of examples or users), cyclic Poisson (BandMF) or shuffling is
+refused (`participation`).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from dpjax.privacy import noise, optimizers, sampling
 from dpjax.privacy.mechanisms import multi_loss
 
 CANARY_STREAM = 0x63616E61  # "cana": the coins' and canary sampling's keys
-_COINS, _POISSON, _SHUFFLE = 0, 1, 2
+_COINS, _POISSON, _SHUFFLE, _CYCLE = 0, 1, 2, 3
 # A canary's gradient before clipping, in units of the bound: over it, so a
 # release that skipped clipping would carry more than the bound.
 RAW_NORM_FACTOR = 4.0
@@ -64,14 +64,19 @@ def clipped_norm(raw_norm, bound):
 
 @dataclasses.dataclass(frozen=True)
 class Participation:
-  """How the data's sampling samples one unit: Poisson at `rate` per step,
-  or (`steps_per_epoch` set) once per epoch at a uniform step of it."""
+  """How the data's sampling samples one unit: Poisson at `rate` per step
+  (with `cycle_length` b, cyclic Poisson: the unit's uniform group g, and
+  Poisson at `rate` in the steps t ≡ g mod b only), or (`steps_per_epoch`
+  set) once per epoch at a uniform step of it."""
   rate: float | None = None
   steps_per_epoch: int | None = None
+  cycle_length: int = 1
 
   def describe(self) -> str:
     if self.steps_per_epoch:
       return f"shuffle ({self.steps_per_epoch} steps per epoch)"
+    if self.cycle_length > 1:
+      return f"cyclic poisson (q={self.rate:.4g}, cycle {self.cycle_length})"
     return f"poisson (q={self.rate:.4g})"
 
 
@@ -80,12 +85,15 @@ def participation(sampler) -> Participation:
   audit does not model."""
   if isinstance(sampler, sampling.ShuffleSampler):
     return Participation(steps_per_epoch=sampler.steps_per_epoch)
+  if isinstance(sampler, sampling.CyclicPoissonSampler):
+    return Participation(rate=sampler.sampling_rate,
+                         cycle_length=sampler.cycle_length)
   if isinstance(sampler, (sampling.PoissonSampler,
                           sampling.UserPoissonSampler)):
     return Participation(rate=sampler.sampling_rate)
   raise errors.UsageError(
-      f"the gradient audit models Poisson and shuffle sampling; this run's "
-      f"{type(sampler).__name__} is not modelled yet")
+      f"the gradient audit models Poisson, cyclic Poisson and shuffle "
+      f"sampling; this run's {type(sampler).__name__} is not modelled")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,7 +125,18 @@ class GradientCanaries:
                        * p.steps_per_epoch).astype(jnp.int32)
       return slot == count % p.steps_per_epoch
     keys = noise.stream_keys(noise_secret, CANARY_STREAM, _POISSON, count)
-    return noise.uniform(keys, (self.count,), 0.0) < p.rate
+    drawn = noise.uniform(keys, (self.count,), 0.0) < p.rate
+    if p.cycle_length == 1:
+      return drawn
+    return drawn & (self.groups_of_cycle(noise_secret)
+                    == count % p.cycle_length)
+
+  def groups_of_cycle(self, noise_secret) -> jax.Array:
+    """int32[m]: each canary's group of cyclic Poisson sampling (secret,
+    uniform over the cycle, fixed for the run)."""
+    keys = noise.stream_keys(noise_secret, CANARY_STREAM, _CYCLE)
+    return jnp.floor(noise.uniform(keys, (self.count,), 0.0)
+                     * self.participation.cycle_length).astype(jnp.int32)
 
   def insert(self, sums: Mapping[str, Any], bounds: Mapping[str, float],
              count, noise_secret) -> dict:
@@ -159,6 +178,21 @@ class GradientCanaries:
     return out
 
 
+def trained_coordinates(model) -> int:
+  """How many float coordinates `model` trains (LoRA: its adapters')."""
+  return int(_trained_sizes(model).sum())
+
+
+def _trained_sizes(model) -> np.ndarray:
+  """int64[leaves]: each params leaf's trained float coordinates."""
+  leaves = jax.tree_util.tree_leaves(model.abstract_params()[0])
+  trainable = multi_loss.trainable_mask(model)
+  masks = ([True] * len(leaves) if trainable is None
+           else jax.tree_util.tree_leaves(trainable))
+  return np.array([int(np.prod(x.shape)) if t and jnp.issubdtype(
+      x.dtype, jnp.floating) else 0 for x, t in zip(leaves, masks)], np.int64)
+
+
 @functools.lru_cache(maxsize=8)
 def choose(model, count: int, participation_: Participation,
            seed: int) -> GradientCanaries:
@@ -167,14 +201,8 @@ def choose(model, count: int, participation_: Participation,
   they have fewer than 2 * count coordinates. The same object for the same
   arguments (the model memoized, `trainable.trainable`), so a second audit
   of the same run places no new steps."""
-  abstract = model.abstract_params()[0]
-  trainable = multi_loss.trainable_mask(model)
   losses = multi_loss.release_names(model)
-  leaves = jax.tree_util.tree_leaves(abstract)
-  masks = ([True] * len(leaves) if trainable is None
-           else jax.tree_util.tree_leaves(trainable))
-  sizes = np.array([int(np.prod(x.shape)) if t and jnp.issubdtype(
-      x.dtype, jnp.floating) else 0 for x, t in zip(leaves, masks)], np.int64)
+  sizes = _trained_sizes(model)
   total = int(sizes.sum())
   if 2 * count > total:
     raise errors.UsageError(

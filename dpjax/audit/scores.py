@@ -12,7 +12,11 @@ standard deviations (σ the ledger's noise multiplier: a unit's clipped
 contribution over the noise σ·C). Under Poisson sampling at rate q a step
 contributes log(1 - q + q·exp(x/σ - 1/(2σ²))) for the standardized
 release x; under shuffling an epoch contributes the log of the mean over
-its steps of the same likelihood ratio. Without noise (σ = 0) the score is
+its steps of the same likelihood ratio; under cyclic Poisson (BandMF) the
+steps of each group t ≡ g (mod b) contribute as Poisson steps and the score
+is the mean over the b groups (the canary's is secret), the releases first
+decorrelated by BandMF's strategy C (C times the correlated noise is
+i.i.d.) and read along C's column s for a participation at step s. Without noise (σ = 0) the score is
 the sum of the releases along i.
 
 Formal guarantees
@@ -66,17 +70,32 @@ def standardized(observations: np.ndarray, groups: np.ndarray
   return out
 
 
+def strategy_matrix(coefs, steps: int) -> np.ndarray:
+  """float64[T, T]: BandMF's strategy `C`, the b-banded lower-triangular
+  Toeplitz matrix of `coefs` with each column scaled to unit L2 norm (the
+  column normalisation of jax-privacy's `inverse_as_streaming_matrix`), so
+  `C` times the releases is the clipped sums' `C x` plus i.i.d. noise."""
+  c = sum(coef * np.eye(steps, k=-k) for k, coef in enumerate(coefs))
+  return c / np.linalg.norm(c, axis=0)
+
+
 def scores(observations: np.ndarray, groups: np.ndarray,
-           noise_multiplier: float,
-           participation: Participation) -> np.ndarray:
-  """float64[m]: each canary's score (higher: more likely in)."""
+           noise_multiplier: float, participation: Participation,
+           strategy: np.ndarray | None = None) -> np.ndarray:
+  """float64[m]: each canary's score (higher: more likely in). `strategy`:
+  correlated noise's `C` (`strategy_matrix`), which decorrelates the
+  releases first."""
+  obs = np.asarray(observations, np.float64)
+  count = len(groups) // 2
+  if strategy is not None:
+    obs = strategy @ obs
   if noise_multiplier == 0:  # no noise to scale by: the sum of the releases
-    count = len(groups) // 2
-    return np.asarray(observations, np.float64)[:, :count].sum(axis=0)
-  w = standardized(observations, groups)
+    return obs[:, :count].sum(axis=0)
+  w = standardized(obs, groups)
+  if strategy is not None:  # a participation at s is C's column s (norm 1)
+    w = strategy.T @ w
   a = 1.0 / noise_multiplier
   llr = a * w - a * a / 2
-  count = w.shape[1]
   if participation.steps_per_epoch:
     s = participation.steps_per_epoch
     total = np.zeros(count)
@@ -86,10 +105,12 @@ def scores(observations: np.ndarray, groups: np.ndarray,
                             else -np.inf,
                             np.logaddexp.reduce(epoch, axis=0)) - np.log(s)
     return total
-  q = participation.rate
-  if q >= 1:
-    return llr.sum(axis=0)
-  return np.logaddexp(np.log1p(-q), np.log(q) + llr).sum(axis=0)
+  q, b = participation.rate, participation.cycle_length
+  steps = (llr if q >= 1 else
+           np.logaddexp(np.log1p(-q), np.log(q) + llr))
+  # Cyclic Poisson: the canary's group is unknown, each equally likely.
+  per_group = np.stack([steps[g::b].sum(axis=0) for g in range(b)])
+  return np.logaddexp.reduce(per_group, axis=0) - np.log(b)
 
 
 def lower_bound(canary_scores: np.ndarray, coins: np.ndarray, *,

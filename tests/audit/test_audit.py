@@ -22,7 +22,8 @@ from dpjax.audit import scores as scores_lib
 from dpjax.models import trainable
 from dpjax.privacy import mechanisms, sampling
 from dpjax.privacy.mechanisms import dpsgd
-from tests.audit.conftest import CANARIES, audit
+from tests.audit.audits import (AUDITS, CANARIES, FLAGS, SHORT,
+                                  assert_honest, audit)
 
 # --- Canaries: insertion, sampling and observation. -------------------------
 
@@ -50,6 +51,22 @@ def test_canaries_and_controls_are_distinct_coordinates_of_trained_leaves():
                                   canaries_lib.Participation(rate=0.5), 3)
   with pytest.raises(errors.UsageError, match="needs 2 × "):
     canaries_lib.choose(model, 10**9, canaries_lib.Participation(rate=0.5), 3)
+
+
+def test_lora_canaries_are_in_the_adapters_only():
+  from dpjax.models import lora
+  model = trainable.trainable(dataclasses.replace(
+      _tiny_model().config, lora=lora.LoRAConfig(rank=2)),
+                              {"inputs": 4, "targets": 4})
+  mask = jax.tree_util.tree_leaves(model.trainable_mask(
+      model.abstract_params()[0]))
+  leaves = jax.tree_util.tree_leaves(model.abstract_params()[0])
+  adapters = sum(int(np.prod(x.shape)) for x, t in zip(leaves, mask) if t)
+  assert canaries_lib.trained_coordinates(model) == adapters < sum(
+      int(np.prod(x.shape)) for x in leaves)
+  c = canaries_lib.choose(model, adapters // 2,
+                          canaries_lib.Participation(rate=0.5), 0)
+  assert all(mask[j] for j in c.leaves)
 
 
 def test_included_sampled_canaries_add_the_bound_at_their_coordinate():
@@ -110,9 +127,11 @@ def test_samplers_give_the_canaries_their_true_rate():
   assert canaries_lib.participation(poisson).rate == 0.25
   shuffle = sampling.ShuffleSampler(100, 25, seed=0)
   assert canaries_lib.participation(shuffle).steps_per_epoch == 4
-  with pytest.raises(errors.UsageError, match="CyclicPoissonSampler"):
-    canaries_lib.participation(sampling.CyclicPoissonSampler(
-        100, 10, cycle_length=2, steps=4, seed=0))
+  cyclic = canaries_lib.participation(sampling.CyclicPoissonSampler(
+      100, 10, cycle_length=2, steps=4, seed=0))
+  assert (cyclic.rate, cyclic.cycle_length) == (10 / 50, 2)
+  with pytest.raises(errors.UsageError, match="not modelled"):
+    canaries_lib.participation(object())
 
 
 # --- Scores. ------------------------------------------------------------------
@@ -161,6 +180,56 @@ def test_without_noise_the_score_is_the_sum_of_the_releases():
       obs[:, :4].sum(0))
 
 
+def test_the_strategy_inverts_bandmfs_noising_matrix():
+  """`strategy_matrix` times jax-privacy's streaming C⁻¹ (materialized by
+  feeding it the unit vectors) is the identity."""
+  from dpjax.privacy.mechanisms import bandmf
+  strategy = bandmf.optimized_strategy(9, 3)
+  matrix = strategy.noising_matrix()
+  state = matrix.init_multiply(jnp.zeros(9))
+  rows = []
+  for t in range(9):
+    row, state = matrix.multiply_next(jnp.eye(9)[t], state)
+    rows.append(np.asarray(row, np.float64))
+  np.testing.assert_allclose(
+      scores_lib.strategy_matrix(strategy.coefs, 9) @ np.stack(rows),
+      np.eye(9), atol=1e-5)
+
+
+def test_cyclic_scores_decorrelate_then_average_the_groups():
+  """Against a loop: C times the releases, standardized, read along C's
+  column s; the Poisson step terms of each group summed; the log of the
+  groups' mean."""
+  rng = np.random.default_rng(2)
+  steps, count, sigma, q, b = 6, 25, 1.2, 0.4, 2
+  strategy = scores_lib.strategy_matrix((0.8, 0.6), steps)
+  obs = rng.normal(size=(steps, 2 * count))
+  groups = np.zeros(2 * count, int)
+  got = scores_lib.scores(obs, groups, sigma, canaries_lib.Participation(
+      rate=q, cycle_length=b), strategy)
+  w = scores_lib.standardized(strategy @ obs, groups)
+  for i in range(count):
+    per_group = []
+    for g in range(b):
+      total = 0.0
+      for s in range(g, steps, b):
+        x = float(strategy[:, s] @ w[:, i])
+        total += math.log(1 - q + q * math.exp(x / sigma - 1 / (2 * sigma**2)))
+      per_group.append(math.exp(total))
+    assert got[i] == pytest.approx(math.log(sum(per_group) / b), rel=1e-9)
+
+
+def test_cyclic_canaries_are_sampled_in_their_groups_steps_only():
+  c = canaries_lib.choose(_tiny_model(), 100, canaries_lib.Participation(
+      rate=1.0, cycle_length=3), 0)
+  secret = jnp.asarray(np.array([5, 6, 7, 8], np.uint32))
+  group = np.asarray(c.groups_of_cycle(secret))
+  steps = np.stack([np.asarray(c.sampled(secret, t)) for t in range(6)])
+  np.testing.assert_array_equal(
+      steps, np.arange(6)[:, None] % 3 == group[None, :])
+  assert set(group) == {0, 1, 2}
+
+
 # --- Audits of training runs. ---------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -192,6 +261,18 @@ def test_the_bound_is_jax_privacys_estimator_on_the_written_scores(noiseless):
   assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
   assert np.load(out / "observations.npy").shape == (10, 2 * CANARIES)
   assert line["canaries_in"] == coins.sum()
+
+
+@pytest.mark.parametrize("sampling, count", [("poisson", AUDITS),
+                                             ("shuffle", 1)])
+def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(sampling, count, data_dir,
+                                                   tmp_path):
+  """With fresh secrets, at 99.9% (`audits.assert_honest` says why the
+  test is not a coin toss). BandMF's, adaptive clipping's and user-level
+  runs' audits are in their mechanisms' test files."""
+  assert_honest([audit(tmp_path / f"audit{i}", data_dir, *SHORT,
+                       f"train.sampling_method='{sampling}'", flags=FLAGS)
+                 for i in range(count)], count, sampling)
 
 
 # Planted bugs: test-only mechanisms that break the guarantee they claim.
@@ -241,12 +322,16 @@ def planted():
                                  "unclipped_canaries"])
 def test_a_planted_bug_is_caught(bug, planted, data_dir, tmp_path,
                                  monkeypatch):
+  flags = ()
   if bug == "unclipped_canaries":
     monkeypatch.setattr(canaries_lib, "clipped_norm", lambda raw, bound: raw)
+    # Canaries of their own (one fewer): the release that inserts them is
+    # traced afresh with the bug, and no other test's run finds it.
+    flags = [f"--canaries={CANARIES - 1}"]
     bindings = []
   else:
     bindings = [f"train.mechanism='planted_{bug}'"]
-  line = audit(tmp_path / "audit", data_dir, *bindings)
+  line = audit(tmp_path / "audit", data_dir, *bindings, flags=flags)
   assert line["epsilon"] == pytest.approx(3.0, abs=0.01)
   assert line["epsilon_lower_bound"] > line["epsilon"], line
 

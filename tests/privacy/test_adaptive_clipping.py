@@ -24,6 +24,7 @@ from dpjax.privacy.mechanisms import adaptive_clipping as adaptive
 from dpjax.privacy import clipping, clipping_method, noise, sampling
 from dpjax.privacy import ledger as ledger_lib, optimizers
 from tests.privacy.test_ghost import TOY_BATCH, TOY_PARAMS, toy_loss
+from tests.audit import audits
 
 LOSS = multi_loss.LOSS
 SECRET = jnp.arange(4, dtype=jnp.uint32)
@@ -350,3 +351,15 @@ def test_a_two_loss_step_moves_each_bound_by_its_own_count():
     assert float(new.clip_norms[name]) == pytest.approx(
         math.exp(-0.2 * (unclipped / 3 - 0.5)), rel=1e-5)
   assert float(new.clip_norms["a"]) != float(new.clip_norms["b"])
+
+
+def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
+  """`python -m dpjax.audit` of the adaptive run at ε = 3: each canary
+  enters at the step's bound (tests/audit)."""
+  from tests import test_trainer
+  bindings = [b.replace(" = ", "=", 1)
+              for b in [*test_trainer.TINY, *ADAPTIVE_RUN]]
+  line = audits.audit_gin(
+      tmp_path / "audit", "quickstart.gin", *bindings,
+      "TARGET_EPSILON=3.0", flags=audits.FLAGS)
+  audits.assert_honest([line], 1, "adaptive clipping")

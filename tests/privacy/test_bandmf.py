@@ -21,6 +21,7 @@ from dpjax.privacy import accounting, ledger as ledger_lib, noise
 from dpjax.privacy.mechanisms import bandmf
 from dpjax.privacy import sampling, secret
 from tests import test_trainer
+from tests.audit import audits
 
 SECRET = secret.RunSecret.pinned(3).noise_key()
 
@@ -311,3 +312,14 @@ def test_lora_run_checkpoints_noise_for_the_adapters_only(tmp_path):
   assert checkpoints.manager(str(model_dir)).latest_step() == 2
   again = run(model_dir, *lora)  # restores the state, trains no more
   assert again["epsilon_spent"] == first["epsilon_spent"]
+
+
+def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
+  """`python -m dpjax.audit` of this file's run at ε = 3: canaries sampled as
+  cyclic Poisson samples an example, the releases decorrelated by the
+  strategy (tests/audit)."""
+  bindings = [b.replace(" = ", "=", 1) for b in [*test_trainer.TINY, *EXTRA]]
+  line = audits.audit_gin(
+      tmp_path / "audit", "quickstart_bandmf.gin", *bindings,
+      "TARGET_EPSILON=3.0", flags=audits.FLAGS)
+  audits.assert_honest([line], 1, "bandmf")

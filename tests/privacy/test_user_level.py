@@ -19,6 +19,7 @@ from dpjax import configurables
 from dpjax import errors, export, gin_cli
 from dpjax.training import plan as plan_lib, run_config
 from dpjax.privacy import clipping, ghost, ledger as ledger_lib, sampling
+from tests.audit import audits
 from tests.privacy import test_ghost
 
 # 40 users owning 1 to 7 examples each (155 examples), interleaved.
@@ -307,3 +308,13 @@ def test_dry_run_counts_users(tmp_path, capsys):
   assert record["sampling"] == "user_poisson"
   assert record["q"] == pytest.approx(12 / 540)
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
+  """`python -m dpjax.audit` of the user-level run at ε = 3: canary users,
+  Poisson-sampled at the user rate (tests/audit)."""
+  bindings = [b.replace(" = ", "=", 1) for b in TINY]
+  line = audits.audit_gin(
+      tmp_path / "audit", "dialog_sample_user_level.gin", *bindings,
+      "TARGET_EPSILON=3.0", flags=audits.FLAGS)
+  audits.assert_honest([line], 1, "user-level")

@@ -41,6 +41,7 @@ trained parameter per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, ClassVar, Sequence
 
@@ -75,9 +76,12 @@ class Strategy:
         jnp.asarray(self.coefs, jnp.float32), column_normalize_for_n=self.steps)
 
 
+@functools.lru_cache(maxsize=64)
 def optimized_strategy(steps: int, bands: int) -> Strategy:
   """jax-privacy's banded Toeplitz strategy of `bands` bands that minimises
-  the mean squared error of the prefix sums over `steps` steps."""
+  the mean squared error of the prefix sums over `steps` steps (memoized:
+  a pure function of the two, and an optimisation of seconds that every
+  run planned with these steps would repeat)."""
   from jax_privacy.matrix_factorization import toeplitz
   coefs = toeplitz.optimize_banded_toeplitz(n=steps, bands=bands)
   return Strategy(tuple(float(c) for c in np.asarray(coefs)), steps)
