@@ -7,6 +7,16 @@ from dpjax.data.readers import textcls
 
 from tasks import textcls as textcls_tasks
 
+try:  # while collecting, not mid-suite: pytest rewrites tfds's
+  # testing/test_utils.py on import (its name matches test_*.py), and
+  # CPython 3.11.7's AST conversion keeps its recursion depth in shared
+  # state (CPython gh-106905, fixed in 3.11.8), so a data pipeline thread
+  # still parsing (autograph) made that import fail with "AST constructor
+  # recursion depth mismatch" once in a whole-suite run.
+  import tensorflow_datasets.testing.mocking  # noqa: F401
+except ImportError:  # the test below is skipped without tfds
+  pass
+
 SST2_TSV = ("sentence\tlabel\n"
             "a gorgeous , witty , seductive movie . \t1\n"
             "\n"
