@@ -51,8 +51,8 @@ def assert_honest(lines, audits: int, mechanism: str) -> None:
 
   Each bound holds with the confidence it is computed at: for a run whose
   guarantee is true, P(bound > ε) <= 1 - confidence, even for a mechanism
-  that leaks all ε allows. At 99.9% the suite's honest audits (about 12)
-  fail by chance with probability at most 1.2% against tight mechanisms,
+  that leaks all ε allows. At 99.9% the suite's six honest audits fail by
+  chance with probability at most 0.6% against tight mechanisms,
   and far less here: one-run audits of subsampled DP-SGD sit well below ε
   (docs/benchmarks.md). They are short runs (2,000 canaries): the claim is
   the bound's, not the audit's power, which `test_audit.py` tests with a
