@@ -91,12 +91,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"the audit run stopped at step {result['steps_done']} of "
         f"{result['steps']}: an audit is one uninterrupted run; start it "
         "again in a fresh --output_dir")
-  coefs = getattr(chosen["plan"].mechanism, "coefs", None)  # BandMF's C
-  observations = recorder.observations()
-  strategy = (None if coefs is None else
-              scores_lib.strategy_matrix(coefs, len(observations)))
-  return _report(output_dir, run_dir, chosen["canaries"], observations,
-                 strategy, result, args)
+  # Correlated noise (BandMF) names its strategy C; independent noise none.
+  strategy = getattr(chosen["plan"].mechanism, "strategy", None)
+  return _report(output_dir, run_dir, chosen["canaries"],
+                 recorder.observations(),
+                 None if strategy is None else strategy.matrix(), result, args)
 
 
 def default_count(epsilon: float, delta: float, confidence: float) -> int:

@@ -70,21 +70,12 @@ def standardized(observations: np.ndarray, groups: np.ndarray
   return out
 
 
-def strategy_matrix(coefs, steps: int) -> np.ndarray:
-  """float64[T, T]: BandMF's strategy `C`, the b-banded lower-triangular
-  Toeplitz matrix of `coefs` with each column scaled to unit L2 norm (the
-  column normalisation of jax-privacy's `inverse_as_streaming_matrix`), so
-  `C` times the releases is the clipped sums' `C x` plus i.i.d. noise."""
-  c = sum(coef * np.eye(steps, k=-k) for k, coef in enumerate(coefs))
-  return c / np.linalg.norm(c, axis=0)
-
-
 def scores(observations: np.ndarray, groups: np.ndarray,
            noise_multiplier: float, participation: Participation,
            strategy: np.ndarray | None = None) -> np.ndarray:
   """float64[m]: each canary's score (higher: more likely in). `strategy`:
-  correlated noise's `C` (`strategy_matrix`), which decorrelates the
-  releases first."""
+  correlated noise's `C` (BandMF's `Strategy.matrix()`), which decorrelates
+  the releases first."""
   obs = np.asarray(observations, np.float64)
   count = len(groups) // 2
   if strategy is not None:

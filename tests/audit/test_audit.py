@@ -181,8 +181,8 @@ def test_without_noise_the_score_is_the_sum_of_the_releases():
 
 
 def test_the_strategy_inverts_bandmfs_noising_matrix():
-  """`strategy_matrix` times jax-privacy's streaming C⁻¹ (materialized by
-  feeding it the unit vectors) is the identity."""
+  """`Strategy.matrix()` times jax-privacy's streaming C⁻¹ (materialized
+  by feeding it the unit vectors) is the identity."""
   from dpjax.privacy.mechanisms import bandmf
   strategy = bandmf.optimized_strategy(9, 3)
   matrix = strategy.noising_matrix()
@@ -192,7 +192,7 @@ def test_the_strategy_inverts_bandmfs_noising_matrix():
     row, state = matrix.multiply_next(jnp.eye(9)[t], state)
     rows.append(np.asarray(row, np.float64))
   np.testing.assert_allclose(
-      scores_lib.strategy_matrix(strategy.coefs, 9) @ np.stack(rows),
+      strategy.matrix() @ np.stack(rows),
       np.eye(9), atol=1e-5)
 
 
@@ -202,7 +202,8 @@ def test_cyclic_scores_decorrelate_then_average_the_groups():
   groups' mean."""
   rng = np.random.default_rng(2)
   steps, count, sigma, q, b = 6, 25, 1.2, 0.4, 2
-  strategy = scores_lib.strategy_matrix((0.8, 0.6), steps)
+  from dpjax.privacy.mechanisms import bandmf
+  strategy = bandmf.Strategy((0.8, 0.6), steps).matrix()
   obs = rng.normal(size=(steps, 2 * count))
   groups = np.zeros(2 * count, int)
   got = scores_lib.scores(obs, groups, sigma, canaries_lib.Participation(

@@ -75,6 +75,16 @@ class Strategy:
     return toeplitz.inverse_as_streaming_matrix(
         jnp.asarray(self.coefs, jnp.float32), column_normalize_for_n=self.steps)
 
+  def matrix(self) -> np.ndarray:
+    """`C` itself, float64[steps, steps]: jax-privacy's lower-triangular
+    Toeplitz matrix of `coefs`, each column scaled to unit L2 norm as
+    `noising_matrix` normalises it (`C` times the releases is the clipped
+    sums' `C x` plus i.i.d. noise: what an audit decorrelates with)."""
+    from jax_privacy.matrix_factorization import toeplitz
+    c = np.asarray(toeplitz.materialize_lower_triangular(
+        jnp.asarray(self.coefs, jnp.float32), self.steps), np.float64)
+    return c / np.linalg.norm(c, axis=0)
+
 
 @functools.lru_cache(maxsize=64)
 def optimized_strategy(steps: int, bands: int) -> Strategy:
