@@ -19,7 +19,7 @@ from jax_privacy import auditing
 from dpjax import errors, gin_cli
 from dpjax.audit import __main__ as audit_cli, canaries as canaries_lib
 from dpjax.audit import scores as scores_lib
-from dpjax.models import trainable
+from dpjax.models import t5, trainable
 from dpjax.privacy import mechanisms, sampling
 from dpjax.privacy.mechanisms import dpsgd
 from tests.audit.audits import (AUDITS, CANARIES, FLAGS, SHORT,
@@ -28,15 +28,9 @@ from tests.audit.audits import (AUDITS, CANARIES, FLAGS, SHORT,
 # --- Canaries: insertion, sampling and observation. -------------------------
 
 def _tiny_model():
-  return trainable.trainable(dataclasses.replace(
-      _t5_config(), vocab_size=64, d_model=8, d_kv=4, d_ff=8, num_heads=2,
-      num_encoder_layers=1, num_decoder_layers=1),
-                             {"inputs": 4, "targets": 4})
-
-
-def _t5_config():
-  from dpjax.models import t5
-  return t5.T5Config()
+  return trainable.trainable(t5.T5Config(
+      vocab_size=64, d_model=8, d_kv=4, d_ff=8, num_heads=2,
+      num_encoder_layers=1, num_decoder_layers=1), {"inputs": 4, "targets": 4})
 
 
 def test_canaries_and_controls_are_distinct_coordinates_of_trained_leaves():
