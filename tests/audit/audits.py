@@ -4,9 +4,6 @@ any gin run's (`audit_gin`), and the claim every honest audit must meet
 (`assert_honest`)."""
 from __future__ import annotations
 
-import json
-import os
-
 import gin
 import pytest
 
@@ -45,9 +42,9 @@ def audit_gin(output_dir, gin_file, *bindings, flags=()) -> dict:
     gin.clear_config()
 
 
-def assert_honest(lines, audits: int, mechanism: str) -> None:
-  """`audits` audits of runs at ε = 3, each with its own secret, none
-  bounding ε above 3.
+def assert_honest(lines, mechanism: str) -> None:
+  """Audits (their JSON `lines`) of runs at ε = 3, each with its own
+  secret, none bounding ε above 3.
 
   Each bound holds with the confidence it is computed at: for a run whose
   guarantee is true, P(bound > ε) <= 1 - confidence, even for a mechanism
@@ -57,11 +54,8 @@ def assert_honest(lines, audits: int, mechanism: str) -> None:
   (docs/benchmarks.md). They are short runs (2,000 canaries): the claim is
   the bound's, not the audit's power, which `test_audit.py` tests with a
   noiseless run and planted bugs."""
-  keys = set()
-  for line in lines:
-    with open(os.path.join(line["run_dir"], secret.SECRET_FILENAME)) as f:
-      keys.add(json.load(f)["key"])
-  assert len(keys) == audits  # fresh secrets
+  secrets = {secret.RunSecret.load(line["run_dir"]).key for line in lines}
+  assert len(secrets) == len(lines)  # fresh secrets
   for line in lines:
     assert line["epsilon"] == pytest.approx(3.0, abs=0.01)
     assert line["confidence"] == CONFIDENCE

@@ -264,7 +264,7 @@ def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(data_dir, tmp_path):
   runs' audits are in their mechanisms' test files; shuffling's canary
   sampling and scores are checked above."""
   assert_honest([audit(tmp_path / f"audit{i}", data_dir, *SHORT, flags=FLAGS)
-                 for i in range(AUDITS)], AUDITS, "dpsgd")
+                 for i in range(AUDITS)], "dpsgd")
 
 
 # Planted bugs: test-only mechanisms that break the guarantee they claim.

@@ -322,4 +322,4 @@ def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
   line = audits.audit_gin(
       tmp_path / "audit", "quickstart_bandmf.gin", *bindings,
       "TARGET_EPSILON=3.0", flags=audits.FLAGS)
-  audits.assert_honest([line], 1, "bandmf")
+  audits.assert_honest([line], "bandmf")

@@ -317,4 +317,4 @@ def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
   line = audits.audit_gin(
       tmp_path / "audit", "dialog_sample_user_level.gin", *bindings,
       "TARGET_EPSILON=3.0", "TRAIN_STEPS=2", flags=audits.FLAGS)
-  audits.assert_honest([line], 1, "user-level")
+  audits.assert_honest([line], "user-level")
