@@ -1,7 +1,7 @@
 """`python -m dpjax.export`: the release of a trained run, and nothing else.
 
   python -m dpjax.export --model_dir=D --output_dir=R [--overwrite]
-      [--adapters_only]
+      [--adapters_only] [--audit=A]
 
 What is released (a whitelist: every file is written here from values read one
 by one; the run directory is never copied):
@@ -25,7 +25,12 @@ by one; the run directory is never copied):
                       ledger's events (never a stored number), δ, accountant,
                       unit of privacy and adjacency, q, σ, C, n, DP steps,
                       sampling, target ε, model step, how the noise key was
-                      drawn, and the events themselves.
+                      drawn, and the events themselves; with --audit=A, the
+                      audit in A (`python -m dpjax.audit --output_dir=A`):
+                      what was audited, the threat model, the ε lower bound
+                      recomputed from A's scores and its confidence
+                      (`dpjax.audit.evidence`; refused if A audited another
+                      mechanism or its bound exceeds ε).
 
 What is not: the checkpoint meta, config.gin, train_summary.json, summaries,
 the ledger file, optimizer state, the run secret (`secret_key.json`: the
@@ -58,6 +63,7 @@ from flax import traverse_util
 
 from dpjax.training import checkpoints
 from dpjax import errors, fileio, gin_cli, pretrained
+from dpjax.audit import evidence
 from dpjax.generation import inference
 from dpjax.models import dual_encoder
 from dpjax.privacy import ledger as ledger_lib, mechanisms
@@ -256,6 +262,8 @@ def privacy_markdown(s: dict) -> str:
   lines += ["", "Anything computed from this release alone (generated text, "
             "embeddings, further training on public data) keeps the "
             f"guarantee. The events behind ε are in {STATEMENT_FILE}."]
+  if s.get("audit"):
+    lines += [""] + evidence.markdown(s["audit"], s["epsilon"])
   return "\n".join(lines) + "\n"
 
 
@@ -305,15 +313,20 @@ def install(tmp: str, output_dir: str) -> None:
 
 
 def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False,
-               adapters_only: bool = False) -> dict:
+               adapters_only: bool = False, audit_dir: str | None = None
+               ) -> dict:
   """Writes the release of the run in `model_dir` to `output_dir`; returns
   its path, files and statement. `adapters_only`: a LoRA run's adapters in
-  PEFT's layout instead of the merged model."""
+  PEFT's layout instead of the merged model. `audit_dir`: an audit of this
+  run's mechanism, stated beside ε (`dpjax.audit.evidence`)."""
   model_dir, output_dir = (os.path.abspath(os.path.expanduser(p))
                            for p in (model_dir, output_dir))
   check_paths(model_dir, output_dir, overwrite)
   config, params, meta = load_run(model_dir)
   statement = privacy_statement(meta, config)
+  statement["audit"] = None if audit_dir is None else (
+      evidence.statement_entry(os.path.abspath(os.path.expanduser(audit_dir)),
+                               meta.privacy_ledger(), model_dir))
   parent = os.path.dirname(output_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent,
@@ -353,14 +366,21 @@ def main(argv=None) -> dict:
                       help="a LoRA run: its adapters alone, in PEFT's layout "
                            "(adapter_config.json + adapter_model.safetensors), "
                            "instead of the merged model")
+  parser.add_argument("--audit", metavar="A", default=None,
+                      help="the output directory of `python -m dpjax.audit` "
+                           "on this run's configuration: its ε lower bound "
+                           "goes into PRIVACY.md and privacy_statement.json")
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   result = export_run(args.model_dir, args.output_dir,
                       overwrite=args.overwrite,
-                      adapters_only=args.adapters_only)
+                      adapters_only=args.adapters_only, audit_dir=args.audit)
   s = result["statement"]
+  audited = ("" if s["audit"] is None else
+             f"; audited ε ≥ {s['audit']['epsilon_lower_bound']:.3g}")
   print(f"dpjax: released {args.model_dir} (step {s['model_step']}) to "
         f"{result['output_dir']}: ε = {s['epsilon']} at "
-        f"δ = {s['delta']:.3g}, noise key {s['noise_key']}", flush=True)
+        f"δ = {s['delta']:.3g}, noise key {s['noise_key']}{audited}",
+        flush=True)
   return result
 
 

@@ -92,8 +92,9 @@ def test_release_round_trips_and_states_the_recomputed_epsilon(run_dir,
       "one training example", "add_or_remove_one", "poisson")
   assert s["target_epsilon"] == 3.0 and s["accountant"] == "pld"
   assert s["noise_key"] == ledger["secret"] == "pinned"
+  assert s["audit"] is None  # no --audit (tests/audit/test_audit.py)
   text = (out / "PRIVACY.md").read_text()
-  assert f"{s['epsilon']:.4g}" in text
+  assert f"{s['epsilon']:.4g}" in text and "## Audit" not in text
   assert "WARNING: the noise key was pinned" in text.splitlines()[2]
 
 

@@ -96,6 +96,14 @@ def participation(sampler) -> Participation:
       f"sampling; this run's {type(sampler).__name__} is not modelled")
 
 
+def coins(noise_secret, count: int) -> jax.Array:
+  """bool[count]: which of an audit run's `count` canaries it includes,
+  from the run's secret alone (what a release's check of the audit
+  recomputes)."""
+  keys = noise.stream_keys(noise_secret, CANARY_STREAM, _COINS)
+  return noise.uniform(keys, (count,), 0.0) < 0.5
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GradientCanaries:
   """m canaries and m controls at distinct coordinates of the params.
@@ -112,8 +120,7 @@ class GradientCanaries:
 
   def coins(self, noise_secret) -> jax.Array:
     """bool[m]: which canaries the run includes (secret)."""
-    keys = noise.stream_keys(noise_secret, CANARY_STREAM, _COINS)
-    return noise.uniform(keys, (self.count,), 0.0) < 0.5
+    return coins(noise_secret, self.count)
 
   def sampled(self, noise_secret, count) -> jax.Array:
     """bool[m]: the canaries DP step `count` samples, if included."""

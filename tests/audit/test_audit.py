@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from typing import ClassVar
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from jax_privacy import auditing
 
-from dpjax import errors, gin_cli
+from dpjax import errors, export, gin_cli
 from dpjax.audit import __main__ as audit_cli, canaries as canaries_lib
 from dpjax.audit import scores as scores_lib
 from dpjax.models import t5, trainable
@@ -258,13 +259,79 @@ def test_the_bound_is_jax_privacys_estimator_on_the_written_scores(noiseless):
   assert line["canaries_in"] == coins.sum()
 
 
-def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory, data_dir):
+  """`AUDITS` audits of DP-SGD runs at ε = 3: (directory, line) each."""
+  out = tmp_path_factory.mktemp("honest")
+  return [(out / f"audit{i}",
+           audit(out / f"audit{i}", data_dir, *SHORT, flags=FLAGS))
+          for i in range(AUDITS)]
+
+
+def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(honest):
   """With fresh secrets, at 99.9% (`audits.assert_honest` says why the
   test is not a coin toss). BandMF's, adaptive clipping's and user-level
   runs' audits are in their mechanisms' test files; shuffling's canary
   sampling and scores are checked above."""
-  assert_honest([audit(tmp_path / f"audit{i}", data_dir, *SHORT, flags=FLAGS)
-                 for i in range(AUDITS)], "dpsgd")
+  assert_honest([line for _, line in honest], "dpsgd")
+
+
+# --- The audit in a release (`python -m dpjax.export --audit`). ------------
+
+def export_with_audit(run_dir, audit_dir, output_dir) -> dict:
+  return gin_cli.exit_on_user_error(lambda: export.main([
+      f"--model_dir={run_dir}", f"--output_dir={output_dir}",
+      f"--audit={audit_dir}"]))
+
+
+def test_a_release_states_its_audits_bound_recomputed_from_the_scores(
+    honest, tmp_path):
+  (audit_dir, line), (_, other) = honest[:2]
+  with open(audit_dir / "scores.csv") as f:
+    rows = list(csv.DictReader(f))
+  s = np.array([float(r["score"]) for r in rows])
+  coins = np.array([r["in"] == "1" for r in rows])
+  want = auditing.CanaryScoreAuditor(s[coins], s[~coins]).epsilon_one_run_fdp(
+      1 - line["confidence"], line["delta"])
+  for run_dir, audited_run in ((line["run_dir"], "this run"),
+                               (other["run_dir"], "another run")):
+    out = tmp_path / audited_run.replace(" ", "_")
+    result = export_with_audit(run_dir, audit_dir, out)
+    entry = json.loads((out / "privacy_statement.json").read_text())["audit"]
+    assert entry == result["statement"]["audit"]
+    assert entry["epsilon_lower_bound"] == pytest.approx(want, rel=1e-9)
+    assert entry["audited_run"].startswith(audited_run)
+    assert (entry["kind"], entry["confidence"], entry["canaries"],
+            entry["canaries_in"]) == ("gradient", line["confidence"],
+                                      line["canaries"], coins.sum())
+    assert entry["threat_model"] == audit_cli.THREAT_MODELS["gradient"]
+    text = (out / "PRIVACY.md").read_text()
+    assert (f"ε ≥ {want:.3g} at 99.9% confidence" in text
+            and audited_run in text.split("## Audit")[1])
+
+
+def refused(run_dir, audit_dir, output_dir, capsys) -> str:
+  with pytest.raises(SystemExit) as exit_:
+    export_with_audit(run_dir, audit_dir, output_dir)
+  assert exit_.value.code == 2 and not os.path.exists(output_dir)
+  return capsys.readouterr().err.strip()
+
+
+def test_an_audit_of_another_mechanism_or_with_other_coins_is_refused(
+    honest, noiseless, tmp_path, capsys):
+  (audit_dir, line), = honest[:1]
+  err = refused(line["run_dir"], noiseless[0], tmp_path / "r", capsys)
+  assert "audited another mechanism than this release" in err
+  assert "noise_multiplier 0.0 (audit)" in err and len(err.splitlines()) == 1
+  # Coins flipped after the scores were seen: not the run's secret's draw.
+  forged = tmp_path / "forged"
+  shutil.copytree(audit_dir, forged, symlinks=True)
+  scores_csv = (forged / "scores.csv").read_text().splitlines()
+  head, first, *rest = scores_csv
+  first = first[:-1] + ("0" if first.endswith("1") else "1")
+  (forged / "scores.csv").write_text("\n".join([head, first, *rest]) + "\n")
+  err = refused(line["run_dir"], forged, tmp_path / "r", capsys)
+  assert "are not the ones its run's secret drew" in err
 
 
 # Planted bugs: test-only mechanisms that break the guarantee they claim.
@@ -313,7 +380,7 @@ def planted():
 @pytest.mark.parametrize("bug", ["quiet_noise", "tenth_rate",
                                  "unclipped_canaries"])
 def test_a_planted_bug_is_caught(bug, planted, data_dir, tmp_path,
-                                 monkeypatch):
+                                 monkeypatch, capsys):
   flags = ()
   if bug == "unclipped_canaries":
     monkeypatch.setattr(canaries_lib, "clipped_norm", lambda raw, bound: raw)
@@ -326,6 +393,11 @@ def test_a_planted_bug_is_caught(bug, planted, data_dir, tmp_path,
   line = audit(tmp_path / "audit", data_dir, *bindings, flags=flags)
   assert line["epsilon"] == pytest.approx(3.0, abs=0.01)
   assert line["epsilon_lower_bound"] > line["epsilon"], line
+  # Its release is refused: the audit refutes the ε it would state. (The
+  # tenth rate's ledger already fails verification: its plan samples at q.)
+  err = refused(line["run_dir"], tmp_path / "audit", tmp_path / "r", capsys)
+  assert ("does not account for its releases" if bug == "tenth_rate" else
+          "the guarantee is refuted; nothing was released") in err, err
 
 
 # --- Bad input. ----------------------------------------------------------------
