@@ -272,11 +272,13 @@ def _cli(*args, cwd=REPO):
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
-  """`python -m dpjax.train` on gin/quickstart.gin: 4 steps, then 40
-  synthetic queries."""
+  """`python -m dpjax.train` on gin/quickstart.gin: 4 steps of 64 examples
+  (two microbatches: accumulation is still exercised), evaluated on 64,
+  then 40 synthetic queries."""
   model_dir = tmp_path_factory.mktemp("quickstart")
   proc = _cli("--gin_file=gin/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
-              "--gin.TRAIN_STEPS=4", "--gin.train.log_period=2",
+              "--gin.TRAIN_STEPS=4", "--gin.BATCH_SIZE=64",
+              "--gin.train.eval_examples=64", "--gin.train.log_period=2",
               "--gin.train.eval_period=2", "--gin.generate_synthetic.limit=40")
   return model_dir, proc
 
