@@ -18,7 +18,7 @@ import pytest
 import tasks
 from dpjax import configurables, errors, gin_cli, verify
 from dpjax.training import checkpoints, loop, sizing, step as step_lib
-from dpjax.training import state as state_lib
+from dpjax.training import state as state_lib, trainer
 from dpjax.data import arrays as data_arrays
 from dpjax.models import gpt2, t5, trainable
 from dpjax.privacy.mechanisms import multi_loss
@@ -786,3 +786,15 @@ def test_a_trainer_update_is_centred_on_the_clipped_signal(one_sgd_step):
 def test_a_trainer_update_counts_one_release(one_sgd_step):
   _, state, _ = one_sgd_step
   assert int(state.noise_count) == 1
+
+
+@pytest.mark.parametrize("units", [
+    np.array([3, 9, 4]), np.array(["ann", "bob", "added-row-1x"]),
+    np.array([b"ann", b"bob", b"cy"]), np.array([b"ann", b"bob"], dtype=object)])
+def test_added_rows_are_units_of_their_own(units):
+  """An input audit's canary rows (`build(added_rows=...)`): each a unit
+  no data row has, of a dtype the units' concatenation keeps."""
+  fresh = trainer._fresh_units(units, 4)
+  both = np.concatenate([units, fresh])
+  assert len(fresh) == 4 and len(set(both.tolist())) == len(units) + 4
+  assert both.dtype.kind == units.dtype.kind

@@ -2,17 +2,24 @@
 from one training run with canaries.
 
   python -m dpjax.audit --gin_file=quickstart.gin [--gin.NAME=VALUE ...] \\
-      --output_dir=D [--canaries=N] [--kind=gradient] [--confidence=0.95]
+      --output_dir=D [--canaries=N] [--kind=gradient|input] \\
+      [--confidence=0.95]
 
 Trains the run the gin files describe (into D/run, a fresh run: its own
-secret, its own ledger) with N gradient canaries (`dpjax.audit.canaries`),
-each included by a secret fair coin; scores each canary from the releases
-(`dpjax.audit.scores`); and prints one JSON line: the run's ε (its ledger)
-beside the ε lower bound the scores prove at the confidence, with the
-estimator and the threat model. D gets the line (audit.json), the scores
-and coins (scores.csv: written after training), the releases at the
-canary and control coordinates (observations.npy) and the scores' in/out
-histograms (scores.png).
+secret, its own ledger) with N canaries, each included by a secret fair
+coin, scores each canary, and prints one JSON line: the run's ε (its
+ledger) beside the ε lower bound the scores prove at the confidence, with
+the estimator and the threat model.
+  gradient  (white box) Dirac directions in parameter space added to the
+            clipped sums of the steps that sample them
+            (`dpjax.audit.canaries`), scored from every step's release
+            (`dpjax.audit.scores`); D also gets those releases at the
+            canary and control coordinates (observations.npy).
+  input     (black box) training examples of random target tokens
+            (`dpjax.audit.inputs`; the run's split gains N rows), scored by
+            the final model's loss on them.
+D gets the line (audit.json), the scores and coins (scores.csv: written
+after training) and the scores' in/out histograms (scores.png).
 
 A lower bound above the run's ε refutes the run's guarantee (with
 probability at least the confidence, it is not a chance result); one far
@@ -33,19 +40,25 @@ from absl import logging as absl_logging
 import numpy as np
 
 from dpjax import configurables, errors, gin_cli, train as train_cli
-from dpjax.audit import canaries as canaries_lib, scores as scores_lib
+from dpjax.audit import canaries as canaries_lib, inputs as inputs_lib
+from dpjax.audit import scores as scores_lib
+from dpjax.generation import inference
+from dpjax.models import trainable
 from dpjax.pipelines import harness
 from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
 from dpjax.training import reporting, run_config, trainer
 
-KINDS = ("gradient",)
+KINDS = ("gradient", "input")
 THREAT_MODELS = {
     "gradient": "white box: every DP step's release (the privatized "
                 "gradient), read at the canary and control coordinates",
+    "input": "black box: the final model's loss on each canary example, "
+             "no intermediate release",
 }
-# Default canary counts, least first: the first whose perfectly separated
-# scores prove the run's target ε (`default_count`).
-DEFAULT_COUNTS = (10_000, 100_000)
+# Default canary counts per kind, least first: the first whose perfectly
+# separated scores prove the run's target ε (`default_count`). Input
+# canaries are training rows, so fewer (1,000 prove ε ≥ 8.5 at 95%).
+DEFAULT_COUNTS = {"gradient": (10_000, 100_000), "input": (1_000, 10_000)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -67,11 +80,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
   chosen = {}
 
+  def count_for(delta: float) -> int:
+    if args.canaries is not None:
+      return args.canaries
+    return default_count(run_config.as_float(config.target_epsilon), delta,
+                         args.confidence, DEFAULT_COUNTS[args.kind])
+
   def canaries(model, plan):
-    count = args.canaries
-    if count is None:
-      count = default_count(run_config.as_float(config.target_epsilon),
-                            plan.delta, args.confidence)
+    count = count_for(plan.delta)
+    if args.canaries is None:
       available = canaries_lib.trained_coordinates(model) // 2
       if count > available:
         reporting.say(f"the model trains {2 * available} coordinates: "
@@ -82,48 +99,67 @@ def main(argv: Sequence[str] | None = None) -> dict:
     chosen["plan"] = plan
     return chosen["canaries"]
 
+  def added_rows(train, noise_secret):
+    # δ's default is 1/(2n): n here is the split's, before the canaries.
+    delta = config.delta or 1 / (2 * len(next(iter(train.values()))))
+    chosen["inputs"] = inputs_lib.choose(train, count_for(delta), config.seed)
+    return chosen["inputs"].added(noise_secret)
+
   recorder = canaries_lib.Recorder()
+  gradient = args.kind == "gradient"
   result = trainer.train(
       config, config_text=lambda: configurables.config_text(config),
-      canaries=canaries, callbacks=[recorder])
+      canaries=canaries if gradient else None,
+      added_rows=None if gradient else added_rows,
+      callbacks=[recorder] if gradient else [])
   if result["steps_done"] < result["steps"]:
     raise errors.UsageError(
         f"the audit run stopped at step {result['steps_done']} of "
         f"{result['steps']}: an audit is one uninterrupted run; start it "
         "again in a fresh --output_dir")
-  # Correlated noise (BandMF) names its strategy C; independent noise none.
-  strategy = getattr(chosen["plan"].mechanism, "strategy", None)
-  return _report(output_dir, run_dir, chosen["canaries"],
-                 recorder.observations(),
-                 None if strategy is None else strategy.matrix(), result, args)
+  ledger = ledger_lib.PrivacyLedger.load(
+      os.path.join(run_dir, ledger_lib.LEDGER_FILENAME))
+  if gradient:
+    canaries_ = chosen["canaries"]
+    observations = recorder.observations()
+    np.save(os.path.join(output_dir, "observations.npy"), observations)
+    # Correlated noise (BandMF) names its strategy C; independent noise none.
+    strategy = getattr(chosen["plan"].mechanism, "strategy", None)
+    canary_scores = scores_lib.scores(
+        observations, canaries_.groups(), ledger.noise_multiplier,
+        canaries_.participation,
+        None if strategy is None else strategy.matrix())
+  else:
+    canaries_ = chosen["inputs"]
+    model_config, params, _ = inference.load_trained(run_dir)
+    batch_loss = trainable.trainable(model_config,
+                                     config.task_feature_lengths).batch_loss
+    canary_scores = inputs_lib.scores(batch_loss, params, canaries_)
+  return _report(output_dir, run_dir, canaries_.count, canary_scores, ledger,
+                 result, args)
 
 
-def default_count(epsilon: float, delta: float, confidence: float) -> int:
-  """The first of `DEFAULT_COUNTS` with which canaries scored in perfect
-  order (every one in above every one out) prove `epsilon` at
-  `confidence`: a mechanism that leaks all it may can then show it (ε = ∞:
-  the first)."""
-  for count in DEFAULT_COUNTS:
+def default_count(epsilon: float, delta: float, confidence: float,
+                  counts: Sequence[int]) -> int:
+  """The first of `counts` with which canaries scored in perfect order
+  (every one in above every one out) prove `epsilon` at `confidence`: a
+  mechanism that leaks all it may can then show it (ε = ∞: the first)."""
+  for count in counts:
     half = np.ones(count // 2)
     if math.isinf(epsilon) or scores_lib.lower_bound(
         np.concatenate([half, 0 * half]),
         np.arange(2 * (count // 2)) < count // 2, delta=delta,
         confidence=confidence)["epsilon_lower_bound"] >= epsilon:
       return count
-  return DEFAULT_COUNTS[-1]
+  return counts[-1]
 
 
-def _report(output_dir: str, run_dir: str,
-            canaries: canaries_lib.GradientCanaries, observations: np.ndarray,
-            strategy: np.ndarray | None, result: dict, args) -> dict:
-  """Scores, coins, bound: the files in `output_dir` and the JSON line."""
-  ledger = ledger_lib.PrivacyLedger.load(
-      os.path.join(run_dir, ledger_lib.LEDGER_FILENAME))
-  coins = np.asarray(canaries.coins(
-      secret_lib.RunSecret.load(run_dir).noise_key()))
-  sigma = ledger.noise_multiplier
-  canary_scores = scores_lib.scores(observations, canaries.groups(),
-                                    sigma, canaries.participation, strategy)
+def _report(output_dir: str, run_dir: str, count: int,
+            canary_scores: np.ndarray, ledger: ledger_lib.PrivacyLedger,
+            result: dict, args) -> dict:
+  """Coins and bound: the files in `output_dir` and the JSON line."""
+  coins = np.asarray(canaries_lib.coins(
+      secret_lib.RunSecret.load(run_dir).noise_key(), count))
   bound = scores_lib.lower_bound(canary_scores, coins, delta=ledger.delta,
                                  confidence=args.confidence)
   line = {
@@ -132,17 +168,16 @@ def _report(output_dir: str, run_dir: str,
       **bound,
       "estimator": scores_lib.ESTIMATOR,
       "confidence": args.confidence,
-      "canaries": canaries.count,
+      "canaries": count,
       "canaries_in": int(coins.sum()),
       "kind": args.kind,
       "threat_model": THREAT_MODELS[args.kind],
       "mechanism": ledger.mechanism,
-      "noise_multiplier": sigma,
-      "sampling": canaries.participation.describe(),
-      "dp_steps": int(observations.shape[0]),
+      "noise_multiplier": ledger.noise_multiplier,
+      "sampling": ledger.sampling,
+      "dp_steps": ledger.steps,
       "run_dir": run_dir,
   }
-  np.save(os.path.join(output_dir, "observations.npy"), observations)
   with open(os.path.join(output_dir, "scores.csv"), "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["canary", "score", "in"])
@@ -197,8 +232,9 @@ def _add_arguments(parser) -> None:
                            "scores, coins, plot and JSON line")
   parser.add_argument("--canaries", type=int, default=None, metavar="N",
                       help="canaries (default: the least of "
-                           f"{DEFAULT_COUNTS} that can show the run's ε, "
-                           "at most half the trained coordinates)")
+                           f"{DEFAULT_COUNTS} for the kind that can show "
+                           "the run's ε; gradient: at most half the trained "
+                           "coordinates)")
   parser.add_argument("--kind", default="gradient",
                       help=f"canary kind: {' | '.join(KINDS)}")
   parser.add_argument("--confidence", type=float, default=0.95,

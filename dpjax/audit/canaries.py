@@ -72,13 +72,6 @@ class Participation:
   steps_per_epoch: int | None = None
   cycle_length: int = 1
 
-  def describe(self) -> str:
-    if self.steps_per_epoch:
-      return f"shuffle ({self.steps_per_epoch} steps per epoch)"
-    if self.cycle_length > 1:
-      return f"cyclic poisson (q={self.rate:.4g}, cycle {self.cycle_length})"
-    return f"poisson (q={self.rate:.4g})"
-
 
 def participation(sampler) -> Participation:
   """The sampling of `sampler`, for a canary; UsageError for a sampler the

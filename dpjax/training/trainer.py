@@ -93,13 +93,16 @@ class Built(NamedTuple):
 
 def build(config: RunConfig, *, dry_run: bool = False,
           target: targets.Target | None = None,
-          canaries: Callable | None = None) -> Built:
+          canaries: Callable | None = None,
+          added_rows: Callable | None = None) -> Built:
   """Everything a run needs before its first write: inputs checked, data
   loaded, plan made (σ calibrated, budget checked), microbatch and remat
   sized, steps placed. With `dry_run` nothing is ever written: a new run's
   secret is drawn and kept in memory only. `canaries` (an audit's,
   `dpjax.audit`): `(model, plan) -> GradientCanaries` that the releases
-  carry. `target` (a dry run's): the mesh
+  carry; `added_rows` (an input audit's): `(train arrays, noise secret) ->
+  rows` appended to the training split, each a privacy unit of its own.
+  `target` (a dry run's): the mesh
   is over its devices and sized to its memory (`dpjax.training.targets`)."""
   if target is not None and not dry_run:
     raise ValueError("a compile target is for dry runs: its devices are "
@@ -135,7 +138,9 @@ def build(config: RunConfig, *, dry_run: bool = False,
   if init_run:  # a dpjax run directory (e.g. JFT's stage 1): the same model,
     # or the one this model extends (`checkpoints.init_from_run`)
     checkpoints.check_initialises(init_run.meta, model_config)
-  splits = _load_splits(config, model, lengths, mechanism)
+  splits = _load_splits(
+      config, model, lengths, mechanism,
+      added_rows and (lambda train: added_rows(train, run_secret.noise_key())))
   n = len(splits.tokens)
 
   # --- Plan: resume the ledger or calibrate σ; refuse to overspend. --------
@@ -201,6 +206,7 @@ def build(config: RunConfig, *, dry_run: bool = False,
 def train(config: RunConfig, *,
           config_text: Callable[[], str] | None = None,
           canaries: Callable | None = None,
+          added_rows: Callable | None = None,
           callbacks: Sequence[loop.Callback] = ()) -> dict:
   """Runs (or resumes) one DP training job; returns a summary dict.
 
@@ -210,12 +216,12 @@ def train(config: RunConfig, *,
     config_text: Gives the configuration's text, written as MODEL_DIR/
       config.gin once the data is loaded (a command line's gin operative
       config, which `dpjax.infer` reads back); None: no config.gin.
-    canaries: An audit's canaries (`build`).
+    canaries, added_rows: An audit's canaries (`build`).
     callbacks: More `loop.fit` callbacks, after the run's own.
   """
   distributed.initialize()  # before any other JAX use; single process: no-op
   wall_start = time.perf_counter()
-  built = build(config, canaries=canaries)
+  built = build(config, canaries=canaries, added_rows=added_rows)
   start_step, state, plan, mngr = _start(built)
   _write_run_files(built.model_dir, built.run_secret, plan.ledger, config_text)
   reporting.log_libraries_to(built.model_dir)
@@ -363,9 +369,11 @@ class _Splits(NamedTuple):
 
 
 def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
-                 lengths: dict, mechanism: mechanisms.DPSGD) -> _Splits:
+                 lengths: dict, mechanism: mechanisms.DPSGD,
+                 added_rows: Callable | None = None) -> _Splits:
   """The run's splits, checked (registered tasks, the model's features, a
-  batch no larger than the data) before anything is written."""
+  batch no larger than the data) before anything is written; `added_rows`:
+  `train arrays -> rows` appended to the training split (`build`)."""
   from dpjax.data import arrays as data_arrays  # TF: only where data is read
   task = config.mixture_or_task_name
   _check_registered("MIXTURE_OR_TASK_NAME", task)
@@ -377,10 +385,16 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
     model.check_arrays(data)
   except ValueError as e:
     raise errors.UsageError(f"{task}: {e}") from None
+  n = len(data_arrays.real_token_counts(data))
+  added = added_rows(data) if added_rows else {}
+  if added:
+    data = {k: np.concatenate([v, added[k]]) for k, v in data.items()}
   tokens = data_arrays.real_token_counts(data)
   units = None
   if mechanism.unit_column:
-    units = _unit_ids(mechanism, model, task, lengths, len(tokens))
+    units = _unit_ids(mechanism, model, task, lengths, n)
+    if added:
+      units = np.concatenate([units, _fresh_units(units, len(tokens) - n)])
     reporting.say(f"{task}: {np.unique(units).size} {mechanism.unit}s "
                   f"({mechanism.unit_column}), the unit of privacy")
   reporting.say(f"{task} train split: {len(tokens)} examples, feature "
@@ -403,6 +417,20 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
   return _Splits(data, tokens, units, public, public_tokens,
                  redaction_schedule.public_sampler(
                      len(public_tokens), config.batch_size, config.seed), trim)
+
+
+def _fresh_units(units: np.ndarray, m: int) -> np.ndarray:
+  """m unit ids none of `units` has: each added row a unit of its own."""
+  if units.dtype.kind in "iu":
+    return units.max() + 1 + np.arange(m, dtype=units.dtype)
+  names = [f"added-row-{i}" for i in range(m)]
+  if units.dtype.kind == "S" or isinstance(units[0], bytes):  # TF's strings
+    names = [x.encode() for x in names]
+  fresh = np.array(names, dtype=object if units.dtype.kind == "O" else None)
+  if np.isin(fresh, units).any():
+    raise errors.UsageError("the training split's units already use the "
+                             "names of added rows ('added-row-<i>')")
+  return fresh
 
 
 def _unit_ids(mechanism: mechanisms.DPSGD, model: trainable_lib.Trainable,

@@ -19,12 +19,14 @@ from jax_privacy import auditing
 
 from dpjax import errors, export, gin_cli
 from dpjax.audit import __main__ as audit_cli, canaries as canaries_lib
-from dpjax.audit import scores as scores_lib
+from dpjax.audit import inputs as inputs_lib, scores as scores_lib
 from dpjax.models import t5, trainable
 from dpjax.privacy import mechanisms, sampling
 from dpjax.privacy.mechanisms import dpsgd
-from tests.audit.audits import (AUDITS, CANARIES, FLAGS, SHORT,
+from dpjax.privacy import ledger as ledger_lib, secret
+from tests.audit.audits import (AUDITS, CANARIES, CONFIDENCE, FLAGS, SHORT,
                                   assert_honest, audit)
+from tests.audit.conftest import EXAMPLES
 
 # --- Canaries: insertion, sampling and observation. -------------------------
 
@@ -276,6 +278,108 @@ def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(honest):
   assert_honest([line for _, line in honest], "dpsgd")
 
 
+# --- Input canaries (black box). ----------------------------------------------
+
+def _split(n=6, layout="encoder_decoder"):
+  """A split of `n` rows, targets of 2..5 tokens then padding."""
+  rng = np.random.default_rng(0)
+  lengths = 2 + np.arange(n) % 4
+  weights = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
+  targets = (rng.integers(3, 64, (n, 6)) * weights).astype(np.int32)
+  if layout == "decoder_only":
+    return {"tokens": targets, "loss_weights": weights,
+            "attention_mask": (weights > 0).astype(np.int32)}
+  shifted = np.zeros_like(targets)
+  shifted[:, 1:] = targets[:, :-1]
+  return {"encoder_input_tokens": rng.integers(3, 64, (n, 4), np.int32),
+          "decoder_input_tokens": shifted, "decoder_target_tokens": targets,
+          "decoder_loss_weights": weights}
+
+
+@pytest.mark.parametrize("layout, weights, targets", [
+    ("encoder_decoder", "decoder_loss_weights", "decoder_target_tokens"),
+    ("decoder_only", "loss_weights", "tokens")])
+def test_input_canaries_are_real_rows_with_random_targets(layout, weights,
+                                                          targets):
+  train = _split(layout=layout)
+  c = inputs_lib.choose(train, 50, seed=3)
+  vocabulary = set(train[targets][train[weights] > 0].tolist())
+  kept = []
+  for i in range(50):
+    # Some real row, its weights and other features kept.
+    source = [j for j in range(6) if all(
+        np.array_equal(c.rows[k][i], train[k][j]) for k in train
+        if k not in (targets, "decoder_input_tokens"))]
+    assert source, i
+    marked = c.rows[weights][i] > 0
+    assert np.array_equal(c.rows[targets][i][~marked],
+                          train[targets][source[0]][~marked])
+    assert set(c.rows[targets][i][marked].tolist()) <= vocabulary
+    kept.append(max(np.mean(c.rows[targets][i][marked]
+                            == train[targets][j][marked]) for j in source))
+    if layout == "encoder_decoder":  # the decoder reads the targets shifted
+      assert np.array_equal(c.rows["decoder_input_tokens"][i],
+                            np.concatenate([[0], c.rows[targets][i][:-1]]))
+  # Drawn, not the source's: a token stays by chance (1 in ~20).
+  assert np.mean(kept) < 0.25, np.mean(kept)
+  secret = jnp.arange(4, dtype=jnp.uint32)
+  added, coins = c.added(secret), np.asarray(canaries_lib.coins(secret, 50))
+  for i in range(50):  # an excluded canary has no loss, hence no gradient
+    want = c.rows[weights][i] if coins[i] else 0 * c.rows[weights][i]
+    assert np.array_equal(added[weights][i], want)
+    assert all(np.array_equal(added[k][i], c.rows[k][i]) for k in train
+               if k != weights)
+
+
+def test_packed_rows_are_refused_by_the_input_audit():
+  packed = {**_split(), "decoder_segment_ids": np.ones((6, 6), np.int32)}
+  with pytest.raises(errors.UsageError, match="unpacked encoder-decoder"):
+    inputs_lib.choose(packed, 4, seed=0)
+
+
+def test_input_scores_are_minus_each_canarys_loss():
+  model = _tiny_model()
+  params, _ = model.init_params(jax.random.PRNGKey(1))
+  c = inputs_lib.choose(_split(), 70, seed=1)  # two batches, one padded
+  got = inputs_lib.scores(model.batch_loss, params, c)
+  one = jax.jit(model.batch_loss)
+  want = [-float(one(params, {k: v[i:i + 1] for k, v in c.rows.items()})[0])
+          for i in range(70)]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+INPUT = ["--kind=input", "--canaries=200"]
+
+
+@pytest.fixture(scope="module")
+def noiseless_input(tmp_path_factory, data_dir):
+  """ε = ∞, 200 input canaries beside the 64 rows, q = 1/2 over 10 steps."""
+  out = tmp_path_factory.mktemp("noiseless_input") / "audit"
+  return out, audit(out, data_dir, "TARGET_EPSILON='inf'", "BATCH_SIZE=132",
+                    flags=INPUT)
+
+
+def test_without_noise_the_input_bound_is_above_1(noiseless_input):
+  """Measured: 4.2 (95%)."""
+  out, line = noiseless_input
+  assert (line["kind"], line["epsilon"]) == ("input", math.inf)
+  assert line["epsilon_lower_bound"] > 2
+  # The canaries are rows of the split, in or out: its size is n + m.
+  ledger = ledger_lib.PrivacyLedger.load(
+      out / "run" / ledger_lib.LEDGER_FILENAME)
+  assert ledger.dataset_size == EXAMPLES + 200
+  with open(out / "scores.csv") as f:
+    listed = [r["in"] == "1" for r in csv.DictReader(f)]
+  assert listed == np.asarray(canaries_lib.coins(
+      secret.RunSecret.load(out / "run").noise_key(), 200)).tolist()
+
+
+def test_an_input_audit_at_eps_3_stays_at_or_below_it(data_dir, tmp_path):
+  assert_honest([audit(tmp_path / "audit", data_dir, *SHORT,
+                       flags=[*INPUT, f"--confidence={CONFIDENCE}"])],
+                "dpsgd")
+
+
 # --- The audit in a release (`python -m dpjax.export --audit`). ------------
 
 def export_with_audit(run_dir, audit_dir, output_dir) -> dict:
@@ -404,7 +508,7 @@ def test_a_planted_bug_is_caught(bug, planted, data_dir, tmp_path,
 
 @pytest.mark.parametrize("flags, message", [
     (["--canaries=1"], "--canaries must be at least 2, got 1"),
-    (["--kind=membership"], "--kind must be one of ('gradient',)"),
+    (["--kind=membership"], "--kind must be one of ('gradient', 'input')"),
     (["--confidence=1.5"], "--confidence must be in (0, 1)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, message, tmp_path, capsys):
