@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import json
 import os
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -207,13 +208,24 @@ def load_turns(dataset: str, split: str, data_dir: str | None = None, *,
                on_malformed: str = "fail") -> list[Turn]:
   """All human turns of a split; TreeDST turns carry their domain.
 
-  `data_dir` None means the embedded sample of `dataset`.
+  `data_dir` None means the embedded sample of `dataset`. A file is read
+  once per version (its size, inode and modification time): a pipeline
+  reads the same splits for every run it trains and every score it
+  computes. So `on_malformed="skip"` warns at a version's first read only.
   """
   if dataset not in DATASETS:
     raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
   path = split_path(data_dir or DEFAULT_DATA_DIRS[dataset], split)
-  return list(read_turns(path, on_malformed=on_malformed,
-                         with_domains=dataset == "treedst"))
+  stat = os.stat(path)
+  return list(_read_version(path, on_malformed, dataset == "treedst",
+                            stat.st_size, stat.st_ino, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_version(path: str, on_malformed: str, with_domains: bool,
+                  *version: int) -> tuple[Turn, ...]:
+  return tuple(read_turns(path, on_malformed=on_malformed,
+                          with_domains=with_domains))
 
 
 def write_dialogues(path: str, examples: Iterable[tuple[str, str]], *,

@@ -90,23 +90,38 @@ class _Runs:
     return harness.configured(semparse_tasks.SemparseConfig, self.gin_files,
                               self.bindings)
 
-  def privacy_plan(self, n: int, epochs: tuple[float, float], eps: float,
-                   delta: float | None = None) -> dict:
-    """Batch, δ, (T1, T2) and the one σ for T1 + T2 steps under the gin's
-    sampler and accountant (`plan.stages_plan`) on n examples at ε (δ =
-    1/(2n) unless DELTA or `delta` is set)."""
-    config = self.run_config()
-    batch = int(config.batch_size)
+  def stage_steps(self, n: int, epochs: tuple[float, float]
+                  ) -> tuple[int, int]:
+    """(T1, T2): the DP steps of `epochs` on n examples at the gin's
+    batch."""
+    batch = int(self.run_config().batch_size)
     t1, t2 = (math.ceil(e * n / batch) for e in epochs)
-    delta, sigma = plan_lib.stages_plan(config, n, (t1, t2), eps, delta)
-    return dict(batch=batch, delta=delta, steps=(t1, t2), sigma=sigma)
+    return t1, t2
+
+  def stages_sigma(self, n: int, steps: tuple[int, int], eps: float,
+                   delta: float | None = None) -> float:
+    """The one σ for T1 + T2 steps under the gin's sampler and accountant
+    (`plan.stages_plan`) on n examples at ε (δ = 1/(2n) unless DELTA or
+    `delta` is set)."""
+    return plan_lib.stages_plan(self.run_config(), n, steps, eps, delta)[1]
+
+
+def _sample_lengths(lengths: dict, max_tokens: dict | None) -> dict:
+  """Most tokens sampled per utterance and per parse: `max_tokens`, else
+  the utterance and parse LMs' target lengths."""
+  return dict({"utterance": lengths["utterance_lm"]["targets"],
+               "parse": lengths["parse_lm"]["targets"]}, **(max_tokens or {}))
 
 
 def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
-                eps: float, seed: int, *, num: int, steps: tuple[int, int],
-                sigma: float, domains: Sequence[str], max_tokens: dict
+                eps: float, seed: int, *, num: int, n: int,
+                steps: tuple[int, int], delta: float | None = None,
+                domains: Sequence[str], max_tokens: dict
                 ) -> tuple[list[str], dict]:
-  """Trains one method's models at (ε, seed) and samples `num` utterances."""
+  """Trains one method's models at (ε, seed) on n examples and samples `num`
+  utterances. The 2-stage σ (one for both stages) is searched for only
+  here, when its runs train: a finished method needs none, and a 1-stage
+  or 1.5-stage run calibrates its own."""
   out = os.path.join(run_dir, "synthetic.jsonl")
   if os.path.isfile(out):
     rows = [json.loads(line) for line in open(out)]
@@ -115,7 +130,8 @@ def _synthesize(runs: _Runs, run_dir: str, method: str, dataset: str,
   rng = np.random.default_rng(seed)
   gen = dict(seed=seed, max_new_tokens=max_tokens["utterance"])
   if method == "2-stage":
-    fixed = {} if math.isinf(eps) else {"noise_multiplier": sigma}
+    fixed = {} if math.isinf(eps) else {
+        "noise_multiplier": runs.stages_sigma(n, steps, eps, delta)}
     parse_dir = os.path.join(run_dir, "parse_lm")
     utt_dir = os.path.join(run_dir, "parse_to_utterance")
     runs.train(parse_dir, f"{dataset}_parse_lm", "parse_lm", eps, seed, t1,
@@ -183,16 +199,14 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
   if dataset != "treedst" and "1.5-stage" in methods:
     raise ValueError("1.5-stage needs domain labels: TreeDST only")
   lengths = dict(FEATURE_LENGTHS, **(feature_lengths or {}))
-  max_tokens = dict({"utterance": lengths["utterance_lm"]["targets"],
-                     "parse": lengths["parse_lm"]["targets"]},
-                    **(max_tokens or {}))
+  max_tokens = _sample_lengths(lengths, max_tokens)
   root = os.path.join(os.path.abspath(out_dir), dataset)
   runs = _Runs(tuple(gin_files), tuple(bindings), lengths)
 
-  # All methods train on the same n examples: one plan (q, steps, δ) per ε.
+  # All methods train on the same n examples, for the same steps at every ε.
   train_turns = semparse.load_turns(dataset, "train")
   n = len(train_turns)
-  t1, t2 = runs.privacy_plan(n, epochs, math.inf)["steps"]
+  t1, t2 = runs.stage_steps(n, epochs)
   domains = [t.domain or semparse.UNKNOWN_DOMAIN for t in train_turns]
 
   # Evaluation models, trained once without DP.
@@ -226,14 +240,13 @@ def generation_table(out_dir: str, *, dataset: str = "treedst",
   rows = [dict(method="ground truth", epsilon=None, seed=None,
                **scored("ground_truth", human))]
   for eps in epsilons:
-    plan = runs.privacy_plan(n, epochs, eps)
     for method in methods:
       for seed in seeds:
         name = os.path.join(method, f"eps{harness.eps_name(eps)}", f"seed{seed}")
         utterances, privacy = _synthesize(
             runs, os.path.join(root, name), method, dataset, eps, seed,
-            num=num, steps=plan["steps"], sigma=plan["sigma"],
-            domains=domains, max_tokens=max_tokens)
+            num=num, n=n, steps=(t1, t2), domains=domains,
+            max_tokens=max_tokens)
         rows.append(dict(method=method, epsilon=eps, seed=seed, **privacy,
                          **scored(name, utterances)))
   return _write_table(root, rows, dataset)
@@ -294,6 +307,7 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
                      parser_bindings: Sequence[str] = (),
                      num_synthetic: int | None = None,
                      feature_lengths: dict | None = None,
+                     max_tokens: dict | None = None,
                      test_portion: str = "all") -> dict:
   """The domain-adaptation experiment (paper Sec. 5.4, Table 3).
 
@@ -305,14 +319,15 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
   DP generators are trained on D_priv at `epsilon`: the 1-stage utterance LM
   on all its utterances; the 2-stage parse and parse -> utterance LMs on the
   utterances whose p0 parse is valid Lispress, with p0's parses.
-  `num_synthetic` utterances (default |D_priv|) are sampled, labelled by the
-  high-resource parser (trained on the full training set, standing in for
-  annotators) and added to D_pub; the parser retrained on D_pub ∪ D_s is
-  compared with p0 on the test split (the validation file;
-  `test_portion="public"` takes the paper's 1/10 subsample): exact match and
-  API precision/recall overall and on the test examples that use the missing
-  functionality. Writes table3.md and results.json under
-  `out_dir/<dataset>_adaptation`.
+  `num_synthetic` utterances (default |D_priv|; `max_tokens` caps their
+  and the sampled parses' tokens, default the tasks' target lengths) are
+  sampled, labelled by the high-resource parser (trained on the full
+  training set, standing in for annotators) and added to D_pub; the parser
+  retrained on D_pub ∪ D_s is compared with p0 on the test split (the
+  validation file; `test_portion="public"` takes the paper's 1/10
+  subsample): exact match and API precision/recall overall and on the test
+  examples that use the missing functionality. Writes table3.md and
+  results.json under `out_dir/<dataset>_adaptation`.
 
   Privacy: each D_priv utterance is one training example of each generator
   (at most one row: dropping an invalid parse is a function of that
@@ -393,14 +408,12 @@ def adaptation_table(out_dir: str, *, dataset: str = "smcalflow",
       semparse.load_turns(dataset, "train", source), "public"), focus)
   for method in methods:
     n, method_run = method_runs[method]
-    plan = method_run.privacy_plan(n, epochs, epsilon, delta)
     run_dir = os.path.join(root, method)
     utterances, privacy = _synthesize(
         method_run, run_dir, method, dataset, epsilon, seed,
-        num=num_synthetic or len(private), steps=plan["steps"],
-        sigma=plan["sigma"], domains=[],
-        max_tokens={"utterance": lengths["utterance_lm"]["targets"],
-                    "parse": lengths["parse_lm"]["targets"]})
+        num=num_synthetic or len(private), n=n,
+        steps=method_run.stage_steps(n, epochs), delta=delta, domains=[],
+        max_tokens=_sample_lengths(lengths, max_tokens))
     aug_dir = os.path.join(run_dir, "augmented_data")
     if not os.path.isfile(os.path.join(aug_dir, semparse.SPLIT_FILES["train"])):
       labels = pipeline.parse_utterances(full_dir, utterances)
