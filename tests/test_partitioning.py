@@ -91,7 +91,7 @@ def test_optimizer_state_follows_params():
 # --- The sharded DP step (runs in the subprocess). ------------------------
 
 
-def _models(remat="none"):
+def _configs(remat="none"):
   """Tiny one-layer T5 (vocab 97: not divisible by 2, so the tensor rules
   replicate that axis) and GPT-2, dropout off (T5 takes the fused attention
   path)."""
@@ -101,6 +101,12 @@ def _models(remat="none"):
   gpt_cfg = gpt2.GPT2Config(vocab_size=96, n_positions=LENGTH, d_model=64,
                             num_layers=1, num_heads=4, dropout_rate=0.0,
                             remat=remat)
+  return t5_cfg, gpt_cfg
+
+
+def _models():
+  """The tiny models (`_configs`): their losses, params, axes and a batch."""
+  t5_cfg, gpt_cfg = _configs()
   rng = np.random.default_rng(0)
   tokens = lambda v: rng.integers(1, v, (K, M, LENGTH)).astype(np.int32)
   weights = np.ones((K, M, LENGTH), np.float32)
@@ -145,8 +151,9 @@ def _sharded_run():
   rules = partitioning.FSDP_TENSOR_RULES
   # Ghost clipping of the rematerialised GPT-2 (a second backward pass, which
   # gathers stand-ins for the padding rows across the sharded batch) on the
-  # fullest mesh, against the plain model's vmap step on one device.
-  remat_loss = _models(remat="layer")["gpt2"][0]
+  # fullest mesh, against the plain model's vmap step on one device (the
+  # same params: remat changes only how the loss is computed).
+  remat_loss = gpt2.make_example_loss(_configs(remat="layer")[1])
   for name, (example_loss, params, axes, batch) in _models().items():
     tx, step = _dp_step(example_loss, axes)
     one = jax.jit(step)

@@ -3,11 +3,11 @@ gloo collectives) against a single-process run of the same plan.
 
 One single-process run on 8 devices is the reference. A two-process job is
 killed (SIGKILL to one process): the other ends, a whole checkpoint stays.
-The reference's checkpoint at step 4 is resumed by a two-process job,
-preempted (SIGTERM to one process) and rerun with `python -m dpjax.launch`;
-a copy of the reference with its newest checkpoint corrupted is resumed on
-two processes. Each must end with the reference's params (up to the order of
-float sums across devices) and its privacy ledger exactly.
+A copy of the reference without its checkpoint at step 6 and with its
+newest corrupted is resumed by a two-process job (from step 4, the corrupted
+one moved aside), preempted (SIGTERM to one process) and rerun with
+`python -m dpjax.launch`. It must end with the reference's params (up to
+the order of float sums across devices) and its privacy ledger exactly.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 STEPS = 8
 RUN = [*TINY, f"TRAIN_STEPS = {STEPS}", "train.checkpoint_period = 2",
+       "train.keep_checkpoints = 4",  # the reference's 2, 4, 6 and 8
        "train.log_period = 2",
        "train.noise_multiplier = 0.8",  # given: no calibration in each run
        "initialize.heartbeat_timeout_seconds = 10"]
@@ -133,7 +134,7 @@ def test_a_killed_process_ends_the_job_and_leaves_a_readable_checkpoint(
     env, tmp_path):
   """A process dies (SIGKILL) after the first checkpoint: the other fails
   within the heartbeat timeout instead of hanging, and the newest checkpoint
-  left behind is whole (resuming from one: the tests below)."""
+  left behind is whole (resuming from one: the test below)."""
   model_dir = tmp_path / "job"
   procs, logs = start(model_dir, tmp_path / "killed", env)
   wait_for_path(model_dir / "checkpoints" / "2", procs, logs[0])
@@ -149,22 +150,34 @@ def test_a_killed_process_ends_the_job_and_leaves_a_readable_checkpoint(
       test_trainer.initial_params())
 
 
-def test_a_preempted_job_relaunched_ends_as_the_reference(
+def test_a_job_resumed_past_a_corrupt_checkpoint_preempted_and_relaunched(
     reference, env, tmp_path):
-  """The reference's checkpoint at step 4 (one process, 8 devices) resumed by
-  a two-process job; SIGTERM reaches one process only: both checkpoint the
-  same step and exit 0; `python -m dpjax.launch` resumes it to the end."""
+  """The reference's checkpoints (one process, 8 devices) at steps 2, 4 and
+  8, the newest with its array data truncated: a two-process job finds 8
+  unreadable, moves it aside and resumes from the newest that reads back,
+  4, saying so. SIGTERM reaches one process only: both checkpoint the same
+  step and exit 0; `python -m dpjax.launch` resumes it to the end, the
+  reference's end (the ledger saved with step 4 is exact: the steps after
+  it, step 8 again included, are trained and saved anew)."""
   model_dir = tmp_path / "job"
   shutil.copytree(reference, model_dir)
   os.remove(model_dir / ledger_lib.LEDGER_FILENAME)  # to be written anew
-  for step in (6, 8):
-    shutil.rmtree(model_dir / "checkpoints" / str(step))
+  shutil.rmtree(model_dir / "checkpoints" / "6")
+  for f in glob.glob(str(model_dir / "checkpoints" / str(STEPS) / "state" /
+                         "d" / "*")):
+    open(f, "w").close()  # truncated array data
   procs, logs = start(model_dir, tmp_path / "preempted", env)
   resumed = int(wait_for(r"resumed .* at step (\d+)", logs[0], procs)[1])
   assert resumed == 4
+  out = read(logs[0])
+  assert f"checkpoint at step {STEPS} is unreadable" in out
+  assert (f"resuming from the previous checkpoint, step {resumed} "
+          f"(not {STEPS})") in out
+  assert f"resumed {model_dir} at step {resumed}" in out
   wait_for(rf"step {resumed + 2}/{STEPS}", logs[0], procs)
   procs[1].send_signal(signal.SIGTERM)
   assert finish(procs) == [0, 0], read(logs[1])[-3000:]
+  assert os.listdir(model_dir / checkpoints.CORRUPT_DIRNAME) == [str(STEPS)]
   stopped = {int(re.search(r"SIGTERM: checkpointed step (\d+)", read(l))[1])
              for l in logs}
   assert len(stopped) == 1
@@ -183,24 +196,4 @@ def test_a_preempted_job_relaunched_ends_as_the_reference(
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert f"[0] dpjax: resumed {model_dir} at step {stopped}" in proc.stdout
   assert "[1] dpjax: process 1/2" in proc.stdout
-  assert_same_run(model_dir, reference)
-
-
-def test_corrupt_checkpoint_from_8_devices_resumes_on_2_processes(
-    reference, env, tmp_path):
-  model_dir = tmp_path / "copy"
-  shutil.copytree(reference, model_dir)
-  os.remove(model_dir / ledger_lib.LEDGER_FILENAME)  # to be written anew
-  for f in glob.glob(str(model_dir / "checkpoints" / str(STEPS) / "state" /
-                         "d" / "*")):
-    open(f, "w").close()  # truncated array data
-  procs, logs = start(model_dir, tmp_path, env)
-  assert finish(procs) == [0, 0], read(logs[0])[-3000:]
-  out = read(logs[0])
-  previous = STEPS - 2
-  assert f"checkpoint at step {STEPS} is unreadable" in out
-  assert (f"resuming from the previous checkpoint, step {previous} "
-          f"(not {STEPS})") in out
-  assert f"resumed {model_dir} at step {previous}" in out
-  assert os.listdir(model_dir / checkpoints.CORRUPT_DIRNAME) == [str(STEPS)]
   assert_same_run(model_dir, reference)
