@@ -27,9 +27,12 @@ FAST = ["register_multidogo_tasks.domains = ['AIRLINE', 'MEDIA']",
         "EPOCHS = None", "TRAIN_STEPS = 1", f"TASK_FEATURE_LENGTHS = {LENGTHS!r}",
         "register_multidogo_tasks.chunk_length = 63",  # the sample's model,
         "BATCH_SIZE = 64", "MICROBATCH_SIZE = 64"]  # from its pretrained start
+# A small ε, not the paper's 8: calibrating σ is cheaper the more noise it
+# finds.
+EPS = 1.0
 ARGS = dict(modes=("domain_only", "private"), policies=("keyword",), bindings=FAST,
-            num_conversations=2, prompts_per_conversation=1, num_samples=2,
-            max_new_tokens=8, batch_size=8)
+            epsilon=EPS, num_conversations=2, prompts_per_conversation=1,
+            num_samples=2, max_new_tokens=8, batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def test_epsilon_from_the_ledger(table):
   n = ledger.dataset_size
   direct = accounting.dpsgd_epsilon(ledger.noise_multiplier, 64 / n, 1, 1 / (2 * n))
   assert private["epsilon"] == pytest.approx(direct, rel=1e-9)
-  assert private["epsilon"] <= 8.0 * (1 + 1e-9)
+  assert private["epsilon"] <= EPS * (1 + 1e-9)
 
 
 def test_success_rate_recounted_from_the_generations(table):

@@ -156,13 +156,17 @@ def test_train_split_keeps_the_named_conversations_and_refuses_others(tmp_path):
 SHRUNK = ["EPOCHS = None", "TRAIN_STEPS = 1",
           "register_multidogo_tasks.domains = ['AIRLINE']",
           "BATCH_SIZE = 16", "MICROBATCH_SIZE = 64", "train.log_period = 1"]
+# A small ε, not the paper's 8: calibrating σ (once per model, whose
+# dataset sizes differ) is cheaper the more noise it finds.
+EPS = 1.0
+RUN = dict(settings=("user",), num_models=4, bindings=SHRUNK, batch_size=32,
+           epsilon=EPS)
 
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("membership"))
-  yield out, membership.run(out, settings=("user",), num_models=4,
-                            bindings=SHRUNK, batch_size=32)
+  yield out, membership.run(out, **RUN)
   gin.clear_config()  # the runs' bindings must not leak
 
 
@@ -186,7 +190,7 @@ def test_row_and_table(experiment):
   out, result = experiment
   row, = result["rows"]
   assert row["setting"] == "user" and row["pairs"] == 4 * row["users"]
-  assert 0 <= row["auc"] <= 1 and row["epsilon_spent"] <= 8.0 * (1 + 1e-9)
+  assert 0 <= row["auc"] <= 1 and row["epsilon_spent"] <= EPS * (1 + 1e-9)
   assert math.isfinite(row["validation_ppl"]) and row["validation_ppl"] > 1
   assert "| user-level DP |" in open(result["table_md"]).read()
 
@@ -195,8 +199,7 @@ def test_rerun_retrains_nothing(experiment, monkeypatch):
   from dpjax.training import trainer
   out, result = experiment
   monkeypatch.setattr(trainer, "train", lambda: pytest.fail("retrained"))
-  again = membership.run(out, settings=("user",), num_models=4,
-                         bindings=SHRUNK, batch_size=32)
+  again = membership.run(out, **RUN)
   assert again["rows"] == result["rows"]
 
 
@@ -204,7 +207,7 @@ def test_rerun_with_other_settings_is_refused(experiment):
   from dpjax.training import checkpoints
   out, _ = experiment
   with pytest.raises(checkpoints.CheckpointMismatchError, match="num_models"):
-    membership.run(out, settings=("user",), num_models=6, bindings=SHRUNK)
+    membership.run(out, **dict(RUN, num_models=6))
 
 
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):

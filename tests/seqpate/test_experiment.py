@@ -24,7 +24,10 @@ SETTINGS = experiment.Settings(  # the default model and its pretrained start
     # One learning rate: the LM steps of Pub-GPT, warm-up and Pri-GPT share
     # one compilation.
     length=24, batch_size=16, public_epochs=1, private_epochs=1,
-    public_learning_rate=1e-3, private_learning_rate=1e-3, num_teachers=2,
+    public_learning_rate=1e-3, private_learning_rate=1e-3,
+    # Four teachers of 12 sentences, as in the user-level table: both
+    # tables' teacher groups have one shape and share one compilation.
+    num_teachers=4,
     teacher=teachers.TeacherSetup(batch_size=16, epochs=1, learning_rate=1e-3,
                                   group_size=2, top_k=5, inference_chunk=16),
     student=student.StudentSetup(batch_size=16, warmup_epochs=1, kd_epochs=1,

@@ -45,7 +45,7 @@ import numpy as np
 from sklearn import metrics as sk_metrics
 
 import tasks
-from dpjax import configurables, errors, fileio, verify
+from dpjax import configurables, errors, fileio
 from dpjax.pipelines import harness
 from dpjax.generation import inference
 from dpjax.models import gpt2
@@ -215,7 +215,7 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
             *bindings,
             f"register_multidogo_tasks.train_conversations_path = {split!r}"],
                           **setting_fields(setting, epsilon, example_batch))
-        config, params, _ = inference.load_trained(run_dir)
+        config, params, meta = inference.load_trained(run_dir)
         sums, counts = gpt2.nll_sums(config, params, train["tokens"],
                                      train["loss_weights"],
                                      batch_size=batch_size)
@@ -223,8 +223,10 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
         perplexities.append(gpt2.perplexity(
             config, params, validation["tokens"], validation["loss_weights"],
             batch_size=batch_size))
+        # The ledger of the checkpoint just verified and scored: reading
+        # it again (`verify.run_ledger`) would verify the run twice.
         epsilons.append(math.inf if setting == "nonprivate" else
-                        verify.run_ledger(run_dir).epsilon_spent())
+                        meta.privacy_ledger().epsilon_spent())
       fileio.write_atomic(cached, json.dumps(dict(
           scores=np.asarray(scores).tolist(), perplexity=perplexities,
           epsilon_spent=epsilons)))

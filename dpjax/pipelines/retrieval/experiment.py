@@ -101,7 +101,9 @@ def evaluate(model_dir: str, data_dir: str | None) -> dict:
   out = os.path.join(model_dir, "retrieval")
   path = os.path.join(out, "metrics.json")
   if not os.path.isfile(path):
-    lengths = inference.load_trained(model_dir)[2].task_feature_lengths
+    # The run's lengths from its verified meta: `retrieval.main` loads the
+    # params itself.
+    lengths = verify.run_meta(model_dir)[1].task_feature_lengths
     retrieval.main(["--model_dir", model_dir, "--output_dir", out,
                     "--doc_length", str(lengths["documents"]),
                     "--query_length", str(lengths["queries"])]

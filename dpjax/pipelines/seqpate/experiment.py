@@ -168,7 +168,8 @@ def save_params(path: str, params) -> None:
 
 def load_params(path: str, config: gpt2.GPT2Config, length: int):
   """Reads `save_params`' file as the params of GPT-2 `config` at `length`."""
-  template = gpt2.init_params(config, jax.random.key(0), max_length=length)[0]
+  # The tree's structure from its shapes: no initialiser compiled and run.
+  template = gpt2.abstract_params(config, max_length=length)[0]
   with open(path, "rb") as f:
     return flax.serialization.from_bytes(template, f.read())
 

@@ -68,4 +68,6 @@ def train_noisysgd(model_dir: str, *, config: gpt2.GPT2Config, init_params,
         task_feature_lengths={"targets": length - 1},
         target_epsilon=float(epsilon), delta=float(delta), seed=seed)
   params, meta = inference.load_trained(model_dir)[1:]
-  return params, meta.privacy_ledger()
+  # On the host, as the table's other params (read from msgpack): arrays
+  # committed to a device would make every jitted evaluation compile again.
+  return jax.device_get(params), meta.privacy_ledger()

@@ -24,6 +24,7 @@ the params before the next group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Callable, Sequence
@@ -137,9 +138,19 @@ def make_group_train(config: gpt2.GPT2Config,
   return jax.jit(train, donate_argnums=(0, 1))
 
 
+@functools.lru_cache(maxsize=None)
+def _adam_group_train(config: gpt2.GPT2Config, learning_rate: float) -> Callable:
+  """`make_group_train` with Adam at `learning_rate`, cached per arguments,
+  so the teachers of every table (seed, partition) of one configuration share
+  the compilation."""
+  return make_group_train(config, optax.adam(learning_rate))
+
+
+@functools.lru_cache(maxsize=None)
 def make_group_top_k(config: gpt2.GPT2Config, top_k: int) -> Callable:
   """`fn(params [G, ...], tokens [P, L]) -> (ids, probs)`, both `[G, P, L,
-  top_k]`: each teacher's most likely next tokens at every position."""
+  top_k]`: each teacher's most likely next tokens at every position. Cached
+  per arguments, so the groups of every table share the compilation."""
   if not 1 <= top_k <= config.vocab_size:
     raise ValueError(f"top_k must be in [1, {config.vocab_size}], got {top_k}.")
   model = gpt2.GPT2(config)
@@ -217,8 +228,11 @@ def train_and_cache(config: gpt2.GPT2Config, init_params: PyTree,
   if group % mesh.size:
     raise ValueError(f"group_size {group} is not a multiple of the "
                      f"{mesh.size} devices of the teacher mesh.")
-  optimizer = optimizer or optax.adam(setup.learning_rate)
-  train = make_group_train(config, optimizer)
+  if optimizer is None:
+    optimizer = optax.adam(setup.learning_rate)
+    train = _adam_group_train(config, setup.learning_rate)
+  else:
+    train = make_group_train(config, optimizer)
   top_k = make_group_top_k(config, setup.top_k)
   replicated = partitioning.replicated(mesh)
   data = jax.device_put((jnp.asarray(tokens, jnp.int32),

@@ -348,6 +348,10 @@ def generate(model_dir: str, labels: np.ndarray, settings: Settings, data: TaskD
   conditional nucleus sampling."""
   vocab = data.vocabulary
   config, params, _ = inference.load_trained(model_dir)
+  # What trained (`head_only`, `frozen_layers`) does not change what the
+  # model computes: the baselines' head run then samples with the programs
+  # compiled for our multitask run.
+  config = dataclasses.replace(config, head_only=False, frozen_layers=())
   eos = vocab.eos_id
   banned = [textcls.token_id(vocab, t) for t in textcls.EXTRA_TOKENS]
   texts, probs = [], []
