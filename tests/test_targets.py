@@ -5,6 +5,8 @@ target's memory, and refuses what does not fit it; its peak is XLA's own
 memory analysis of the same step compiled for the same devices."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 
@@ -18,11 +20,13 @@ from dpjax import configurables
 from dpjax import errors, gin_cli, train
 
 GiB = 2**30
-TINY = [  # the quickstart's tiny T5, one layer each, short rows, 4 steps
+TINY = [  # the quickstart's tiny T5, one layer each, short rows, 4 steps of
+    # 8 examples (Poisson: a padded batch of 16; a TPU compile takes longer
+    # the larger it is)
     "INITIAL_CHECKPOINT_PATH = None", "T5Config.vocab_size = 2000",
     "T5Config.num_encoder_layers = 1", "T5Config.num_decoder_layers = 1",
     "TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
-    "BATCH_SIZE = 64", "TRAIN_STEPS = 4", "train.eval_period = 0",
+    "BATCH_SIZE = 8", "TRAIN_STEPS = 4", "train.eval_period = 0",
     "train.generate_after_training = False"]
 
 
@@ -33,13 +37,32 @@ def configure(model_dir, *extra) -> None:
   configurables.register_tasks(configurables.run_config())
 
 
+# `targets.resolve` (the library's, bound before any patch), once a spec.
+shared_target = functools.cache(targets.resolve)
+
+
+@contextlib.contextmanager
+def one_target_per_spec():
+  """Dry runs resolve each spec to `shared_target`'s Target. A topology's
+  devices are new objects on every call, and the steps placed on a mesh
+  (`step.place_steps`' memo) and their executables (jax's in-memory
+  caches) are reused only on the same devices: the v5e fixture's programs,
+  compiled again for the refusal and the peak below (the same run at its
+  chosen microbatch), are then compiled once."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(targets, "resolve", shared_target)
+    yield
+
+
 @pytest.fixture(scope="module")
 def v5e(tmp_path_factory):
   """A dry run of the tiny quickstart for a v5e 2x2 slice, its microbatch
   sized automatically."""
   model_dir = tmp_path_factory.mktemp("v5e") / "run"
   configure(model_dir, "MICROBATCH_SIZE = 'auto'")
-  return model_dir, dry_run.dry_run(configurables.run_config(), target="tpu:v5e:2x2")
+  with one_target_per_spec():
+    return model_dir, dry_run.dry_run(configurables.run_config(),
+                                      target="tpu:v5e:2x2")
 
 
 def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
@@ -63,9 +86,12 @@ def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
 
 
 def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
-  """An independent compile of the run's two halves over a mesh of the
-  topology's devices: arguments + outputs + temporaries - aliases, the
-  optimizer state resident during accumulate."""
+  """The run's two halves lowered here, over a mesh of the topology's
+  devices, and XLA's memory analysis of them: arguments + outputs +
+  temporaries - aliases, the optimizer state resident during accumulate.
+  On the fixture's devices, a program the dry run compiled comes from
+  jax's cache; any other (another microbatch, layout or step) compiles
+  here."""
   from jax.experimental import topologies
   _, line = v5e
   m = line["microbatch_size"]
@@ -74,7 +100,7 @@ def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
       platform="tpu", topology_name="v5e:2x2").devices
   with targets.without_persistent_cache():
     built = trainer.build(configurables.run_config(), dry_run=True,
-                          target=targets.resolve("tpu:v5e:2x2"))
+                          target=shared_target("tpu:v5e:2x2"))
   assert [(d.id, d.device_kind) for d in built.mesh.devices.flat] == [
       (d.id, d.device_kind) for d in devices]
   placed, k = built.placed, line["accumulation_calls"]
@@ -128,11 +154,13 @@ def test_a_run_that_does_not_fit_the_slice_is_refused_with_the_numbers(
   argv = ["--gin_file=quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
           *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
           # BATCH_SIZE's padded batch: one call, so one accumulate compiled
-          "--gin.MICROBATCH_SIZE=84", "--gin.train.memory_headroom=1e-5",
+          # (the v5e fixture's choice: its programs, `one_target_per_spec`)
+          "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5",
           "--dry_run", "--target=tpu:v5e:2x2"]
-  err = _refused(capsys, argv)
+  with one_target_per_spec():
+    err = _refused(capsys, argv)
   assert "does not fit tpu:v5e:2x2: peak" in err
-  assert "GiB per device at microbatch 84" in err
+  assert "GiB per device at microbatch 16" in err
   assert "0.00 GiB usable (tpu:v5e:2x2 HBM per device x " in err
   assert os.listdir(tmp_path) == []
 
@@ -245,7 +273,7 @@ def test_the_pod_preflight_refuses_an_oversized_run_before_creating_anything(
        "--accelerator_type=v5litepod-4", "--preflight", "--dry-run", "--",
        "--gin_file=quickstart.gin",
        *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
-       "--gin.MICROBATCH_SIZE=84", "--gin.train.memory_headroom=1e-5"],
+       "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5"],
       capture_output=True, text=True, cwd=os.path.dirname(
           os.path.dirname(os.path.abspath(__file__))), timeout=600,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
