@@ -50,15 +50,25 @@ def _dry_run(capsys, model_dir, *flags) -> dict:
 
 
 @pytest.fixture(scope="module")
-def timed(tmp_path_factory):
-  """A dry run with 2 timed steps, into a MODEL_DIR that must stay absent."""
+def dry_runs(tmp_path_factory):
+  """Two dry runs with automatic sizing, into MODEL_DIRs that must stay
+  absent: 'ample', with the memory of the whole padded batch, then 'low',
+  with ~60% of its peak, which also times 2 steps (its search starts from
+  the whole batch, compiled by then)."""
   root = tmp_path_factory.mktemp("dry")
+  records = {}
   with pytest.MonkeyPatch.context() as mp:
     capture = _Capture(mp)
-    train.main([*TINY, f"--gin.MODEL_DIR='{root / 'run'}'", "--dry_run",
-                "--dry_run_steps=2"])
-    gin.clear_config()
-  return root, json.loads(capture.lines[-1])
+    for name, memory, timed in (("ample", "64GiB", []),
+                                ("low", None, ["--dry_run_steps=2"])):
+      if memory is None:  # 60% of the whole-batch peak, over the headroom
+        memory = int(0.6 * records["ample"]["peak_bytes_per_device"] / 0.9)
+      train.main([*TINY, f"--gin.MODEL_DIR='{root / name}'", "--dry_run",
+                  "--gin.MICROBATCH_SIZE='auto'",
+                  f"--gin.train.device_memory={memory}", *timed])
+      gin.clear_config()
+      records[name] = json.loads(capture.lines[-1])
+  return root, records
 
 
 class _Capture:
@@ -70,21 +80,25 @@ class _Capture:
         " ".join(str(x) for x in a)))
 
 
-def test_dry_run_writes_nothing(timed):
-  root, _ = timed
+def test_dry_run_writes_nothing(dry_runs):
+  """Neither run, the timed one included, leaves its MODEL_DIR (secret,
+  sizing record, checkpoints)."""
+  root, _ = dry_runs
   assert os.listdir(root) == []
 
 
-def test_dry_run_prints_every_field(timed):
-  _, record = timed
-  assert FIELDS <= set(record)
-  assert {"timed_steps", "step_time_s", "projected_wall_s"} <= set(record)
+def test_dry_run_prints_every_field(dry_runs):
+  _, records = dry_runs
+  for r in records.values():
+    assert FIELDS <= set(r)
+  assert {"timed_steps", "step_time_s", "projected_wall_s"} <= set(
+      records["low"])
 
 
-def test_dry_run_plan_is_dp_accountings_pld(timed):
+def test_dry_run_plan_is_dp_accountings_pld(dry_runs):
   """n, q and steps of the sample; σ spends the target ε by dp-accounting's
   own PLD accountant, called here directly."""
-  _, r = timed
+  r = dry_runs[1]["low"]
   assert (r["n"], r["steps"], r["dp_steps"]) == (2998, 4, 4)
   assert r["q"] == pytest.approx(32 / 2998)
   assert r["accountant"] == "pld" and r["sampling"] == "poisson"
@@ -97,12 +111,11 @@ def test_dry_run_plan_is_dp_accountings_pld(timed):
   assert r["delta"] == pytest.approx(1 / (2 * 2998))
 
 
-def test_dry_run_sizes_match_the_model(timed):
+def test_dry_run_sizes_match_the_model(dry_runs):
   """Adam's state is params + two moments in float32 (plus counters); the
   compiled peak holds at least that; the step's FLOPs are at least a
   forward and backward pass (6 x params per token) over one token of each
-  padded example."""
-  _, r = timed
+  padded example (in one call, and in the low run's k > 1)."""
   gin_cli.configure(["quickstart.gin"], [])
   try:
     config = configurables.run_config().model_config
@@ -110,48 +123,30 @@ def test_dry_run_sizes_match_the_model(timed):
     gin.clear_config()
   params = sum(x.size for x in jax.tree.leaves(trainable.trainable(
       config, {"inputs": 32, "targets": 8}).abstract_params()[0]))
-  assert r["params"] == params
-  assert 0 <= r["state_bytes_per_device"] - 12 * params <= 64
-  assert r["peak_bytes_per_device"] > r["state_bytes_per_device"]
-  examples = r["microbatch_size"] * r["accumulation_calls"]
-  assert examples >= 32
-  assert r["flops_per_step"] >= 6 * params * examples
-  assert r["fits"] and r["backend"] == "cpu" and r["mesh"] == {"data": 1}
+  for r in dry_runs[1].values():
+    assert r["params"] == params
+    assert 0 <= r["state_bytes_per_device"] - 12 * params <= 64
+    assert r["peak_bytes_per_device"] > r["state_bytes_per_device"]
+    examples = r["microbatch_size"] * r["accumulation_calls"]
+    assert examples >= 32
+    assert r["flops_per_step"] >= 6 * params * examples
+    assert r["fits"] and r["backend"] == "cpu" and r["mesh"] == {"data": 1}
 
 
-def test_dry_run_projects_the_wall_time_from_timed_steps(timed):
-  _, r = timed
+def test_dry_run_projects_the_wall_time_from_timed_steps(dry_runs):
+  r = dry_runs[1]["low"]
   assert r["timed_steps"] == 2 and r["step_time_s"] > 0
   assert r["projected_wall_s"] == pytest.approx(4 * r["step_time_s"])
 
 
-@pytest.fixture(scope="module")
-def sized(tmp_path_factory):
-  """Auto sizing with the memory of the whole padded batch, then with ~60%
-  of it."""
-  root = tmp_path_factory.mktemp("sized")
-  records = {}
-  with pytest.MonkeyPatch.context() as mp:
-    capture = _Capture(mp)
-    for name, memory in (("ample", "64GiB"), ("low", None)):
-      if memory is None:  # 60% of the whole-batch peak, over the headroom
-        memory = int(0.6 * records["ample"]["peak_bytes_per_device"] / 0.9)
-      train.main([*TINY, f"--gin.MODEL_DIR='{root / name}'", "--dry_run",
-                  "--gin.MICROBATCH_SIZE='auto'",
-                  f"--gin.train.device_memory={memory}"])
-      gin.clear_config()
-      records[name] = json.loads(capture.lines[-1])
-  return records
-
-
-def test_ample_memory_takes_the_whole_batch_in_one_call(sized):
-  r = sized["ample"]
+def test_ample_memory_takes_the_whole_batch_in_one_call(dry_runs):
+  r = dry_runs[1]["ample"]
   assert r["auto_sizing"] and r["accumulation_calls"] == 1
   assert r["fits"]
 
 
-def test_low_memory_takes_a_smaller_microbatch_that_fits(sized):
-  ample, low = sized["ample"], sized["low"]
+def test_low_memory_takes_a_smaller_microbatch_that_fits(dry_runs):
+  ample, low = dry_runs[1]["ample"], dry_runs[1]["low"]
   assert low["microbatch_size"] < ample["microbatch_size"]
   assert low["accumulation_calls"] > 1 and low["fits"]
   assert low["peak_bytes_per_device"] <= low["device_memory_bytes"]
@@ -164,8 +159,8 @@ def _run(model_dir, *flags) -> str:
     mp.setattr("builtins.print", lambda *a, **k: lines.append(
         " ".join(str(x) for x in a)))
     try:
-      train.main([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
-                  "--gin.TRAIN_STEPS=2", *flags])
+      # TINY's 4 steps: the σ the dry runs calibrated, found again.
+      train.main([*TINY, f"--gin.MODEL_DIR='{model_dir}'", *flags])
     finally:
       gin.clear_config()
   return "\n".join(lines)
@@ -180,17 +175,18 @@ def _params(model_dir):
   return [np.asarray(x) for x in jax.tree.leaves(params)]
 
 
-def test_the_automatic_choice_trains_as_the_hand_chosen_one(sized, tmp_path):
+def test_the_automatic_choice_trains_as_the_hand_chosen_one(dry_runs, tmp_path):
   """Same secret, same steps: the run auto sizing picks (recorded in
   MODEL_DIR and taken from there on the rerun) ends with the params of the
   run given that microbatch by hand."""
-  memory = sized["low"]["device_memory_bytes"] / 0.9
+  low = dry_runs[1]["low"]
+  memory = low["device_memory_bytes"] / 0.9
   auto = tmp_path / "auto"
   out = _run(auto, "--gin.MICROBATCH_SIZE='auto'",
              f"--gin.train.device_memory={int(memory)}")
   with open(auto / sizing.FILENAME) as f:
     choice = json.load(f)["choice"]
-  assert choice["microbatch_size"] == sized["low"]["microbatch_size"]
+  assert choice["microbatch_size"] == low["microbatch_size"]
   assert "auto sizing: microbatch" in out
   hand = tmp_path / "hand"
   _run(hand, f"--gin.MICROBATCH_SIZE={choice['microbatch_size']}")
@@ -237,7 +233,7 @@ def test_the_xl_paper_gin_dry_runs_on_cpu(tmp_path, capsys):
   assert record["accountant"] == "pld" and record["compute_dtype"] == "bfloat16"
   assert record["clipping_method"] == "ghost" and record["auto_sizing"]
   assert record["mesh"] == {"fsdp": 1} and record["remat"] in sizing.REMAT_ORDER
-  assert record["n"] == 2998 and record["q"] == pytest.approx(64 / 2998)
+  assert record["n"] == 2998 and record["q"] == pytest.approx(32 / 2998)
   assert not os.path.exists(tmp_path / "xl")
 
 
@@ -248,9 +244,11 @@ def _dry_run_gin(capsys, model_dir, gin_file) -> dict:
                 "--gin.T5Config.num_decoder_layers=1",
                 "--gin.T5Config.vocab_size=2000", "--gin.T5Config.d_model=32",
                 "--gin.T5Config.d_ff=64", "--gin.T5Config.num_heads=2",
-                "--gin.T5Config.d_kv=16", "--gin.BATCH_SIZE=64",
+                "--gin.T5Config.d_kv=16",
+                # TINY's batch and steps: σ's calibration is remembered
+                "--gin.BATCH_SIZE=32",
                 "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
-                "--gin.TRAIN_STEPS=2", "--dry_run"])
+                "--gin.TRAIN_STEPS=4", "--dry_run"])
   finally:
     gin.clear_config()
   return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
