@@ -41,12 +41,12 @@ import numpy as np
 
 from dpjax import configurables, errors, gin_cli, train as train_cli
 from dpjax.audit import canaries as canaries_lib, inputs as inputs_lib
-from dpjax.audit import scores as scores_lib
+from dpjax.audit import evidence, scores as scores_lib
 from dpjax.generation import inference
 from dpjax.models import trainable
 from dpjax.pipelines import harness
 from dpjax.privacy import ledger as ledger_lib, secret as secret_lib
-from dpjax.training import reporting, run_config, trainer
+from dpjax.training import plan as plan_lib, reporting, run_config, trainer
 
 KINDS = ("gradient", "input")
 THREAT_MODELS = {
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       add_arguments=_add_arguments)
   _check(args)
   output_dir = os.path.abspath(os.path.expanduser(args.output_dir))
-  run_dir = os.path.join(output_dir, "run")
+  run_dir = os.path.join(output_dir, evidence.RUN_DIRNAME)
   gin_cli.configure(files, [*bindings, f"MODEL_DIR = {run_dir!r}"],
                     args.gin_search_paths)
   configurables.initialize()
@@ -100,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return chosen["canaries"]
 
   def added_rows(train, noise_secret):
-    # δ's default is 1/(2n): n here is the split's, before the canaries.
-    delta = config.delta or 1 / (2 * len(next(iter(train.values()))))
+    # The count is sized on δ of the split before the canaries.
+    delta = plan_lib.resolve_delta(config.delta,
+                                   len(next(iter(train.values()))))
     chosen["inputs"] = inputs_lib.choose(train, count_for(delta), config.seed)
     return chosen["inputs"].added(noise_secret)
 
@@ -178,13 +179,13 @@ def _report(output_dir: str, run_dir: str, count: int,
       "dp_steps": ledger.steps,
       "run_dir": run_dir,
   }
-  with open(os.path.join(output_dir, "scores.csv"), "w", newline="") as f:
+  with open(os.path.join(output_dir, evidence.SCORES_FILE), "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["canary", "score", "in"])
     writer.writerows((i, repr(float(s)), int(c))
                      for i, (s, c) in enumerate(zip(canary_scores, coins)))
   _plot(canary_scores, coins, line, os.path.join(output_dir, "scores.png"))
-  with open(os.path.join(output_dir, "audit.json"), "w") as f:
+  with open(os.path.join(output_dir, evidence.AUDIT_LINE), "w") as f:
     json.dump(line, f, indent=1)
   print(json.dumps(line), flush=True)
   return line

@@ -58,7 +58,8 @@ def _same(a, b) -> bool:
 
 
 def _read(audit_dir: str) -> tuple[dict, np.ndarray, np.ndarray]:
-  """audit.json's line, and scores.csv's scores and coins."""
+  """The fields of audit.json's line a statement reads, and scores.csv's
+  scores and coins; UsageError if any is missing."""
   try:
     with open(os.path.join(audit_dir, AUDIT_LINE)) as f:
       line = json.load(f)
@@ -66,14 +67,16 @@ def _read(audit_dir: str) -> tuple[dict, np.ndarray, np.ndarray]:
       rows = list(csv.DictReader(f))
     values = np.array([float(r["score"]) for r in rows])
     listed = np.array([r["in"] == "1" for r in rows])
-  except (OSError, ValueError, KeyError) as e:
+    line = {k: line[k] for k in ("canaries", "confidence", "kind",
+                                 "threat_model")}
+  except (OSError, ValueError, KeyError, TypeError) as e:
     raise errors.UsageError(
         f"--audit {audit_dir} is not a finished `python -m dpjax.audit` "
         f"output ({AUDIT_LINE} and {SCORES_FILE}): {e}") from None
-  if len(values) != line.get("canaries"):
+  if len(values) != line["canaries"]:
     raise errors.UsageError(
         f"--audit {audit_dir}: {SCORES_FILE} scores {len(values)} canaries, "
-        f"{AUDIT_LINE} says {line.get('canaries')}")
+        f"{AUDIT_LINE} says {line['canaries']}")
   return line, values, listed
 
 

@@ -385,7 +385,7 @@ def _load_splits(config: RunConfig, model: trainable_lib.Trainable,
     model.check_arrays(data)
   except ValueError as e:
     raise errors.UsageError(f"{task}: {e}") from None
-  n = len(data_arrays.real_token_counts(data))
+  n = len(next(iter(data.values())))
   added = added_rows(data) if added_rows else {}
   if added:
     data = {k: np.concatenate([v, added[k]]) for k, v in data.items()}
