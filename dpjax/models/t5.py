@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
@@ -70,6 +71,14 @@ class T5Config(common.ModelConfig):
   # "layer": recompute each layer's activations in the backward pass
   # (`remat_layer`); same params and results, less memory, ~1/3 more flops.
   remat: str = "none"
+  # One layer's program, looped over stacked params (`scanned_layers`): the
+  # compiler sees one layer per stack instead of all of them. Params are
+  # `encoder/layers/...` with a leading `layers` axis instead of `layers_i`
+  # (`scan_params` / `unscan_params` convert).
+  scan_layers: bool = False
+  # The scan fully unrolled (straight-line code over the same stacked
+  # params): the loop-free programs a dry run costs a scanned model by.
+  scan_unrolled: bool = False
   # LoRA adapters on the projections it targets (`dpjax.models.lora`); None: none.
   lora: lora_lib.LoRAConfig | None = None
 
@@ -305,6 +314,87 @@ def remat_layer(layer: type[nn.Module], remat: str, static_argnums: tuple[int, .
                   policy=jax.checkpoint_policies.nothing_saveable)
 
 
+LAYERS = "layers"  # the scanned stack's module name
+LAYERS_AXIS = "layers"  # its params' leading logical axis (t5x's name)
+_LAYER_KEY = re.compile(r"layers_(\d+)")
+
+
+def _scan_body(layer: nn.Module, x: Array, *args) -> tuple[Array, None]:
+  return layer(x, *args), None
+
+
+def run_layers(layer: type[nn.Module], cfg: T5Config, count: int,
+               static_argnums: tuple[int, ...], x: Array, *args) -> Array:
+  """`x` through `count` layers of type `layer` (built from `cfg`, called
+  with `*args` each), named `layers_i`, or with `cfg.scan_layers` one
+  `layers` module looped over params stacked on a leading `layers` axis.
+
+  The scan gives each layer its own params, dropout and init keys and (for
+  decoding) its own cache slice, as the unrolled loop does; a layer
+  rematerialised (`remat_layer`) is rematerialised inside the loop body.
+  """
+  module = remat_layer(layer, cfg.remat, static_argnums)
+  if not cfg.scan_layers:
+    for i in range(count):
+      x = module(cfg, name=f"layers_{i}")(x, *args)
+    return x
+  scan = nn.scan(_scan_body, variable_axes={"params": 0, "cache": 0},
+                 split_rngs={"params": True, "dropout": True},
+                 in_axes=(nn.broadcast,) * len(args), length=count,
+                 unroll=count if cfg.scan_unrolled else 1,
+                 metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
+  return scan(module(cfg, name=LAYERS), x, *args)[0]
+
+
+def scan_params(params: PyTree) -> PyTree:
+  """Unrolled T5 params (`{encoder,decoder}/layers_i/...`) -> the scanned
+  model's (`.../layers/...`, each leaf stacked on a new leading axis).
+  Any tree of that layout converts (a LoRA model's adapters too)."""
+  def stack(stack_name, tree):
+    del stack_name
+    keys = sorted((k for k in tree if _LAYER_KEY.fullmatch(k)),
+                  key=lambda k: int(_LAYER_KEY.fullmatch(k).group(1)))
+    if not keys:
+      return tree
+    rest = {k: v for k, v in tree.items() if k not in keys}
+    return {**rest, LAYERS: jax.tree.map(lambda *xs: jnp.stack(xs),
+                                         *[tree[k] for k in keys])}
+  return _per_stack(params, stack)
+
+
+def unscan_params(params: PyTree, *, layers: Mapping[str, int] | None = None,
+                  take: Callable[[Any, int], Any] = lambda x, i: x[i]) -> PyTree:
+  """The inverse of `scan_params`: `.../layers/...` -> `.../layers_i/...`.
+
+  Layer `i` gets `take(leaf, i)` of each stacked leaf, and each stack as
+  many layers as its leaves' leading axis has, or as `layers` (stack name
+  -> count) says: with both, any tree of the layout converts (e.g. the
+  stacked params' shardings to each layer's)."""
+  def split(stack, tree):
+    if LAYERS not in tree:
+      return tree
+    stacked = tree[LAYERS]
+    rest = {k: v for k, v in tree.items() if k != LAYERS}
+    count = (layers[stack] if layers is not None
+             else jax.tree.leaves(stacked)[0].shape[0])
+    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x: take(x, i), stacked)
+                       for i in range(count)}}
+  return _per_stack(params, split)
+
+
+def unrolled(params: PyTree, config: T5Config) -> tuple[PyTree, T5Config]:
+  """`params` and `config` of a scanned model as the same model unrolled
+  (the layout checkpoints and exports use); others unchanged."""
+  if not getattr(config, "scan_layers", False):
+    return params, config
+  return unscan_params(params), dataclasses.replace(config, scan_layers=False)
+
+
+def _per_stack(params: PyTree, convert: Callable) -> PyTree:
+  return {k: convert(k, v) if k in ("encoder", "decoder") and isinstance(v, Mapping)
+          else v for k, v in params.items()}
+
+
 def _relpos(cfg: T5Config, bidirectional: bool) -> RelativePositionBias:
   return RelativePositionBias(
       num_heads=cfg.num_heads, num_buckets=cfg.relative_attention_num_buckets,
@@ -329,9 +419,8 @@ class Encoder(nn.Module):
     x = dropout(self.shared_embedding(tokens))
     positions = jnp.arange(tokens.shape[-1])
     bias = _relpos(cfg, bidirectional=True)(positions, positions) + _padding_bias(tokens)
-    layer = remat_layer(EncoderLayer, cfg.remat, static_argnums=(3,))
-    for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f"layers_{i}")(x, bias, deterministic)
+    x = run_layers(EncoderLayer, cfg, cfg.num_encoder_layers, (3,), x, bias,
+                   deterministic)
     return dropout(LayerNorm(cfg.compute_dtype, name="encoder_norm")(x))
 
 
@@ -360,8 +449,9 @@ class Decoder(nn.Module):
       cache_index = index_var.value
     if stepping:
       if max_decode_length is None:  # the cache length is the number of key slots
-        max_decode_length = self.variables["cache"]["layers_0"]["self_attention"][
-            "cached_key"].shape[1]
+        layer, axis = (LAYERS, 2) if cfg.scan_layers else ("layers_0", 1)
+        max_decode_length = self.variables["cache"][layer]["self_attention"][
+            "cached_key"].shape[axis]
       query_positions = cache_index[None]
       index_var.value = cache_index + 1
     else:
@@ -372,10 +462,9 @@ class Decoder(nn.Module):
     cross_bias = _padding_bias(encoder_tokens)
 
     x = dropout(self.shared_embedding(tokens))
-    layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(5, 6))
-    for i in range(cfg.num_decoder_layers):
-      x = layer(cfg, name=f"layers_{i}")(
-          x, encoded, self_bias, cross_bias, deterministic, decode, cache_index)
+    x = run_layers(DecoderLayer, cfg, cfg.num_decoder_layers, (5, 6), x,
+                   encoded, self_bias, cross_bias, deterministic, decode,
+                   cache_index)
     x = dropout(LayerNorm(cfg.compute_dtype, name="decoder_norm")(x))
 
     if cfg.tie_embeddings:

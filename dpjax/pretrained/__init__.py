@@ -9,7 +9,8 @@ docstring). A GPT-2 with a discriminator head (`gpt2_disc`) takes its GPT-2
 from the checkpoint and a freshly initialised head; a model with LoRA
 adapters takes its base model from the checkpoint and fresh adapters (B =
 0), or, from a PEFT LoRA directory (`peft`), the base model it names and its
-adapters. `export_hf` writes params
+adapters. A T5 with scanned layers (`T5Config.scan_layers`) reads the
+checkpoint's unrolled layers and stacks them (`t5.scan_params`). `export_hf` writes params
 as a Hugging Face directory. Every problem is a `CheckpointError` naming the
 tensor or config field and both shapes or values. No TensorFlow here; torch
 is imported only to read `.bin` files.
@@ -22,9 +23,10 @@ import pathlib
 from typing import Any, Mapping
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from dpjax.training import reporting
-from dpjax.models import dual_encoder, gpt2_disc, lora, trainable
+from dpjax.models import dual_encoder, gpt2_disc, lora, t5, trainable
 from dpjax.pretrained import peft, t5x
 from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_checkpoint,
                                  tokenizer_files)
@@ -46,6 +48,8 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
   `PRNGKey(seed)`: the head is the one `gpt2_disc.init_params(config, rng)`
   gives, as in a run without a checkpoint).
   """
+  if getattr(config, "scan_layers", False):
+    return _load_scanned(path, config, shardings, rng)
   if isinstance(config, dual_encoder.DualEncoderConfig):
     params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder, rng=rng))
     return params if shardings is None else jax.device_put(params, shardings)
@@ -61,6 +65,21 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
     return t5x.load_t5x(path, config, shardings=shardings)
   raise CheckpointError(
       f"{path} is neither a Hugging Face directory (config.json) nor a t5x checkpoint")
+
+
+def _load_scanned(path, config, shardings, rng) -> Any:
+  """The unrolled model's params from the checkpoint, each layer placed as
+  its slice of the stacked param will be, then stacked into place."""
+  unrolled = dataclasses.replace(config, scan_layers=False)
+  if not isinstance(shardings, Mapping):
+    return t5.scan_params(load_pretrained(path, unrolled, shardings=shardings,
+                                          rng=rng))
+  per_layer = t5.unscan_params(
+      shardings, layers={"encoder": config.num_encoder_layers,
+                         "decoder": config.num_decoder_layers},
+      take=lambda s, i: jax.sharding.NamedSharding(s.mesh, P(*s.spec[1:])))
+  params = load_pretrained(path, unrolled, shardings=per_layer, rng=rng)
+  return jax.jit(t5.scan_params, out_shardings=shardings)(params)
 
 
 def _load_gpt2_disc(path, config, shardings, rng) -> Any:

@@ -53,7 +53,7 @@ import numpy as np
 
 from dpjax import fileio
 from dpjax.training import reporting
-from dpjax.models import hf_common, lora
+from dpjax.models import hf_common, lora, t5
 from dpjax.pretrained import tensor_files
 from dpjax.pretrained.tensor_files import (  # noqa: F401  DictReader: importable from here
     CheckpointError, DictReader, SafetensorsReader, TorchReader)
@@ -402,7 +402,9 @@ def export_hf(params: PyTree, config, out_dir: str | os.PathLike) -> None:
   """Writes `config.json` and `model.safetensors` that transformers loads
   (`AutoModel...from_pretrained(out_dir)`) and `load_hf` reads back exactly.
   A model with LoRA adapters is written merged (`lora.merged`): the base
-  model's layout, computing what the adapted model computes."""
+  model's layout, computing what the adapted model computes; a T5 with
+  scanned layers, unrolled (`t5.unrolled`)."""
+  params, config = t5.unrolled(params, config)
   if getattr(config, "lora", None) is not None:
     params = lora.merged(params, config.lora)
     config = dataclasses.replace(config, lora=None)

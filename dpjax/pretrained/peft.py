@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dpjax import fileio
-from dpjax.models import lora, trainable
+from dpjax.models import lora, t5, trainable
 from dpjax.pretrained import hf, tensor_files
 from dpjax.pretrained.tensor_files import CheckpointError
 
@@ -70,6 +70,7 @@ def export_adapters(params, config, out_dir, *,
   """Writes the adapters of `params` (a model with `config.lora`) as a PEFT
   LoRA directory; `base_model` goes to `base_model_name_or_path`. Returns
   the files written."""
+  params, config = t5.unrolled(params, config)
   cfg = getattr(config, "lora", None)
   if cfg is None:
     raise CheckpointError("the model has no LoRA adapters to export alone")

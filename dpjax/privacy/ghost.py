@@ -41,10 +41,20 @@ is formed one of two ways (`summation`):
   rematerialised layers (`jax.checkpoint`, e.g. `T5Config.remat = 'layer'`),
   whose activations exist only while their backward pass runs.
 
+Scanned layers (`jax.lax.scan` over a stack of identical layers, e.g.
+`T5Config.scan_layers`) hold each large parameter once, stacked `[layers,
+rows, cols]`, and the loop body sees one layer's slice. A site whose
+parameter is such a slice is tapped, with the tap's per-example zero closed
+over by the loop: a loop's backward pass sums the cotangents of what its
+body closes over, so the tap returns `sum_l ||A_l^T B_l||^2`, which is the
+stacked parameter's squared norm (the layers' gradients are disjoint blocks
+of it); the sum then comes from the second pass.
+
 A parameter with several sites (a tied embedding) needs the cross terms of
-the identity, so its factors are recorded, which a rematerialised site
-cannot be: such a parameter must be used outside `jax.checkpoint` (the dpjax
-models' embeddings are); inside, it is refused.
+the identity, so its factors are recorded, which a rematerialised or
+scanned site cannot be: such a parameter must be used outside
+`jax.checkpoint` and loops (the dpjax models' embeddings are); inside, it
+is refused.
 
 Formal guarantees
 -----------------
@@ -120,8 +130,9 @@ _PARAM_NAMES = {"dense": "kernel", "lookup": "embedding", "attend": "embedding"}
 _NORMS = ("auto", "ghost", "direct")
 _SUMMATIONS = ("auto", "book_keeping", "second_pass")
 # Calls whose body sees its operands unchanged, so a parameter passed in is
-# still that parameter inside (a scan slices, a custom_vjp redefines the
-# gradient: sites under those stay ordinary calls).
+# still that parameter inside (a custom_vjp redefines the gradient: sites
+# under one stay ordinary calls). A scan's body sees a slice of what it
+# loops over (`_marked_leaves`).
 _TRANSPARENT = (primitives.remat_p, primitives.jit_p, primitives.closed_call_p,
                 primitives.call_p)
 _MARK = "dpjax.ghost.site."
@@ -135,11 +146,18 @@ class Site:
   kind: str  # 'dense' | 'lookup' | 'attend'
   param: str  # the parameter's key path (`jax.tree_util.keystr`)
   leaf: int  # its index in `jax.tree.leaves(params)`
-  shape: tuple[int, int]  # (rows, cols) of the parameter
+  shape: tuple[int, int]  # (rows, cols) of the parameter (of one layer's slice)
   length: int  # T: positions one example sends through the call
   output: jax.ShapeDtypeStruct  # the call's output for one example
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
   remat: bool  # inside a jax.checkpoint: tapped, never recorded
+  scanned: bool = False  # a slice of a leaf a scan loops over: tapped
+
+  @property
+  def recordable(self) -> bool:
+    """Whether the factors can leave the model (neither remat nor a loop
+    body keeps them)."""
+    return not (self.remat or self.scanned)
 
 
 def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
@@ -166,7 +184,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
 
   Raises:
     ValueError: if a parameter with several sites has one inside a
-      `jax.checkpoint` (see the module docstring).
+      `jax.checkpoint` or a scan (see the module docstring).
   """
   if norm not in _NORMS:
     raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
@@ -190,7 +208,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   leaves_with_path = jax.tree_util.tree_flatten_with_path(params)[0]
   leaf_vars = jaxpr.invars[:len(leaves_with_path)]
   origins = _marked_leaves(jaxpr, {v: i for i, v in enumerate(leaf_vars)})
-  candidates = {calls[i][0] for i, (leaf, _) in origins.items()
+  candidates = {calls[i][0] for i, (leaf, _, _) in origins.items()
                 if leaf is not None}
 
   outputs = {key: out for key, _, _, out in calls}
@@ -206,28 +224,31 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
 
   sites = []
   for i, (key, kind, in_shape, out) in enumerate(calls):
-    leaf, remat = origins.get(i, (None, False))
+    leaf, remat, scanned = origins.get(i, (None, False, False))
     if leaf is None or used[leaf]:
       continue
     path, value = leaves_with_path[leaf]
-    if len(value.shape) != 2:
+    shape = value.shape[1:] if scanned else value.shape
+    if len(shape) != 2:
       raise ValueError(f"{kind} site {key} uses {jax.tree_util.keystr(path)} "
-                       f"of shape {value.shape}; expected 2-D.")
+                       f"of shape {value.shape}; expected 2-D"
+                       f"{' slices' if scanned else ''}.")
     length = math.prod(in_shape if kind == "lookup" else in_shape[:-1])
     sites.append(Site(
         key=key, kind=kind, param=jax.tree_util.keystr(path), leaf=leaf,
-        shape=tuple(value.shape), length=length, output=out,
-        norm=_cheaper(length, *value.shape) if norm == "auto" else norm,
-        remat=remat))
+        shape=tuple(shape), length=length, output=out,
+        norm=_cheaper(length, *shape) if norm == "auto" else norm,
+        remat=remat, scanned=scanned))
   per_param = collections.Counter(s.leaf for s in sites)
   for s in sites:
-    if s.remat and per_param[s.leaf] > 1:
+    if not s.recordable and per_param[s.leaf] > 1:
+      where = ("a rematerialised function (jax.checkpoint / nn.remat)"
+               if s.remat else "a scan's loop body")
       raise ValueError(
           f"{s.param} has {per_param[s.leaf]} ghost sites, one of them "
-          f"({s.key}) inside a rematerialised function (jax.checkpoint / "
-          "nn.remat): its norm needs the factors of every site, which a "
-          "rematerialised call cannot record. Call the module once per "
-          "checkpointed function, move it out of the checkpoint, or use vmap "
+          f"({s.key}) inside {where}: its norm needs the factors of every "
+          "site, which such a call cannot record. Call the module once per "
+          "checkpointed function or loop body, move it out, or use vmap "
           "clipping.")
   return tuple(sites)
 
@@ -249,12 +270,12 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     norm: Per-site norm path, as in `find_sites`.
     summation: 'book_keeping' (one pass, factors kept), 'second_pass' (taps
       and a second backward pass, nothing kept), or 'auto': the second pass
-      where a site is rematerialised, book-keeping otherwise.
+      where a site is rematerialised or scanned, book-keeping otherwise.
 
   Returns:
     A `ClippedGradFn` with `sensitivity == clip_norm`. Calling it on a loss
     with no sites raises `ValueError` (use `clipping.clipped_grad`), and so
-    does 'book_keeping' on a loss with rematerialised sites.
+    does 'book_keeping' on a loss with rematerialised or scanned sites.
 
   Example:
     >>> import jax.numpy as jnp
@@ -327,18 +348,20 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
 
 def _second_pass(summation: str, sites: tuple[Site, ...]) -> bool:
   """Whether the sum comes from a second backward pass (`summation`)."""
-  remat = [s for s in sites if s.remat]
-  if summation == "book_keeping" and remat:
+  hidden = [s for s in sites if not s.recordable]
+  if summation == "book_keeping" and hidden:
     raise ValueError(
         f"summation='book_keeping' cannot record the factors of "
-        f"{len(remat)} site(s) inside rematerialised functions (e.g. "
-        f"{remat[0].param}); use summation='second_pass' or 'auto'.")
-  return summation == "second_pass" or (summation == "auto" and bool(remat))
+        f"{len(hidden)} site(s) inside rematerialised functions or scanned "
+        f"layers (e.g. {hidden[0].param}); use summation='second_pass' or "
+        "'auto'.")
+  return summation == "second_pass" or (summation == "auto" and bool(hidden))
 
 
 def _tapped(sites: tuple[Site, ...]) -> frozenset:
   """Keys of the sites whose parameter has no other site: their norm needs
-  no cross term, so a tap gives it."""
+  no cross term, so a tap gives it (a scanned site's, summed over the
+  layers by the loop's backward pass)."""
   per_param = collections.Counter(s.leaf for s in sites)
   return frozenset(s.key for s in sites if per_param[s.leaf] == 1)
 
@@ -365,23 +388,35 @@ def _run(example_loss, params, example, on_site):
     return example_loss(params, example)
 
 
-def _marked_leaves(jaxpr, leaf_of: dict, remat: bool = False
-                   ) -> dict[int, tuple[int | None, bool]]:
-  """Call index -> (the params leaf its marked value is, or None if it is
-  computed; whether it is inside a `jax.checkpoint`), for the marks of
-  `find_sites` in `jaxpr`, whose variables `leaf_of` maps to leaves."""
+def _marked_leaves(jaxpr, leaf_of: dict, remat: bool = False,
+                   scanned: bool = False
+                   ) -> dict[int, tuple[int | None, bool, bool]]:
+  """Call index -> (the params leaf its marked value is (or a slice of, if
+  scanned), or None if it is computed; whether it is inside a
+  `jax.checkpoint`; whether it is a scan's slice), for the marks of
+  `find_sites` in `jaxpr`, whose variables `leaf_of` maps to leaves (or,
+  `scanned`, to the leaves they are slices of)."""
   found = {}
   for eqn in jaxpr.eqns:
     if (eqn.primitive is primitives.name_p
         and eqn.params["name"].startswith(_MARK)):
       found[int(eqn.params["name"][len(_MARK):])] = (
-          _leaf(leaf_of, eqn.invars[0]), remat)
+          _leaf(leaf_of, eqn.invars[0]), remat, scanned)
     elif eqn.primitive in _TRANSPARENT:
       body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
       body = getattr(body, "jaxpr", body)  # a ClosedJaxpr under jit
       inner = {v: _leaf(leaf_of, x) for v, x in zip(body.invars, eqn.invars)}
       found.update(_marked_leaves(
-          body, inner, remat or eqn.primitive is primitives.remat_p))
+          body, inner, remat or eqn.primitive is primitives.remat_p, scanned))
+    elif eqn.primitive is primitives.scan_p and not scanned:
+      # The body's invars: consts, carry, then one slice of each looped-over
+      # operand. Only those slices are a leaf's layers; a leaf the body
+      # closes over is used whole in every iteration (not a site).
+      body = eqn.params["jaxpr"].jaxpr
+      first = eqn.params["num_consts"] + eqn.params["num_carry"]
+      inner = {v: _leaf(leaf_of, x) for v, x in zip(body.invars[first:],
+                                                   eqn.invars[first:])}
+      found.update(_marked_leaves(body, inner, remat, scanned=True))
   return found
 
 

@@ -431,7 +431,7 @@ def check_compatible(
 
 # Model settings that change how a step computes, not the params: a run may
 # resume, or start from another run, with a different value.
-_COMPUTE_ONLY = ("remat",)
+_COMPUTE_ONLY = ("remat", "scan_unrolled")
 
 
 def architecture(model_json: dict) -> dict:

@@ -12,7 +12,11 @@ CPU) and prints one JSON line:
   microbatch_size, accumulation_calls (microbatches per step), mesh, rules,
   compute_dtype, params, peak_bytes_per_device (compiled), state_bytes,
   device_memory_bytes, fits, flops_per_step and bytes_accessed_per_step
-  (XLA cost analysis, per device), backend, device_kind, devices;
+  (XLA cost analysis, per device), backend, device_kind, devices,
+  scan_layers (whether the model's layers are a loop: XLA's analysis
+  counts a loop's body once, so a microbatch's FLOPs, bytes and time come
+  from the same program with the loop unrolled at one and two layers per
+  stack, `step_cost.per_layer_extrapolation`);
 
 with a compile target (`--target=tpu:v4:2x2x4`, `dpjax.training.targets`) all of it
 for the target's devices and memory, compiled by its compiler on this host,
@@ -36,6 +40,7 @@ the line records the XLA_FLAGS it was compiled with.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -97,9 +102,15 @@ def _dry_run(config: RunConfig, steps: int,
                                          rules=built.rules)
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1,
                                         rules=built.rules)
+  shardings = dict(batch_sharding=batch_sh, mask_sharding=mask_sh)
+  layers = scanned_layers(config.model_config)
+  per_microbatch = layers and step_cost.per_layer_extrapolation(
+      lambda counts: step_cost.accumulate_cost(
+          built.place_model(unrolled(config.model_config, counts)),
+          built.batch_rows, m=m, **shardings), layers)
   cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
-                             batch_sharding=batch_sh, mask_sharding=mask_sh,
-                             with_flops=True)
+                             with_flops=True, accumulate_cost=per_microbatch or None,
+                             **shardings)
   memory, source = sizing.device_memory(config.device_memory,
                                         compile_target)
   limit = int(memory * config.memory_headroom)
@@ -119,6 +130,7 @@ def _dry_run(config: RunConfig, steps: int,
       "mechanism": plan.ledger.mechanism,
       "clipping_method": clipping_method(built),
       "remat": sizing.model_remat(built.model.config),
+      "scan_layers": bool(layers),
       "microbatch_size": m, "accumulation_calls": k,
       "auto_sizing": choice.peak_bytes is not None,
       "mesh": dict(mesh.shape), "rules": [list(r) for r in built.rules],
@@ -154,6 +166,39 @@ def _dry_run(config: RunConfig, steps: int,
         f"({record['remat']} remat), {limit / 2**30:.2f} GiB usable "
         f"({source} x train.memory_headroom {config.memory_headroom})")
   return record
+
+
+def scanned_layers(model_config) -> dict[str, int]:
+  """The layer counts (`num_*_layers` fields) of the model config's scanned
+  part (`scan_layers`, its own or a nested config's, its loop not unrolled);
+  {} if none."""
+  for part in _parts(model_config):
+    if (getattr(part, "scan_layers", False)
+        and not getattr(part, "scan_unrolled", False)):
+      return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)
+              if f.name.startswith("num_") and f.name.endswith("_layers")}
+  return {}
+
+
+def unrolled(model_config, layers: dict[str, int]):
+  """`model_config` with its scanned parts at `layers` counts, their loops
+  unrolled (`scan_unrolled`: the same clipping, e.g. ghost's second pass,
+  in straight-line code)."""
+  if not dataclasses.is_dataclass(model_config):
+    return model_config
+  if getattr(model_config, "scan_layers", False):
+    return dataclasses.replace(model_config, scan_unrolled=True, **layers)
+  changes = {f.name: unrolled(getattr(model_config, f.name), layers)
+             for f in dataclasses.fields(model_config)
+             if dataclasses.is_dataclass(getattr(model_config, f.name))}
+  return dataclasses.replace(model_config, **changes) if changes else model_config
+
+
+def _parts(model_config):
+  if dataclasses.is_dataclass(model_config):
+    yield model_config
+    for f in dataclasses.fields(model_config):
+      yield from _parts(getattr(model_config, f.name))
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,

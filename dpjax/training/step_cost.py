@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -135,8 +135,12 @@ def logical_step(accumulate, apply, k: int) -> dict:
   parts: k x (`accumulate` of one microbatch) + `apply`, each compiled alone
   (XLA counts a loop's body once, so a whole step's own analysis would count
   one microbatch); the parts' analyses under `parts`."""
-  parts = {"accumulate": cost_analysis(accumulate),
-           "apply": cost_analysis(apply)}
+  return combine(cost_analysis(accumulate), cost_analysis(apply), k)
+
+
+def combine(accumulate: Mapping, apply: Mapping, k: int) -> dict:
+  """k x `accumulate`'s figures (one microbatch's) + `apply`'s."""
+  parts = {"accumulate": dict(accumulate), "apply": dict(apply)}
   total = {f: k * parts["accumulate"][f] + parts["apply"][f]
            for f in ("flops", "bytes_accessed")}
   times = [parts[p]["seconds"] for p in parts]
@@ -144,20 +148,11 @@ def logical_step(accumulate, apply, k: int) -> dict:
   return {**total, "parts": parts}
 
 
-def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
-              m: int, k: int, batch_sharding, mask_sharding,
-              with_flops: bool = False) -> StepCost:
-  """The compiled cost of one DP step of `placed` (`step.place_steps`) on
-  batches [k, m, ...] of rows shaped like `batch_rows` (one example's
-  features, e.g. {'inputs': (384,) int32}), split as the trainer splits
-  them. Compiles `accumulate` and `apply` once each (and, with `with_flops`
-  and k > 1, `accumulate` of one microbatch for the per-step FLOPs)."""
+def _compile(placed, batch_rows, *, m: int, k: int, batch_sharding,
+             mask_sharding):
+  """`placed`'s accumulate over [k, m, ...] batches and its apply, compiled
+  for abstract shapes split as the trainer splits them."""
   state = placed.abstract_state
-  group = lambda kk: (
-      {f: jax.ShapeDtypeStruct((kk, m, *x.shape), x.dtype,
-                               sharding=batch_sharding)
-       for f, x in batch_rows.items()},
-      jax.ShapeDtypeStruct((kk, m), np.float32, sharding=mask_sharding))
   # Scalars and the key replicated on the batch's mesh (a compile target's
   # devices are not the default device).
   replicated = jax.sharding.NamedSharding(batch_sharding.mesh,
@@ -165,25 +160,82 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
   grads = abstract_like(jax.eval_shape(placed.zero_sums, state.params),
                         placed.sums_shardings)
-  accumulate = placed.accumulate.lower(state.params, grads, *group(k), index,
+  batch = {f: jax.ShapeDtypeStruct((k, m, *x.shape), x.dtype,
+                                   sharding=batch_sharding)
+           for f, x in batch_rows.items()}
+  mask = jax.ShapeDtypeStruct((k, m), np.float32, sharding=mask_sharding)
+  accumulate = placed.accumulate.lower(state.params, grads, batch, mask, index,
                                        index, state.clip_norms).compile()
   apply = placed.apply.lower(
       state, grads,
       jax.ShapeDtypeStruct((4,), np.uint32, sharding=replicated),  # noise key
       jax.ShapeDtypeStruct((), np.float32, sharding=replicated)).compile()
+  return accumulate, apply
+
+
+def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
+              m: int, k: int, batch_sharding, mask_sharding,
+              with_flops: bool = False,
+              accumulate_cost: Mapping | None = None) -> StepCost:
+  """The compiled cost of one DP step of `placed` (`step.place_steps`) on
+  batches [k, m, ...] of rows shaped like `batch_rows` (one example's
+  features, e.g. {'inputs': (384,) int32}), split as the trainer splits
+  them. Compiles `accumulate` and `apply` once each (and, with `with_flops`
+  and k > 1, `accumulate` of one microbatch for the per-step FLOPs), unless
+  `accumulate_cost` gives one microbatch's figures (`cost_analysis`'s
+  fields; for a model whose layers are a loop, which XLA's analysis counts
+  once: `per_layer_extrapolation`)."""
+  shardings = dict(batch_sharding=batch_sharding, mask_sharding=mask_sharding)
+  accumulate, apply = _compile(placed, batch_rows, m=m, k=k, **shardings)
+  state = placed.abstract_state
   state_bytes = device_bytes(state)
   resident = state_bytes - device_bytes(state.params)  # not accumulate's args
   acc_peak = memory_analysis(accumulate)["peak_estimate_bytes"] + resident
   apply_peak = memory_analysis(apply)["peak_estimate_bytes"]
   flops = bytes_accessed = seconds = None
   if with_flops:
-    one = (accumulate if k == 1 else placed.accumulate.lower(
-        state.params, grads, *group(1), index, index,
-        state.clip_norms).compile())
-    total = logical_step(one, apply, k)
+    if accumulate_cost is None:
+      accumulate_cost = cost_analysis(
+          accumulate if k == 1 else
+          _compile(placed, batch_rows, m=m, k=1, **shardings)[0])
+    total = combine(accumulate_cost, cost_analysis(apply), k)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
     seconds = total["seconds"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),
                   accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
                   state_bytes=state_bytes, flops=flops,
                   bytes_accessed=bytes_accessed, seconds=seconds)
+
+
+def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
+                            layers: Mapping[str, int]) -> dict:
+  """`flops`, `bytes_accessed` and `seconds` of a program over a model with
+  `layers` (e.g. {'num_encoder_layers': 24, 'num_decoder_layers': 24})
+  identical layers per stack, from `cost_of(counts)` (`cost_analysis`'s
+  fields) of the same program at one layer per stack and, for each stack,
+  at two: each layer of a stack adds what its second one adds.
+
+  For a model whose layers are a loop (`T5Config.scan_layers`), which XLA's
+  analysis counts once: `cost_of` compiles it with the loop unrolled
+  (`scan_unrolled`, loop-free, so the TPU compiler estimates its time too).
+  Exact for FLOPs; for bytes and time, as far as a layer's cost does not
+  depend on its neighbours.
+  """
+  fields = ("flops", "bytes_accessed", "seconds")
+  one = {name: 1 for name in layers}
+  base = cost_of(one)
+  total = {f: base[f] for f in fields}
+  for name, count in layers.items():
+    more = cost_of({**one, name: 2})
+    for f in fields:
+      total[f] = (None if total[f] is None or more[f] is None else
+                  total[f] + (count - 1) * (more[f] - base[f]))
+  return total
+
+
+def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
+                    *, m: int, batch_sharding, mask_sharding) -> dict:
+  """`cost_analysis` of `placed`'s accumulate over one microbatch of m."""
+  return cost_analysis(_compile(placed, batch_rows, m=m, k=1,
+                                batch_sharding=batch_sharding,
+                                mask_sharding=mask_sharding)[0])

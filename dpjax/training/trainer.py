@@ -89,6 +89,9 @@ class Built(NamedTuple):
   placed: step_lib.PlacedSteps
   schedule: Any
   batch_rows: dict  # one training example's features, as abstract shapes
+  # model config -> its steps placed like `placed` (the run's mesh, plan and
+  # optimizer): a dry run costs a scanned model's layers through it.
+  place_model: Callable[[Any], step_lib.PlacedSteps]
 
 
 def build(config: RunConfig, *, dry_run: bool = False,
@@ -177,8 +180,8 @@ def build(config: RunConfig, *, dry_run: bool = False,
 
   audit_canaries = canaries and canaries(model, plan)
 
-  def place(remat: str) -> tuple[trainable_lib.Trainable,
-                                 step_lib.PlacedSteps]:
+  def place(remat: str, model_config=model_config
+            ) -> tuple[trainable_lib.Trainable, step_lib.PlacedSteps]:
     sized = trainable_lib.trainable(
         sizing_lib.with_remat(model_config, remat), lengths)
     return sized, step_lib.place_steps(
@@ -200,7 +203,8 @@ def build(config: RunConfig, *, dry_run: bool = False,
       model=model, lengths=lengths, splits=splits, tokenizer=tokenizer,
       init_run=init_run, mngr=mngr, resume=resume, run_secret=run_secret,
       plan=plan, plan_for=plan_for, mesh=mesh, rules=rules, sizing=choice,
-      sizing_key=key, placed=placed, schedule=schedule, batch_rows=rows)
+      sizing_key=key, placed=placed, schedule=schedule, batch_rows=rows,
+      place_model=lambda other: place(choice.remat or "none", other)[1])
 
 
 def train(config: RunConfig, *,

@@ -190,3 +190,36 @@ def test_config_json_roundtrip():
   with pytest.raises(ValueError):
     t5.T5Config(feed_forward="swish")
   hash(cfg)  # usable as a static jit argument
+
+
+def test_scanned_layers_are_the_unrolled_model(tiny, forward):
+  """`scan_layers`: the params are the unrolled ones stacked on a leading
+  `layers` axis (and back), the logits and the greedy decode (through the
+  stacked KV cache) are the unrolled model's, and a scanned init gives each
+  layer its own values."""
+  from dpjax.generation import decoding
+  cfg, params, axes = tiny
+  scfg = dataclasses.replace(cfg, scan_layers=True)
+  init, saxes = t5.init_params(scfg, jax.random.PRNGKey(0), input_length=8,
+                               target_length=8)
+  stacked = t5.scan_params(params)
+  assert jax.tree.structure(stacked) == jax.tree.structure(init)
+  query = stacked["encoder"]["layers"]["attention"]["query"]["kernel"]
+  assert query.shape == (cfg.num_encoder_layers, cfg.d_model,
+                         cfg.num_heads * cfg.d_kv)
+  np.testing.assert_array_equal(
+      query[1], params["encoder"]["layers_1"]["attention"]["query"]["kernel"])
+  assert saxes["encoder"]["layers"]["attention"]["query"]["kernel"] == (
+      PartitionSpec("layers", *axes["encoder"]["layers_0"]["attention"]
+                    ["query"]["kernel"]))
+  fresh = init["decoder"]["layers"]["mlp"]["wi"]["kernel"]
+  assert not np.allclose(fresh[0], fresh[1])
+  assert jax.tree.all(jax.tree.map(np.array_equal,
+                                   t5.unscan_params(stacked), params))
+  assert t5.unrolled(stacked, scfg)[1] == cfg
+
+  np.testing.assert_allclose(forward(scfg, stacked, ENC, DEC),
+                             forward(cfg, params, ENC, DEC), atol=1e-5, rtol=1e-5)
+  want = decoding.generate(cfg, params, ENC, max_length=6, rng=None, greedy=True)
+  got = decoding.generate(scfg, stacked, ENC, max_length=6, rng=None, greedy=True)
+  np.testing.assert_array_equal(got, want)

@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
@@ -217,6 +218,30 @@ def test_export_of_fresh_params_round_trips(tmp_path):
                      r"\(100, 16\), expected \(101, 16\)"):
     hf.export_hf(bad, cfg, tmp_path / "bad")
   assert not (tmp_path / "bad").exists()
+
+
+def test_scanned_layers_export_unrolled_and_load_stacked(tmp_path):
+  """A `scan_layers` T5 writes the checkpoint the unrolled model writes, and
+  reads it back stacked, placed by the stacked params' shardings."""
+  cfg = t5.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_heads=2,
+                    num_encoder_layers=2, num_decoder_layers=3)
+  scanned = dataclasses.replace(cfg, scan_layers=True)
+  params, _ = t5.init_params(cfg, jax.random.key(0), input_length=4, target_length=4)
+  stacked = t5.scan_params(params)
+  hf.export_hf(stacked, scanned, tmp_path / "scanned")
+  hf.export_hf(params, cfg, tmp_path / "unrolled")
+  assert (load_file(tmp_path / "scanned" / "model.safetensors").keys()
+          == load_file(tmp_path / "unrolled" / "model.safetensors").keys())
+  assert_trees_equal(hf.load_hf(tmp_path / "scanned", cfg), params)
+  mesh = partitioning.make_mesh({"fsdp": -1})
+  axes = t5.abstract_params(scanned, input_length=1, target_length=1)[1]
+  shardings = partitioning.param_shardings(
+      mesh, axes, partitioning.logical_axis_rules("fsdp"), shapes=stacked)
+  loaded = pretrained.load_pretrained(tmp_path / "scanned", scanned,
+                                      shardings=shardings)
+  assert_trees_equal(loaded, stacked)
+  assert (loaded["decoder"]["layers"]["mlp"]["wi"]["kernel"].sharding
+          == shardings["decoder"]["layers"]["mlp"]["wi"]["kernel"])
 
 
 def test_bfloat16_and_float16_checkpoints_upcast(tmp_path):

@@ -393,6 +393,77 @@ def test_refuses_a_remat_module_called_twice():
     ghost.find_sites(loss, params, REMAT_BATCH[0])
 
 
+@pytest.mark.parametrize("remat", ["none", "layer"])
+def test_scanned_layers_match_the_unrolled_per_example_loop(remat):
+  """`T5Config.scan_layers`: each layer kernel is one site on its stacked
+  leaf, tapped in the loop body, and the clipped sum and norms equal the
+  float64 loop over the unrolled model's examples. (No dropout: the scan
+  draws a layer's mask from its split of the key, the unrolled model from
+  its module path.)"""
+  layers = dict(num_encoder_layers=2, num_decoder_layers=2)
+  loss, params, batch = t5_problem(**layers)
+  scanned_loss = t5_problem(**layers, scan_layers=True, remat=remat)[0]
+  grads, norms, finite = loop_reference(loss, params, batch)
+  keep = (MASK > 0) & finite
+  clip = float(np.median(norms[keep]))
+  expected = [sum(grads[i][j] * min(1.0, clip / norms[i])
+                  for i in range(N) if keep[i]) for j in range(len(grads[0]))]
+  stacked = t5.scan_params(params)
+  sites = ghost.find_sites(scanned_loss, stacked, first_example(batch))
+  in_loop = {jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_flatten_with_path(stacked)[0]
+             if "['layers']" in jax.tree_util.keystr(p)
+             and jax.tree_util.keystr(p).endswith("['kernel']")}
+  assert {s.param for s in sites if s.scanned} == in_loop
+  assert all(s.remat == (remat == "layer") for s in sites if s.scanned)
+  assert not any(s.scanned for s in sites if s.param not in in_loop)
+  got, stats = jit(ghost.ghost_clipped_grad(scanned_loss, clip_norm=clip))(
+      stacked, batch, MASK)
+  np.testing.assert_allclose(stats.norms, np.where(keep, norms, 0), rtol=1e-5)
+  assert 0 < int(stats.num_clipped) < int(np.sum(keep))
+  for g, e in zip(leaves64(t5.unscan_params(got)), expected):
+    assert_close(g, e)
+
+
+class ScanToy(nn.Module):
+  """`Block` looped twice over stacked params (`nn.scan`)."""
+  twice: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(lambda block, c: (block(c), None), variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=2,
+                   metadata_params={nn.PARTITION_NAME: "layers"})
+    return scan(Block(self.twice, name="block"), x)[0]
+
+
+def test_a_scanned_module_is_a_site_once_and_refused_twice():
+  """Called once per loop body its stacked kernel is one site of the
+  layer's shape; called twice, its norm needs the cross term the loop
+  cannot give out, and it is refused."""
+  params = nn.meta.unbox(ScanToy().init(jax.random.PRNGKey(0),
+                                        jnp.zeros((3, 4)))["params"])
+  loss = lambda p, x: jnp.sum(ScanToy().apply({"params": p}, x) ** 2)
+  (site,) = ghost.find_sites(loss, params, REMAT_BATCH[0])
+  assert (site.param, site.shape, site.scanned) == (
+      "['block']['dense']['kernel']", (4, 4), True)
+  mask = jnp.array([1.0, 1.0, 0.0, 1.0])
+  want, want_stats = clipping.clipped_grad(loss, clip_norm=0.5)(
+      params, REMAT_BATCH, mask)
+  got, stats = ghost.ghost_clipped_grad(loss, clip_norm=0.5)(
+      params, REMAT_BATCH, mask)
+  np.testing.assert_allclose(stats.norms, want_stats.norms, rtol=1e-5)
+  for g, w in zip(leaves64(got), leaves64(want)):
+    assert_close(g, w)
+
+  twice = nn.meta.unbox(ScanToy(twice=True).init(
+      jax.random.PRNGKey(0), jnp.zeros((3, 4)))["params"])
+  with pytest.raises(ValueError, match="2 ghost sites.*loop body"):
+    ghost.find_sites(
+        lambda p, x: jnp.sum(ScanToy(twice=True).apply({"params": p}, x)),
+        twice, REMAT_BATCH[0])
+
+
 def test_invalid_arguments():
   with pytest.raises(ValueError, match="method"):
     clipping_method.make_clipped_grad(toy_loss, clip_norm=1.0, method="fast")
