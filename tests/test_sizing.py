@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import pytest
 
 from dpjax import errors
@@ -181,3 +182,24 @@ def test_the_record_is_reused_only_for_the_same_fingerprint(tmp_path):
       mesh, model="b", max_batch=32)) is None
   (tmp_path / sizing.FILENAME).write_text("{not json")
   assert sizing.load(str(tmp_path), key) is None
+
+
+def test_a_compilers_refusal_is_a_peak_of_the_state_and_its_temporaries():
+  """A TPU compiler refuses a program over its memory, naming the
+  temporaries it needs: the search takes the resident state plus those as
+  the peak (a lower bound); any other error is not a size."""
+  def refused():
+    raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (17.27G) exceeds available HBM (15.75G).")
+
+  floor = 3 * 2**30
+  assert sizing.peak_or_refusal(lambda: 5, floor) == (5, False)
+  assert sizing.peak_or_refusal(refused, floor) == (
+      floor + int(17.27 * 2**30), True)
+
+  def broken():
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    sizing.peak_or_refusal(broken, floor)

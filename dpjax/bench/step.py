@@ -47,6 +47,10 @@ holds the parts, with the `while_loops` each kept (a part with loops left is
 undercounted: on CPU, jax's threefry keeps a rolled loop in the noise of
 `apply`) and, where the whole step was compiled, its own analysis
 (`whole_step`). Bytes accessed are the compiled backend's, after its fusion.
+With `--scan_layers` (T5: its layers a loop over stacked params, one layer
+compiled per stack) accumulate's own analysis would count the loop's body
+once: its part comes from the same program with the loop unrolled at one
+and two layers per stack instead (`step_cost.per_layer_extrapolation`).
 `--compare_nodp` also compiles the nodp step for the same model and shape
 and adds `nodp_flops`, `nodp_bytes_accessed` (`nodp_cost_parts`),
 `flops_vs_nodp` and `bytes_vs_nodp`. `--cost_only` compiles the parts alone (no memory
@@ -88,7 +92,7 @@ from dpjax import configurables, errors, gin_cli
 from dpjax.training import partitioning, step as step_lib, step_cost, targets
 from dpjax.training.state import TrainState, init_state
 from dpjax.privacy.mechanisms import multi_loss
-from dpjax.models import lora, t5
+from dpjax.models import common, lora, t5
 from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, clipping_method, ghost, optimizers, secret
 
@@ -128,11 +132,12 @@ def mfu(num_params: int, tokens_per_second: float,
 
 def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
                  num_layers: int | None = None, remat: str = "none",
-                 lora_rank: int = 0):
+                 lora_rank: int = 0, scan_layers: bool = False):
   """The config of gin/models/{name}.gin with compute `dtype`, dropout off,
   rematerialisation `remat`, with `num_layers` that many layers (T5: in the
-  encoder and in the decoder) and, with `lora_rank`, LoRA adapters of that
-  rank on the attention projections (only they train)."""
+  encoder and in the decoder), with `lora_rank`, LoRA adapters of that
+  rank on the attention projections (only they train) and, with
+  `scan_layers` (T5), its layers a loop (`T5Config.scan_layers`)."""
   path = os.path.join(MODEL_DIR, f"{name}.gin")
   family = name.split("_")[0]
   if family not in CONFIGS or not os.path.isfile(path):
@@ -153,6 +158,10 @@ def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
   if lora_rank:
     overrides["lora"] = lora.LoRAConfig(rank=lora_rank,
                                         alpha=2.0 * lora_rank)
+  if scan_layers:
+    if family != "t5":
+      raise Unavailable(f"--scan_layers: {name} has no scanned form (T5 has)")
+    overrides["scan_layers"] = True
   return dataclasses.replace(config, dtype=dtype, dropout_rate=0.0,
                              remat=remat, **overrides)
 
@@ -303,25 +312,35 @@ def abstract_state(tx, abstract_params, axes, mesh, rules):
   return state_sh, state
 
 
-def logical_step_cost(step: BenchStep, state, batch, mask) -> dict:
+def logical_step_cost(step: BenchStep, state, batch, mask,
+                      accumulate_cost: dict | None = None) -> dict:
   """XLA's cost of one logical step on abstract `state`, `batch[K,m,...]`,
   `mask[K,m]`, as it is executed (`step_cost.logical_step`); `cost_parts`
-  holds the parts."""
+  holds the parts. `accumulate_cost`: one microbatch's figures from
+  elsewhere (a scanned model's, `step_cost.per_layer_extrapolation`)."""
   k = mask.shape[0]
-  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (1, *x.shape[1:]), x.dtype, sharding=x.sharding), (batch, mask))
-  accumulate = jax.jit(step.accumulate).lower(
-      state.params, *one, state.step).compile()
+  accumulate, one = _one_microbatch_accumulate(step, state, batch, mask)
   sums = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(step.accumulate, state.params, *one, state.step)[0],
       accumulate.output_shardings[0])
   apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums).compile()
-  total = step_cost.logical_step(accumulate, apply, k)
+  total = step_cost.combine(
+      accumulate_cost or step_cost.cost_analysis(accumulate),
+      step_cost.cost_analysis(apply), k)
   return {"flops": total["flops"], "bytes_accessed": total["bytes_accessed"],
           "seconds": total["seconds"],
           "cost_parts": {"sum": "microbatches x accumulate + apply",
                          "microbatches": k, **total["parts"]}}
+
+
+def _one_microbatch_accumulate(step: BenchStep, state, batch, mask):
+  """(`step.accumulate` compiled for one microbatch of `batch`, that
+  microbatch and its mask as abstract shapes)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (1, *x.shape[1:]), x.dtype, sharding=x.sharding), (batch, mask))
+  return jax.jit(step.accumulate).lower(state.params, *one,
+                                        state.step).compile(), one
 
 
 def residual_bytes(loss: Callable, params, microbatch) -> int:
@@ -335,7 +354,7 @@ def run(args: argparse.Namespace) -> dict:
   """Builds, compiles and (unless --memory_only) times the step."""
   config = model_config(args.model, dtype=args.dtype, vocab_size=args.vocab,
                         num_layers=args.layers, remat=args.remat,
-                        lora_rank=args.lora_rank)
+                        lora_rank=args.lora_rank, scan_layers=args.scan_layers)
   if isinstance(config, t5.T5Config):
     lengths = {"inputs": args.input_length or args.seq,
                "targets": args.target_length or args.seq}
@@ -358,7 +377,7 @@ def run(args: argparse.Namespace) -> dict:
     raise Unavailable(f"microbatch {m} does not split over the "
                       f"{partitioning.data_parallel_size(mesh, rules)} "
                       "data-parallel devices")
-  build = lambda mode: build_step(
+  build = lambda mode, model=model: build_step(
       mode, model, batch_size=args.batch, microbatch_size=m,
       clip_norm=args.clip_norm, noise_multiplier=args.noise_multiplier,
       learning_rate=args.learning_rate, seed=args.seed,
@@ -385,12 +404,31 @@ def run(args: argparse.Namespace) -> dict:
     compiled = jitted.lower(state_abstract, batch_abstract,
                             mask_abstract).compile()
   compile_s = time.perf_counter() - start
+  layers = common.scanned_layers(config)
+
+  def step_cost_of(mode: str, step: BenchStep, state) -> dict:
+    """`logical_step_cost`; a scanned model's microbatch from its loop
+    unrolled at one and two layers per stack (XLA counts a loop's body
+    once)."""
+    def unrolled_cost(counts):
+      other = trainable_lib.trainable(common.loop_unrolled(config, counts),
+                                      lengths)
+      other_step = build(mode, other)
+      params, axes = other.abstract_params()
+      other_state = abstract_state(other_step.tx, params, axes, mesh, rules)[1]
+      return step_cost.cost_analysis(_one_microbatch_accumulate(
+          other_step, other_state, batch_abstract, mask_abstract)[0])
+
+    return logical_step_cost(
+        step, state, batch_abstract, mask_abstract,
+        accumulate_cost=layers and step_cost.per_layer_extrapolation(
+            unrolled_cost, layers) or None)
+
   start = time.perf_counter()
   if args.no_cost:  # a model whose every compile takes minutes (T5-XL, CPU)
     cost = {"flops": None, "bytes_accessed": None, "cost_parts": None}
   else:
-    cost = logical_step_cost(step, state_abstract, batch_abstract,
-                             mask_abstract)
+    cost = step_cost_of(args.mode, step, state_abstract)
   if not args.cost_only and not args.no_cost:
     cost["cost_parts"]["whole_step"] = step_cost.cost_analysis(compiled)
   if args.compare_nodp and not args.no_cost:
@@ -398,9 +436,8 @@ def run(args: argparse.Namespace) -> dict:
       nodp = cost
     else:
       nodp_step = build("nodp")
-      nodp = logical_step_cost(
-          nodp_step, abstract_state(nodp_step.tx, abstract_params, axes, mesh,
-                                    rules)[1], batch_abstract, mask_abstract)
+      nodp = step_cost_of("nodp", nodp_step, abstract_state(
+          nodp_step.tx, abstract_params, axes, mesh, rules)[1])
     cost.update(nodp_flops=nodp["flops"],
                 nodp_bytes_accessed=nodp["bytes_accessed"],
                 nodp_cost_parts=nodp["cost_parts"],
@@ -417,6 +454,7 @@ def run(args: argparse.Namespace) -> dict:
   device = jax.devices()[0]
   result = dict(
       model=args.model, mode=args.mode, dtype=args.dtype, remat=args.remat,
+      scan_layers=args.scan_layers,
       target=args.target.spec if args.target else None,
       lora_rank=args.lora_rank,
       batch=args.batch, microbatch=m, lengths=lengths,
@@ -507,6 +545,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--vocab", type=int,
                  help="override the vocabulary size (tiny gin files leave "
                  "it to the task)")
+  p.add_argument("--scan_layers", action="store_true",
+                 help="T5: the layers a loop over stacked params "
+                 "(T5Config.scan_layers); one layer compiled per stack")
   p.add_argument("--layers", type=int,
                  help="override the number of layers (T5: encoder and "
                  "decoder each)")

@@ -6,7 +6,8 @@ from their own compilers on this host (nothing runs, no device needed).
 
 For each target (default: a v5e, a v4 and a v6e 2x2 slice, one H100) and
 model (GPT-2 small 32 x 256, T5-Base 32 x (384 + 128), T5-XL 32 x (512 +
-512) with layer remat and its params sharded over the slice, FSDP), each
+512) with layer remat, its layers scanned (one compiled per stack) and its
+params sharded over the slice, FSDP), each
 mode (nodp, vmap, ghost, jax_privacy) gets
   1. the step at the batch of 32 in one call (`python -m dpjax.bench
      --target`): peak memory per device, FLOPs and bytes per device, and on
@@ -74,7 +75,8 @@ SUITES = {
         models=(Model("gpt2_small", ("--seq=256",)),
                 Model("t5_base", ("--input_length=384",
                                   "--target_length=128")),
-                Model("t5_xl", ("--seq=512", "--remat=layer", *FSDP))),
+                Model("t5_xl", ("--seq=512", "--remat=layer", "--scan_layers",
+                                *FSDP))),
         batch=32, max_per_device=1024, common=("--dtype=bfloat16",)),
     "targets_smoke": Spec(
         targets=("tpu:v5e:2x2",),

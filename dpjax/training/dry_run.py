@@ -40,7 +40,6 @@ the line records the XLA_FLAGS it was compiled with.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -50,6 +49,7 @@ import jax
 
 from dpjax.training import (distributed, partitioning, run_config, sizing, step_cost, targets, trainer)
 from dpjax import errors
+from dpjax.models import common
 from dpjax.privacy import clipping_method as clipping_lib
 
 RunConfig = run_config.RunConfig
@@ -103,14 +103,25 @@ def _dry_run(config: RunConfig, steps: int,
   mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1,
                                         rules=built.rules)
   shardings = dict(batch_sharding=batch_sh, mask_sharding=mask_sh)
-  layers = scanned_layers(config.model_config)
+  layers = common.scanned_layers(config.model_config)
   per_microbatch = layers and step_cost.per_layer_extrapolation(
       lambda counts: step_cost.accumulate_cost(
-          built.place_model(unrolled(config.model_config, counts)),
+          built.place_model(common.loop_unrolled(config.model_config, counts)),
           built.batch_rows, m=m, **shardings), layers)
-  cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
-                             with_flops=True, accumulate_cost=per_microbatch or None,
-                             **shardings)
+  try:
+    cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
+                               with_flops=True,
+                               accumulate_cost=per_microbatch or None,
+                               **shardings)
+  except jax.errors.JaxRuntimeError as e:
+    needed = step_cost.refused_bytes(e)
+    if needed is None:
+      raise
+    raise errors.UsageError(
+        f"the run does not fit {compile_target.spec if compile_target else 'this device'}: "
+        f"its compiler refused microbatch {m} ({sizing.model_remat(built.model.config)} "
+        f"remat), needing {needed / 2**30:.2f} GiB of temporaries beyond "
+        "the state") from None
   memory, source = sizing.device_memory(config.device_memory,
                                         compile_target)
   limit = int(memory * config.memory_headroom)
@@ -166,39 +177,6 @@ def _dry_run(config: RunConfig, steps: int,
         f"({record['remat']} remat), {limit / 2**30:.2f} GiB usable "
         f"({source} x train.memory_headroom {config.memory_headroom})")
   return record
-
-
-def scanned_layers(model_config) -> dict[str, int]:
-  """The layer counts (`num_*_layers` fields) of the model config's scanned
-  part (`scan_layers`, its own or a nested config's, its loop not unrolled);
-  {} if none."""
-  for part in _parts(model_config):
-    if (getattr(part, "scan_layers", False)
-        and not getattr(part, "scan_unrolled", False)):
-      return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)
-              if f.name.startswith("num_") and f.name.endswith("_layers")}
-  return {}
-
-
-def unrolled(model_config, layers: dict[str, int]):
-  """`model_config` with its scanned parts at `layers` counts, their loops
-  unrolled (`scan_unrolled`: the same clipping, e.g. ghost's second pass,
-  in straight-line code)."""
-  if not dataclasses.is_dataclass(model_config):
-    return model_config
-  if getattr(model_config, "scan_layers", False):
-    return dataclasses.replace(model_config, scan_unrolled=True, **layers)
-  changes = {f.name: unrolled(getattr(model_config, f.name), layers)
-             for f in dataclasses.fields(model_config)
-             if dataclasses.is_dataclass(getattr(model_config, f.name))}
-  return dataclasses.replace(model_config, **changes) if changes else model_config
-
-
-def _parts(model_config):
-  if dataclasses.is_dataclass(model_config):
-    yield model_config
-    for f in dataclasses.fields(model_config):
-      yield from _parts(getattr(model_config, f.name))
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,

@@ -229,6 +229,22 @@ def with_remat(model_config, remat: str):
   return dataclasses.replace(model_config, **changes) if changes else model_config
 
 
+def peak_or_refusal(compiled_peak: Callable[[], int], floor: int
+                    ) -> tuple[int, bool]:
+  """(`compiled_peak()`, False), or where the compiler refused the program
+  for want of device memory (a TPU's does, naming the temporaries it needs,
+  `step_cost.refused_bytes`) (`floor` + those temporaries, True): with the
+  resident state `floor`, a lower bound of the peak, which the search can
+  interpolate through."""
+  try:
+    return int(compiled_peak()), False
+  except jax.errors.JaxRuntimeError as e:
+    needed = step_cost.refused_bytes(e)
+    if needed is None:
+      raise
+    return floor + needed, True
+
+
 def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
                place: Callable[[str], Any], model_dir: str, dry_run: bool,
                target: targets.Target | None = None
@@ -277,11 +293,14 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
   def peak(m: int, remat_choice: str) -> int:
     # A large model's compile takes minutes on a CPU: say what is compiling.
     start = time.perf_counter()
-    bytes_ = step_cost.step_cost(
-        place(remat_choice), rows, m=m, k=-(-max_batch // m),
-        batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes
+    bytes_, refused = peak_or_refusal(
+        lambda: step_cost.step_cost(
+            place(remat_choice), rows, m=m, k=-(-max_batch // m),
+            batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes,
+        floor)
+    what = "refused by the compiler, peak at least" if refused else "peak"
     reporting.say(
-        f"auto sizing: microbatch {m}, remat {remat_choice!r}: peak "
+        f"auto sizing: microbatch {m}, remat {remat_choice!r}: {what} "
         f"{bytes_ / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB "
         f"(compiled in {time.perf_counter() - start:.0f} s)")
     return bytes_

@@ -100,6 +100,18 @@ def generic_cost_analysis(compiled) -> dict:
       jax.devices("cpu")[0].client, module)
 
 
+def refused_bytes(error: Exception) -> int | None:
+  """The temporaries a TPU compiler said a program needs when it refused to
+  compile it for want of device memory ("RESOURCE_EXHAUSTED: ... HLO
+  temporaries (17.27G) exceeds available HBM (15.75G)"), in bytes; None
+  for any other error."""
+  found = re.search(r"RESOURCE_EXHAUSTED.*?temporaries \((\d+(?:\.\d+)?)([KMGT])\)",
+                    str(error), re.S)
+  if not isinstance(error, jax.errors.JaxRuntimeError) or not found:
+    return None
+  return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+
+
 def device_bytes(tree: PyTree) -> int:
   """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s (the
   largest shard of each leaf)."""
@@ -230,7 +242,7 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
     for f in fields:
       total[f] = (None if total[f] is None or more[f] is None else
                   total[f] + (count - 1) * (more[f] - base[f]))
-  return total
+  return {**total, "extrapolated_to": dict(layers)}
 
 
 def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
