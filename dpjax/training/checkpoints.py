@@ -465,17 +465,43 @@ def model_and_parts(model_config) -> list[dict]:
           if dataclasses.is_dataclass(c) and hasattr(c, "to_json")]
 
 
+def with_defaults(saved: dict, model_config) -> dict:
+  """`saved` (a checkpoint's model JSON) with the fields it predates at
+  their defaults in `model_config`'s class, nested configs too: a run
+  written before a field existed (e.g. `T5Config.scan_layers`) is a run at
+  its default."""
+  try:
+    defaults = config_json(type(model_config)())
+  except TypeError:  # a config class without defaults for every field
+    return saved
+
+  def merge(default, value):
+    if isinstance(default, dict) and isinstance(value, dict):
+      return {**default, **{k: merge(default.get(k), v) for k, v in value.items()}}
+    return value
+
+  return merge(defaults, saved)
+
+
 def check_model(meta: RunMeta, model_config) -> None:
   """Refuses to resume a checkpoint of another model (compute-only settings
   such as remat may differ)."""
-  check_compatible(architecture(meta.model_config),
+  check_compatible(architecture(with_defaults(meta.model_config, model_config)),
                    architecture(config_json(model_config)), "model")
 
 
 def check_initialises(meta: RunMeta, model_config) -> None:
   """Refuses a run as INITIAL_CHECKPOINT_PATH unless its model is this one
   or one this model extends (a field of its config)."""
-  saved = architecture(saved_model_json(meta))
+  parts = [model_config, *(getattr(model_config, f.name)
+                           for f in dataclasses.fields(model_config))]
+  same_class = next((c for c in parts if type(c).__name__ == meta.model_class),
+                    None)
+  saved = saved_model_json(meta)
+  if same_class is not None:
+    saved = {"class": meta.model_class,
+             **with_defaults(meta.model_config, same_class)}
+  saved = architecture(saved)
   if saved not in model_and_parts(model_config):
     check_compatible(
         saved, architecture(model_json(model_config)), "model",

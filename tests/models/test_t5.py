@@ -223,3 +223,21 @@ def test_scanned_layers_are_the_unrolled_model(tiny, forward):
   want = decoding.generate(cfg, params, ENC, max_length=6, rng=None, greedy=True)
   got = decoding.generate(scfg, stacked, ENC, max_length=6, rng=None, greedy=True)
   np.testing.assert_array_equal(got, want)
+
+
+def test_a_checkpoint_from_before_scan_layers_is_an_unrolled_model(make_config):
+  """A run's model JSON written before `scan_layers` existed resumes and
+  initialises the unrolled model (the field's default) and is refused by a
+  scanned one, whose params are laid out otherwise."""
+  import types
+  from dpjax.training import checkpoints
+  cfg = make_config()
+  before = {k: v for k, v in checkpoints.config_json(cfg).items()
+            if k not in ("scan_layers", "scan_unrolled")}
+  meta = types.SimpleNamespace(model_config=before, model_class="T5Config")
+  checkpoints.check_model(meta, cfg)
+  checkpoints.check_initialises(meta, cfg)
+  scanned = dataclasses.replace(cfg, scan_layers=True)
+  for check in (checkpoints.check_model, checkpoints.check_initialises):
+    with pytest.raises(checkpoints.CheckpointMismatchError, match="scan_layers"):
+      check(meta, scanned)
