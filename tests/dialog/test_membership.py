@@ -5,6 +5,7 @@ experiment end to end on a shrunk sample run."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 
@@ -12,6 +13,8 @@ import gin
 import numpy as np
 import pytest
 from scipy import stats
+
+from jax_privacy import auditing
 
 from dpjax import errors
 from dpjax.pipelines.dialog import membership
@@ -108,6 +111,36 @@ def test_the_attack_separates_members_only_when_the_scores_do():
   assert abs(none["auc"] - 0.5) < 0.04 and none["tpr@0.1"] < 0.16
 
 
+def _auditor_bounds(lira, member, delta, confidence):
+  """jax-privacy's estimators called directly on the IN and OUT pairs."""
+  auditor = auditing.CanaryScoreAuditor(lira[member], lira[~member])
+  return (auditor.epsilon_one_run_fdp(1 - confidence, delta),
+          auditor.epsilon_one_run(1 - confidence, delta))
+
+
+def test_epsilon_bounds_are_jax_privacys_estimators_on_the_pairs():
+  rng = np.random.default_rng(7)
+  member = membership.membership_splits(300, 6, rng)
+  scores = rng.normal(size=(1, 300)) + rng.normal(size=(6, 300)) * 0.3 \
+      + 0.5 * member
+  lira = membership.lira_scores(scores, member)
+  got = membership.epsilon_bounds(lira, member, delta=1e-3)
+  fdp, one_run = _auditor_bounds(lira, member, 1e-3, 0.95)
+  assert got["epsilon_lower_bound"] > 0  # a leak the comparison can see
+  assert got["epsilon_lower_bound"] == pytest.approx(fdp, rel=1e-9)
+  assert got["epsilon_one_run"] == pytest.approx(one_run, rel=1e-9)
+  assert (got["bound_delta"], got["confidence"]) == (1e-3, 0.95)
+
+
+def test_bound_delta_is_resolved_for_the_smallest_half():
+  member = np.zeros((4, 10), bool)
+  for m, n in enumerate((5, 4, 6, 5)):
+    member[m, :n] = True
+  assert membership.bound_delta(None, member) == 1 / (2 * 4)  # 1/(2n)
+  assert membership.bound_delta("1/n", member) == 1 / 4
+  assert membership.bound_delta(1e-6, member) == 1e-6
+
+
 def test_metrics_match_brute_force():
   rng = np.random.default_rng(5)
   member = rng.random((4, 30)) < 0.5
@@ -193,6 +226,29 @@ def test_row_and_table(experiment):
   assert 0 <= row["auc"] <= 1 and row["epsilon_spent"] <= EPS * (1 + 1e-9)
   assert math.isfinite(row["validation_ppl"]) and row["validation_ppl"] > 1
   assert "| user-level DP |" in open(result["table_md"]).read()
+
+
+def test_epsilon_bounds_from_the_runs_scores_and_ledgers(experiment):
+  """The row's bounds recomputed from the cached scores, the written
+  splits and the largest δ of the runs' ledgers, by jax-privacy directly."""
+  out, result = experiment
+  row, = result["rows"]
+  splits = [set(open(os.path.join(out, "splits", f"model{m}.txt")).read()
+                .split()) for m in range(4)]
+  users = sorted(set().union(*splits))
+  member = np.array([[u in s for u in users] for s in splits])
+  delta = max(ledger_lib.PrivacyLedger.load(os.path.join(
+      out, "runs", "user", f"model{m}", ledger_lib.LEDGER_FILENAME)).delta
+              for m in range(4))
+  with open(os.path.join(out, "scores", "user.json")) as f:
+    lira = membership.lira_scores(np.array(json.load(f)["scores"]), member)
+  fdp, one_run = _auditor_bounds(lira, member, delta, 0.95)
+  assert row["bound_delta"] == pytest.approx(delta, rel=1e-12)
+  assert row["confidence"] == 0.95
+  assert row["epsilon_lower_bound"] == pytest.approx(fdp, rel=1e-9, abs=1e-12)
+  assert row["epsilon_one_run"] == pytest.approx(one_run, rel=1e-9,
+                                                 abs=1e-12)
+  assert "ε lower bound (one run)" in open(result["table_md"]).read()
 
 
 def test_rerun_retrains_nothing(experiment, monkeypatch):

@@ -9,6 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from jax_privacy import auditing
 
 from dpjax.data.readers import msmarco
 from dpjax.pipelines.retrieval import canaries
@@ -148,16 +149,59 @@ def test_sequence_scorer_matches_the_training_loss():
   np.testing.assert_allclose(-got, mean_nll * weights.sum(1), rtol=1e-5)
 
 
+def _auditor_bounds(inside, outside, delta, confidence=0.95):
+  """jax-privacy's estimators called directly on IN and OUT scores."""
+  auditor = auditing.CanaryScoreAuditor(inside, outside)
+  return (auditor.epsilon_one_run_fdp(1 - confidence, delta),
+          auditor.epsilon_one_run(1 - confidence, delta))
+
+
+def test_one_run_bounds_are_jax_privacys_estimators():
+  # Trained-on secrets score about 3 above a candidate: a leak to detect.
+  rng = np.random.default_rng(0)
+  inside, outside = rng.normal(3.0, 1.0, 60), rng.normal(0.0, 1.0, 60)
+  rows = [dict(score=i, candidate_score=o) for i, o in zip(inside, outside)]
+  for confidence in (0.95, 0.9):
+    got = canaries.one_run_bounds(rows, delta=1e-5, confidence=confidence)
+    fdp, one_run = _auditor_bounds(inside, outside, 1e-5, confidence)
+    assert got["epsilon_lower_bound_one_run"] > 0
+    assert got["epsilon_lower_bound_one_run"] == pytest.approx(fdp, rel=1e-9)
+    assert got["epsilon_one_run"] == pytest.approx(one_run, rel=1e-9)
+
+
 def test_summary_rates_and_bound():
   rows = [dict(repetitions=10, kind=k, sample_rank=r, better=r - 1,
                exposure=e, exposure_skewnorm=e, extracted=x,
-               extracted_greedy=x)
-          for k, r, e, x in (("own_document", 1, 9.0, True),
-                             ("other_document", 3, 5.0, False))]
-  got = canaries.summarize(rows, delta=0.0, num_candidates=9)
+               extracted_greedy=x, score=s, candidate_score=c)
+          for k, r, e, x, s, c in (("own_document", 1, 9.0, True, -4.0, -9.0),
+                                   ("other_document", 3, 5.0, False, -6.0,
+                                    -5.0))]
+  got = canaries.summarize(rows, delta=1e-4, num_candidates=9)
   pooled = got[0]
   assert pooled["kind"] == "all" and pooled["canaries"] == 2
   assert pooled["sample_rank"] == 2.0 and pooled["extraction"] == 0.5
   assert pooled["epsilon_lower_bound"] == pytest.approx(canaries.epsilon_lower_bound(
-      1, 2, null_success=1 / 10, delta=0.0, group_size=20))
+      1, 2, null_success=1 / 10, delta=1e-4, group_size=20))
+  fdp, one_run = _auditor_bounds([-4.0, -6.0], [-9.0, -5.0], 1e-4)
+  assert pooled["epsilon_lower_bound_one_run"] == pytest.approx(fdp, abs=1e-12)
+  assert pooled["epsilon_one_run"] == pytest.approx(one_run, abs=1e-12)
+  assert pooled["confidence"] == 0.95
   assert [r["kind"] for r in got] == ["all", "own_document", "other_document"]
+  assert all("epsilon_lower_bound_one_run" not in r for r in got[1:])
+
+
+def test_one_run_bounds_pool_each_repetition_count_apart():
+  rng = np.random.default_rng(1)
+  rows = [dict(repetitions=rep, kind="own_document", sample_rank=1, better=0,
+               exposure=1.0, exposure_skewnorm=1.0, extracted=False,
+               extracted_greedy=False, score=rng.normal(shift),
+               candidate_score=rng.normal())
+          for rep, shift in ((1, 0.0), (100, 4.0)) for _ in range(40)]
+  got = {r["repetitions"]: r for r in canaries.summarize(
+      rows, delta=1e-5, num_candidates=9) if r["kind"] == "all"}
+  for rep, row in got.items():
+    mine = [r for r in rows if r["repetitions"] == rep]
+    fdp, _ = _auditor_bounds([r["score"] for r in mine],
+                             [r["candidate_score"] for r in mine], 1e-5)
+    assert row["epsilon_lower_bound_one_run"] == pytest.approx(fdp, abs=1e-12)
+  assert got[100]["epsilon_lower_bound_one_run"] > 0

@@ -9,6 +9,7 @@ import math
 import os
 
 import pytest
+from jax_privacy import auditing
 
 from dpjax import errors
 from dpjax.generation import inference
@@ -153,7 +154,29 @@ def test_canary_audit_rows(experiment):
   pooled = [r for r in result["canaries"] if r["kind"] == "all"]
   assert [r["repetitions"] for r in pooled] == [1, 3]
   assert all(r["epsilon_lower_bound"] >= 0 for r in pooled)
+  # The one-run bound: jax-privacy's estimator on the audit's scores, at the
+  # canary generator's ledger δ.
+  delta = ledger_lib.PrivacyLedger.load(os.path.join(
+      out, "canaries", f"eps{NAME}", ledger_lib.LEDGER_FILENAME)).delta
+  for row in pooled:
+    mine = [r for r in per_canary if r["repetitions"] == row["repetitions"]]
+    auditor = auditing.CanaryScoreAuditor(
+        [r["score"] for r in mine], [r["candidate_score"] for r in mine])
+    assert row["delta"] == pytest.approx(delta, rel=1e-12)
+    assert row["epsilon_lower_bound_one_run"] == pytest.approx(
+        auditor.epsilon_one_run_fdp(0.05, delta), abs=1e-12)
   assert os.path.isfile(os.path.join(out, "canaries.csv"))
+
+
+def test_an_incomplete_cached_value_is_computed_again(tmp_path):
+  path = str(tmp_path / "audit.json")
+  old = [{"score": 1.0}]
+  assert retrieval._cached_json(path, lambda: old) == old
+  new = [{"score": 1.0, "candidate_score": 0.5}]
+  complete = lambda rows: all("candidate_score" in r for r in rows)
+  assert retrieval._cached_json(path, lambda: new, complete) == new
+  assert retrieval._cached_json(path, lambda: pytest.fail("recomputed"),
+                                complete) == new
 
 
 def test_rerun_retrains_nothing(experiment, monkeypatch):

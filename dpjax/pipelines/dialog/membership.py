@@ -28,6 +28,31 @@ Design (Carlini et al.'s online attack, leave-one-model-out):
    with few shadows).
 5. `attack_metrics`: AUC and TPR at 1% and 10% FPR over all (model, user)
    pairs, each labelled by whether u trained m.
+6. `epsilon_bounds`: jax-privacy's one-run ε estimators on the same pairs
+   (`dpjax.audit.scores.lower_bound`, Λ the score, membership the coin):
+   `epsilon_lower_bound` (Mahloujifar et al., "Auditing f-Differential
+   Privacy in One Run", arXiv 2410.22235) and `epsilon_one_run` (Steinke,
+   Nasr and Jagielski, "Privacy Auditing with One (1) Training Run",
+   NeurIPS 2023, arXiv 2305.08846), at `CONFIDENCE` and at one δ for every
+   setting (`bound_delta`): the user-level runs' ledger δ, i.e. the gin's
+   `train.delta` resolved for the users a model trains on (1/(2n) by
+   default), the largest over the models. The example-level and
+   non-private rows are stated at that δ too, not at their own ledgers'
+   (which count chunks, not users), so the rows compare with each other and
+   with the retrieval canaries' one-run bound
+   (`dpjax.pipelines.retrieval.canaries.one_run_bounds`).
+
+Limits of the ε figure. The one-run theorem (and its f-DP refinement)
+bounds the ε of ONE training run from a score of its output alone and
+canaries each included by an independent fair coin. Here the pairs come
+from M runs; a user's M coins are tied (exactly M / 2 IN, so the shadows'
+coins, which Λ reads, determine the target's); and Λ of a target is built
+from the other models. The figure is therefore a statistic computed the
+same way for every setting and experiment, comparable between them, not a
+certified lower bound of any model's ε. (The tie biases Λ against the
+attack: without leakage a target's IN mean has one shadow fewer than its
+OUT mean, so IN pairs score lower on average; on scores with no member
+signal the AUC is about 0.41 at M = 4 and 0.47 at M = 8.)
 
 Cost: M trainings per setting; scoring is one forward pass per model over
 the train and validation splits. No TensorFlow here but in `run` (the data
@@ -46,11 +71,14 @@ from sklearn import metrics as sk_metrics
 
 import tasks
 from dpjax import configurables, errors, fileio
+from dpjax.audit import scores as audit_scores
 from dpjax.pipelines import harness
 from dpjax.generation import inference
 from dpjax.models import gpt2
+from dpjax.training import plan as plan_lib
 
 FPRS = (0.01, 0.1)
+CONFIDENCE = 0.95  # of the ε bounds (`epsilon_bounds`)
 SETTINGS = ("nonprivate", "example", "user")
 LABELS = {"nonprivate": "non-private", "example": "example-level DP",
           "user": "user-level DP"}
@@ -124,6 +152,29 @@ def attack_metrics(scores: np.ndarray, member: np.ndarray,
   return out
 
 
+def bound_delta(delta: float | str | None, member: np.ndarray) -> float:
+  """The δ of every setting's ε bounds: `delta` (`train.delta` as the gin
+  sets it) resolved for the users each model trains on (`member`: [M, U]),
+  as the user-level runs' ledgers resolve it, the largest over the models.
+  An (ε, δ) guarantee also holds at any larger δ, so a bound at the largest
+  speaks against every model's claim."""
+  return max(plan_lib.resolve_delta(delta, int(n))
+             for n in np.sum(member, axis=1))
+
+
+def epsilon_bounds(lira: np.ndarray, member: np.ndarray, *, delta: float,
+                   confidence: float = CONFIDENCE) -> dict:
+  """jax-privacy's one-run ε estimators over all (model, user) pairs, Λ
+  (`lira`, [M, U]) the score and `member` the coin: `epsilon_lower_bound`
+  (f-DP, Mahloujifar et al.) and `epsilon_one_run` (Steinke et al.), with
+  the `bound_delta` and `confidence` they are stated at. A statistic
+  comparable across settings and with the retrieval canaries' one-run
+  bound, not a certified bound (the module docstring says why)."""
+  bounds = audit_scores.lower_bound(np.ravel(lira), np.ravel(member),
+                                    delta=delta, confidence=confidence)
+  return dict(bounds, bound_delta=delta, confidence=confidence)
+
+
 # ---------------------------------------------------------------------------
 # The experiment: train, score, attack, tabulate.
 # ---------------------------------------------------------------------------
@@ -190,6 +241,7 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
   user_ids = sorted(set(users))
   member = membership_splits(len(user_ids), num_models,
                              np.random.default_rng(seed))
+  delta = bound_delta(base.delta, member)
   per_user = np.bincount(np.searchsorted(user_ids, users))
   example_batch = round(base.batch_size * float(
       np.minimum(per_user, base.max_examples_per_user).mean()))
@@ -232,8 +284,9 @@ def run(out_dir: str, *, settings: Sequence[str] = SETTINGS,
           epsilon_spent=epsilons)))
     with open(cached) as f:
       record = json.load(f)
-    attack = attack_metrics(lira_scores(np.array(record["scores"]), member),
-                            member)
+    lira = lira_scores(np.array(record["scores"]), member)
+    attack = dict(attack_metrics(lira, member),
+                  **epsilon_bounds(lira, member, delta=delta))
     rows.append(dict(setting=setting, epsilon=epsilon if setting != "nonprivate"
                      else math.inf,
                      epsilon_spent=max(record["epsilon_spent"]),
@@ -252,13 +305,17 @@ def write_outputs(root: str, rows: Sequence[Mapping]) -> dict:
   harness.write_results(os.path.join(root, harness.RESULTS_FILENAME),
                         [dict(r, kind="membership") for r in rows])
   header = ["training", "ε spent", "validation PPL", "LiRA AUC",
-            *(f"TPR @ {f:.0%} FPR" for f in FPRS), "models", "users"]
+            *(f"TPR @ {f:.0%} FPR" for f in FPRS),
+            "ε lower bound (one run)", "models", "users"]
   table = [[LABELS[r["setting"]],
             ("∞" if math.isinf(r["epsilon_spent"])
              else f"{r['epsilon_spent']:.3f}"),
             f"{r['validation_ppl']:.2f}", f"{r['auc']:.3f}",
-            *(f"{r[f'tpr@{f:g}']:.3f}" for f in FPRS), str(r["models"]),
+            *(f"{r[f'tpr@{f:g}']:.3f}" for f in FPRS),
+            f"{r['epsilon_lower_bound']:.3f}", str(r["models"]),
             str(r["users"])] for r in rows]
+  # One δ and confidence for all rows of an experiment (`bound_delta`).
+  delta, confidence = rows[0]["bound_delta"], rows[0]["confidence"]
   md = os.path.join(root, "table.md")
   text = harness.write_table(
       table, header, md, os.path.join(root, "table.csv"),
@@ -266,6 +323,14 @@ def write_outputs(root: str, rows: Sequence[Mapping]) -> dict:
       notes=["Each user (conversation) trains half of the models; every "
              "model is attacked with the others as shadows. AUC 0.5 and "
              "TPR = FPR: the attack cannot tell members. Validation PPL: "
-             "mean over the models."])
+             "mean over the models.",
+             "ε lower bound (one run): jax-privacy's f-DP one-run estimator "
+             "(Mahloujifar et al.) on the LiRA statistic over all (model, "
+             f"user) pairs, at {confidence:.0%} confidence and δ = "
+             f"{delta:.3g} (the user-level ledgers', for every row); the "
+             "same estimator as the retrieval canaries' one-run bound. A "
+             "comparable statistic, not a certified bound: the pairs come "
+             "from several models with tied coins, not from one run "
+             "(dpjax/pipelines/dialog/membership.py)."])
   print(text, end="", flush=True)
   return {"rows": list(rows), "table_md": md}

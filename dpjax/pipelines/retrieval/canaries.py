@@ -44,6 +44,12 @@ Measures, per canary (`audit`):
   document, with the pipeline's decoding (nucleus p = 0.8, one sample per
   document, as the synthetic set has) and greedily.
 * an empirical ε lower bound from the rank attack (`epsilon_lower_bound`).
+* beside it, jax-privacy's one-run ε estimators on the canaries' true
+  secrets (IN) against one candidate secret each (OUT; its score
+  `candidate_score`), the same estimators the dialog membership study
+  reports (`one_run_bounds`: `epsilon_lower_bound_one_run`,
+  `epsilon_one_run`); the ε of a group of 2r examples, and a comparable
+  statistic rather than a certified bound (see there).
 """
 from __future__ import annotations
 
@@ -61,6 +67,7 @@ from scipy import optimize, stats
 
 from dpjax.generation import decoding, inference
 from dpjax import fileio
+from dpjax.audit import scores as audit_scores
 from dpjax.data.readers import msmarco
 from dpjax.eval import encoding
 from dpjax.models import t5
@@ -315,6 +322,40 @@ def epsilon_lower_bound(successes: int, trials: int, *, null_success: float,
   return float(optimize.brentq(slack, 0.0, hi, xtol=1e-12))
 
 
+def one_run_bounds(rows: Sequence[dict], *, delta: float,
+                   confidence: float = 0.95) -> dict:
+  """jax-privacy's one-run ε estimators (`dpjax.audit.scores.lower_bound`,
+  as the dialog membership study reports them) on canaries of ONE repetition
+  count r: each canary's true secret (`score`, trained on: IN) against its
+  first candidate secret (`candidate_score`, never trained on: OUT).
+  Returns `epsilon_lower_bound_one_run` (f-DP, Mahloujifar et al., arXiv
+  2410.22235) and `epsilon_one_run` (Steinke, Nasr and Jagielski, NeurIPS
+  2023, arXiv 2305.08846).
+
+  Group size: the datasets that an IN/OUT pair tells apart differ by the
+  canary's r rows removed and the candidate's r rows added, 2r add/remove
+  steps, so the ε bounded is that of a group of 2r examples at `delta`
+  (`summarize` passes the ledger's δ, as to `epsilon_lower_bound`), not the
+  per-example ε that `epsilon_lower_bound` reports: group privacy makes a
+  per-example (ε₁, δ) guarantee a (2r ε₁, 2r e^{(2r-1)ε₁} δ) one for the
+  group, whose δ exceeds `delta`.
+
+  Limits: a secret and a candidate drawn uniformly are exchangeable before
+  training, so which of the two was inserted is a fair coin, and one
+  candidate per canary keeps IN and OUT equally many, as the theorem's coins
+  do in expectation. But the two coins of a pair are tied (exactly one is in)
+  where the theorem wants independent ones, so the figure is a statistic
+  comparable with the dialog study's, not a certified bound.
+  """
+  scores = np.array([r["score"] for r in rows]
+                    + [r["candidate_score"] for r in rows])
+  inserted = np.arange(len(scores)) < len(rows)  # the true secrets first
+  bounds = audit_scores.lower_bound(scores, inserted, delta=delta,
+                                    confidence=confidence)
+  return {"epsilon_lower_bound_one_run": bounds["epsilon_lower_bound"],
+          "epsilon_one_run": bounds["epsilon_one_run"]}
+
+
 def audit(model_dir: str, canaries: Sequence[Canary], *,
           num_candidates: int = 1000, seed: int = 0,
           vocabulary_path: str | None = None, top_p: float = 0.8,
@@ -346,6 +387,9 @@ def audit(model_dir: str, canaries: Sequence[Canary], *,
         for s in range(0, padded, chunk_size)])[:len(secrets)]
     rows.append({**dataclasses.asdict(canary), "qids": len(canary.qids),
                  "score": float(scores[0]),
+                 # The OUT score of `one_run_bounds`: one candidate, so
+                 # IN and OUT are equally many.
+                 "candidate_score": float(scores[1]),
                  **exposure(scores[0], scores[1:])})
   texts = tokenizer.decode
   key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
@@ -366,7 +410,10 @@ def summarize(rows: Sequence[dict], *, delta: float, num_candidates: int,
               max_better: int = 0, confidence: float = 0.95) -> list[dict]:
   """Table 7 per repetition count (all kinds pooled) and per (kind,
   repetitions): mean sample rank, mean exposures, extraction rates, and per
-  repetition count the ε lower bound of the attack `better <= max_better`."""
+  repetition count the ε lower bound of the attack `better <= max_better`
+  (`epsilon_lower_bound`, per example) and jax-privacy's one-run estimators
+  (`one_run_bounds`, for a group of 2r examples), both at `delta` and
+  `confidence` (recorded as `confidence`)."""
   out = []
   reps = sorted({r["repetitions"] for r in rows})
   for rep in reps:
@@ -388,6 +435,8 @@ def summarize(rows: Sequence[dict], *, delta: float, num_candidates: int,
             sum(r["better"] <= max_better for r in group), len(group),
             null_success=(max_better + 1) / (num_candidates + 1), delta=delta,
             group_size=2 * rep, confidence=confidence)
+        row.update(one_run_bounds(group, delta=delta, confidence=confidence),
+                   confidence=confidence)
       out.append(row)
   return out
 
@@ -395,4 +444,4 @@ def summarize(rows: Sequence[dict], *, delta: float, num_candidates: int,
 __all__ = ["KINDS", "REPETITIONS", "SECRET_SPACE", "Canary", "make_canaries",
            "insert_canaries", "load_canaries", "make_sequence_scorer",
            "exposure", "extracted", "clopper_pearson_lower",
-           "epsilon_lower_bound", "audit", "summarize"]
+           "epsilon_lower_bound", "one_run_bounds", "audit", "summarize"]
