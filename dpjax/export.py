@@ -1,7 +1,7 @@
 """`python -m dpjax.export`: the release of a trained run, and nothing else.
 
   python -m dpjax.export --model_dir=D --output_dir=R [--overwrite]
-      [--adapters_only] [--audit=A]
+      [--adapters_only [--base_model=NAME]] [--audit=A]
 
 What is released (a whitelist: every file is written here from values read one
 by one; the run directory is never copied):
@@ -12,7 +12,16 @@ by one; the run directory is never copied):
   adapter_config.json + adapter_model.safetensors  instead, with
                       --adapters_only: a LoRA model's adapters alone in PEFT's
                       layout (`dpjax.pretrained.peft`), read by PEFT and by
-                      `load_pretrained` with the base model they name;
+                      `load_pretrained` with the base model they name: its
+                      hub name (the base's config.json `_name_or_path`),
+                      else its directory's name, or --base_model=NAME; never
+                      a local path. base_model.json beside them records that
+                      name, the sha256 of the base's weight files and both
+                      vocabulary sizes; a vocabulary grown past the base's
+                      (GPT-2) is carried as PEFT carries resized embeddings
+                      (the whole table, tied head too). Refused for a run
+                      without a Hugging Face INITIAL_CHECKPOINT_PATH, or one
+                      that also trained norms and biases;
   params.safetensors  instead, for a model without a Hugging Face mapping
                       (dual encoder, GPT-2 + head): the params flattened to
                       '/'-joined dpjax names;
@@ -87,6 +96,7 @@ RELEASE_FILES = frozenset({
     STATEMENT_FILE, STATEMENT_MD, CONFIG_FILE, FLAT_PARAMS_FILE,
     pretrained.hf.CONFIG_FILE, pretrained.hf.SAFETENSORS_FILE,
     pretrained.peft.ADAPTER_CONFIG, pretrained.peft.ADAPTER_WEIGHTS,
+    pretrained.peft.BASE_MODEL_FILE,
     *TOKENIZER_NAMES.values()})
 
 
@@ -267,13 +277,43 @@ def privacy_markdown(s: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def adapter_base(config, initial_checkpoint_path: str | None,
+                 base_model: str | None = None) -> dict:
+  """The base record (`peft.describe_base`) an adapters-only release of a
+  run started from `initial_checkpoint_path` names; UsageError if the run
+  cannot be released so (checked before anything is written)."""
+  cfg = getattr(config, "lora", None)
+  if cfg is None:
+    raise errors.UsageError("--adapters_only: the model has no LoRA adapters")
+  if cfg.train != "lora_only":
+    raise errors.UsageError(
+        f"--adapters_only: LoRAConfig.train = {cfg.train!r} also trained the "
+        "norms and biases, which PEFT's LoRA file does not hold; export the "
+        "merged model")
+  if not initial_checkpoint_path:
+    raise errors.UsageError(
+        "--adapters_only: the run has no INITIAL_CHECKPOINT_PATH, so no base "
+        "model the adapters could be loaded onto; export the merged model")
+  if pretrained.peft.is_adapter_dir(initial_checkpoint_path):
+    raise errors.UsageError(
+        f"--adapters_only: the run started from the adapter release "
+        f"{initial_checkpoint_path}, not a base model; export the merged model")
+  try:
+    base = pretrained.peft.describe_base(initial_checkpoint_path, base_model)
+    pretrained.peft.carried_embeddings(config, base)  # a vocabulary it cannot carry
+  except (pretrained.CheckpointError, OSError) as e:
+    raise errors.UsageError(f"--adapters_only: {' '.join(str(e).split())}"
+                            ) from None
+  return base
+
+
 def write_params(params, config, out: str, *, adapters_only: bool = False,
-                 base_model: str | None = None) -> list[str]:
+                 base: dict | None = None) -> list[str]:
   """The params as Hugging Face files, else as flattened safetensors; with
-  `adapters_only`, a LoRA model's adapters as a PEFT directory."""
+  `adapters_only`, a LoRA model's adapters as a PEFT directory on `base`
+  (`adapter_base`)."""
   if adapters_only:
-    return pretrained.peft.export_adapters(params, config, out,
-                                           base_model=base_model)
+    return pretrained.peft.export_adapters(params, config, out, base=base)
   try:
     pretrained.hf.mapping_for(config)
   except pretrained.CheckpointError:
@@ -313,16 +353,21 @@ def install(tmp: str, output_dir: str) -> None:
 
 
 def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False,
-               adapters_only: bool = False, audit_dir: str | None = None
-               ) -> dict:
+               adapters_only: bool = False, audit_dir: str | None = None,
+               base_model: str | None = None) -> dict:
   """Writes the release of the run in `model_dir` to `output_dir`; returns
   its path, files and statement. `adapters_only`: a LoRA run's adapters in
-  PEFT's layout instead of the merged model. `audit_dir`: an audit of this
+  PEFT's layout instead of the merged model, their base named `base_model`
+  (default: `peft.describe_base`'s name). `audit_dir`: an audit of this
   run's mechanism, stated beside ε (`dpjax.audit.evidence`)."""
   model_dir, output_dir = (os.path.abspath(os.path.expanduser(p))
                            for p in (model_dir, output_dir))
   check_paths(model_dir, output_dir, overwrite)
+  if base_model is not None and not adapters_only:
+    raise errors.UsageError("--base_model names the base of --adapters_only")
   config, params, meta = load_run(model_dir)
+  base = (adapter_base(config, meta.initial_checkpoint_path, base_model)
+          if adapters_only else None)
   statement = privacy_statement(meta, config)
   statement["audit"] = None if audit_dir is None else (
       evidence.statement_entry(os.path.abspath(os.path.expanduser(audit_dir)),
@@ -333,7 +378,7 @@ def export_run(model_dir: str, output_dir: str, *, overwrite: bool = False,
                          prefix=f".{os.path.basename(output_dir)}.tmp-")
   try:
     files = write_params(params, config, tmp, adapters_only=adapters_only,
-                         base_model=meta.initial_checkpoint_path)
+                         base=base)
     files += copy_tokenizer(meta.tokenizer_files, tmp)
     released = {"model_class": type(config).__name__,
                 "model_config": public_config(config.to_json())}
@@ -366,6 +411,11 @@ def main(argv=None) -> dict:
                       help="a LoRA run: its adapters alone, in PEFT's layout "
                            "(adapter_config.json + adapter_model.safetensors), "
                            "instead of the merged model")
+  parser.add_argument("--base_model", metavar="NAME", default=None,
+                      help="with --adapters_only: the name the adapters give "
+                           "their base model (a hub id or a plain name; "
+                           "default: the base checkpoint's hub name, else its "
+                           "directory's name)")
   parser.add_argument("--audit", metavar="A", default=None,
                       help="the output directory of `python -m dpjax.audit` "
                            "on this run's configuration: its ε lower bound "
@@ -373,7 +423,8 @@ def main(argv=None) -> dict:
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   result = export_run(args.model_dir, args.output_dir,
                       overwrite=args.overwrite,
-                      adapters_only=args.adapters_only, audit_dir=args.audit)
+                      adapters_only=args.adapters_only, audit_dir=args.audit,
+                      base_model=args.base_model)
   s = result["statement"]
   audited = ("" if s["audit"] is None else
              f"; audited ε ≥ {s['audit']['epsilon_lower_bound']:.3g}")

@@ -224,6 +224,8 @@ class _Compiled:
 
 WHILE = "%w = (s32[]) while(%t), condition=%c, body=%b\n"
 CONCAT = '%c = f32[8] custom-call(%a, %b), custom_call_target="ConcatBitcast"\n'
+CROP = ('%z = pred[512] custom-call(%m), custom_call_target="ZeroCrop", '
+        'output_to_operand_aliasing={{}: (0, {})}\n')
 
 
 def test_cost_analysis_of_a_list_or_a_dict():
@@ -240,19 +242,22 @@ def test_cost_analysis_of_a_list_or_a_dict():
     ("", -1.0, None),  # unknown
     (2 * CONCAT, -2 + 2.5e-3, 2.5e-3),  # two free joins, -1 s each
     (2 * CONCAT, -3 + 2.5e-3, None),  # and an op it has no model for
+    (CONCAT + CROP, -2 + 2.5e-3, 2.5e-3),  # FSDP's padding cleared in place
     (WHILE, 2.5e-3, None),  # a loop's body counted once
 ])
 def test_the_tpu_estimate_with_what_it_leaves_out(text, estimate, seconds):
   """The TPU compiler counts -1 s for an op it has no model for; its
-  buffer joins (ConcatBitcast) move nothing and are added back, anything
-  else unknown, or a loop, leaves no estimate."""
+  buffer joins (ConcatBitcast) move nothing and the padding FSDP's
+  collectives leave is cleared in place (ZeroCrop): both are added back,
+  anything else unknown, or a loop, leaves no estimate."""
   cost = step_cost.cost_analysis(_Compiled(
       {"flops": 6.0, "bytes accessed": 8.0, "optimal_seconds": estimate},
       text))
   assert cost["seconds"] == (None if seconds is None
                              else pytest.approx(seconds, rel=1e-9))
-  assert cost["custom_calls"] == ({"ConcatBitcast": 2} if "Concat" in text
-                                  else {})
+  assert cost["custom_calls"] == {
+      name: text.count(f'"{name}"') for name in ("ConcatBitcast", "ZeroCrop")
+      if name in text}
 
 
 def test_residual_bytes_by_hand():

@@ -235,3 +235,16 @@ def test_command_line_refusal_exits_2(tmp_path):
   (line,) = console.own_lines(proc.stderr)
   assert line.startswith("error: ") and "no checkpoint" in line
   assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_adapters_only_release_needs_lora_and_a_base(run_dir, tmp_path,
+                                                        capsys):
+  """The run is a T5 without adapters: refused, one line, nothing written
+  (tests/pretrained/test_peft_release.py releases LoRA adapters)."""
+  assert "no LoRA adapters" in _refused(
+      capsys, f"--model_dir={run_dir}", f"--output_dir={tmp_path / 'a'}",
+      "--adapters_only", "--base_model=t5-tiny")
+  assert "--base_model names the base of --adapters_only" in _refused(
+      capsys, f"--model_dir={run_dir}", f"--output_dir={tmp_path / 'a'}",
+      "--base_model=t5-tiny")
+  assert os.listdir(tmp_path) == []

@@ -38,8 +38,14 @@ __all__ = ["CheckpointError", "export_hf", "load_hf", "load_pretrained", "open_h
            "tokenizer_files"]
 
 
-def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None) -> Any:
+def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None,
+                    base_path: str | os.PathLike | None = None) -> Any:
   """Params of `config`'s model from a Hugging Face directory or a t5x checkpoint.
+
+  `path` may be a PEFT LoRA directory (`peft`): its adapters on the base
+  model at `base_path` (default: its `base_model_name_or_path`, if that is a
+  local directory), which must have the weights the directory's
+  `peft.BASE_MODEL_FILE` fingerprints.
 
   A dual encoder takes the encoder of a T5 checkpoint (`config.encoder`
   describes the whole T5, decoder included). A `GPT2DiscConfig` model takes
@@ -49,7 +55,7 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
   gives, as in a run without a checkpoint).
   """
   if getattr(config, "scan_layers", False):
-    return _load_scanned(path, config, shardings, rng)
+    return _load_scanned(path, config, shardings, rng, base_path)
   if isinstance(config, dual_encoder.DualEncoderConfig):
     params = dual_encoder.params_from_t5(load_pretrained(path, config.encoder, rng=rng))
     return params if shardings is None else jax.device_put(params, shardings)
@@ -57,7 +63,7 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
     return _load_gpt2_disc(path, config, shardings, rng)
   if getattr(config, "lora", None) is not None:
     if peft.is_adapter_dir(path):
-      return _load_peft(path, config, shardings)
+      return _load_peft(path, config, shardings, base_path)
     return _load_with_adapters(path, config, shardings, rng)
   if (pathlib.Path(path) / "config.json").is_file():
     return load_hf(path, config, shardings=shardings)
@@ -67,18 +73,19 @@ def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None
       f"{path} is neither a Hugging Face directory (config.json) nor a t5x checkpoint")
 
 
-def _load_scanned(path, config, shardings, rng) -> Any:
+def _load_scanned(path, config, shardings, rng, base_path=None) -> Any:
   """The unrolled model's params from the checkpoint, each layer placed as
   its slice of the stacked param will be, then stacked into place."""
   unrolled = dataclasses.replace(config, scan_layers=False)
   if not isinstance(shardings, Mapping):
     return t5.scan_params(load_pretrained(path, unrolled, shardings=shardings,
-                                          rng=rng))
+                                          rng=rng, base_path=base_path))
   per_layer = t5.unscan_params(
       shardings, layers={"encoder": config.num_encoder_layers,
                          "decoder": config.num_decoder_layers},
       take=lambda s, i: jax.sharding.NamedSharding(s.mesh, P(*s.spec[1:])))
-  params = load_pretrained(path, unrolled, shardings=per_layer, rng=rng)
+  params = load_pretrained(path, unrolled, shardings=per_layer, rng=rng,
+                           base_path=base_path)
   return jax.jit(t5.scan_params, out_shardings=shardings)(params)
 
 
@@ -123,16 +130,30 @@ def _load_with_adapters(path, config, shardings, rng) -> Any:
   return params
 
 
-def _load_peft(path, config, shardings) -> Any:
-  """The base model named by a PEFT directory's `base_model_name_or_path`
-  (a local checkpoint) with the directory's adapters (`peft.load_adapters`)."""
-  base_path = peft.read_adapter_config(path).get("base_model_name_or_path")
-  if not base_path or not pathlib.Path(base_path).exists():
-    raise CheckpointError(
-        f"{path}: base_model_name_or_path {base_path!r} is not a local "
-        "checkpoint; the adapters need their base model")
+def _load_peft(path, config, shardings, base_path=None) -> Any:
+  """The base model (`base_path`, else the directory's
+  `base_model_name_or_path` if that is a local checkpoint), checked against
+  the directory's fingerprint (`peft.check_base`), with its adapters
+  (`peft.load_adapters`) and any grown embedding rows it carries
+  (`peft.load_embeddings`)."""
+  name = peft.read_adapter_config(path).get("base_model_name_or_path")
+  if base_path is None:
+    if not name or not pathlib.Path(name).is_dir():
+      digests = peft.read_base_record(path).get("weights_sha256") or {}
+      fingerprint = "".join(f", {k} sha256 {v}" for k, v in sorted(digests.items()))
+      raise CheckpointError(
+          f"{path}: its base model {name!r}{fingerprint} is not a local checkpoint; "
+          "pass its directory as base_path")
+    base_path = name
+  peft.check_base(path, base_path)
   params = _base_with_adapters(base_path, config, shardings,
                                peft.load_adapters(path, config))
+  for param, table in peft.load_embeddings(path, config).items():
+    node = params
+    for key in param[:-1]:
+      node = node[key]
+    old = node[param[-1]]
+    node[param[-1]] = jax.device_put(table.astype(old.dtype), old.sharding)
   reporting.say(f"LoRA adapters: from {path}, on the base model {base_path}")
   return params
 

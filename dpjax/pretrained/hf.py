@@ -126,19 +126,24 @@ def open_hf_checkpoint(path: str | os.PathLike) -> tuple[dict, hf_common.TensorR
     hf_config = json.loads(config_file.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
-  if (directory / SAFETENSORS_FILE).is_file():
-    reader = SafetensorsReader([directory / SAFETENSORS_FILE])
-  elif (directory / SAFETENSORS_INDEX).is_file():
-    reader = SafetensorsReader(_index_files(directory, SAFETENSORS_INDEX))
-  elif (directory / TORCH_FILE).is_file():
-    reader = TorchReader([directory / TORCH_FILE])
-  elif (directory / TORCH_INDEX).is_file():
-    reader = TorchReader(_index_files(directory, TORCH_INDEX))
-  else:
-    raise CheckpointError(
-        f"{directory} has {CONFIG_FILE} but no weights: expected {SAFETENSORS_FILE}, "
-        f"{SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}")
+  files = weight_files(directory)
+  weights = [f for f in files if f.name not in (SAFETENSORS_INDEX, TORCH_INDEX)]
+  reader = (SafetensorsReader if weights[0].suffix == ".safetensors" else TorchReader)(weights)
   return hf_config, reader
+
+
+def weight_files(path: str | os.PathLike) -> list[pathlib.Path]:
+  """The files `open_hf_checkpoint` reads the weights from (safetensors
+  first): one file, or an index and its shards."""
+  directory = pathlib.Path(path)
+  for single, index in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (TORCH_FILE, TORCH_INDEX)):
+    if (directory / single).is_file():
+      return [directory / single]
+    if (directory / index).is_file():
+      return [directory / index, *_index_files(directory, index)]
+  raise CheckpointError(
+      f"{directory} has {CONFIG_FILE} but no weights: expected {SAFETENSORS_FILE}, "
+      f"{SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}")
 
 
 def tokenizer_files(path: str | os.PathLike) -> dict[str, str]:

@@ -339,8 +339,9 @@ def test_the_peft_export_is_what_peft_computes_on_the_base(name, tmp_path):
   pretrained.export_hf(lora.split(params)[0], model(name, None).config,
                        base_dir)
   files = peft.export_adapters(params, adapted.config, peft_dir,
-                               base_model=str(base_dir))
-  assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
+                               base=peft.describe_base(base_dir))
+  assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors",
+                           "base_model.json"]
   pretrained.export_hf(params, adapted.config, merged_dir)
   merged = st_numpy.load_file(str(merged_dir / "model.safetensors"))
   want = peft_reference(base_dir, peft_dir, fan_in_fan_out=name == "gpt2")
@@ -351,7 +352,7 @@ def test_the_peft_export_is_what_peft_computes_on_the_base(name, tmp_path):
   if name == "gpt2":  # query and value share c_attn: one adapter of rank 2r
     assert config["rank_pattern"] == {"transformer.h.0.attn.c_attn": 8}
     assert config["alpha_pattern"] == {"transformer.h.0.attn.c_attn": 16.0}
-  assert config["base_model_name_or_path"] == str(base_dir)
+  assert config["base_model_name_or_path"] == "base"  # never a local path
 
 
 @pytest.mark.parametrize("name", ["t5", "gpt2"])
@@ -361,8 +362,9 @@ def test_a_peft_directory_loads_back_as_the_adapted_model(name, tmp_path):
   pretrained.export_hf(lora.split(params)[0], model(name, None).config,
                        tmp_path / "base")
   peft.export_adapters(params, adapted.config, tmp_path / "peft",
-                       base_model=str(tmp_path / "base"))
-  loaded = pretrained.load_pretrained(tmp_path / "peft", adapted.config)
+                       base=peft.describe_base(tmp_path / "base"))
+  loaded = pretrained.load_pretrained(tmp_path / "peft", adapted.config,
+                                      base_path=tmp_path / "base")
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
