@@ -369,15 +369,22 @@ def doubled_kernel_loss(params, x):
 def test_remat_sites_are_leaves_passed_unchanged(loss, sites):
   assert [(s.param, s.remat) for s in ghost.find_sites(
       loss, REMAT_PARAMS, REMAT_BATCH[0])] == sites
+  stats = assert_matches_vmap(clipping_method.make_clipped_grad, loss,
+                              REMAT_PARAMS)
+  assert int(stats.num_clipped) > 0
+
+
+def assert_matches_vmap(make, loss, params):
+  """`make(loss, clip_norm=0.5)`'s sum and norms on REMAT_BATCH equal vmap
+  clipping's; returns its stats."""
   mask = jnp.array([1.0, 1.0, 0.0, 1.0])
   want, want_stats = clipping.clipped_grad(loss, clip_norm=0.5)(
-      REMAT_PARAMS, REMAT_BATCH, mask)
-  got, stats = clipping_method.make_clipped_grad(loss, clip_norm=0.5)(
-      REMAT_PARAMS, REMAT_BATCH, mask)
+      params, REMAT_BATCH, mask)
+  got, stats = make(loss, clip_norm=0.5)(params, REMAT_BATCH, mask)
   np.testing.assert_allclose(stats.norms, want_stats.norms, rtol=1e-5)
-  assert int(stats.num_clipped) > 0
   for g, w in zip(leaves64(got), leaves64(want)):
     assert_close(g, w)
+  return stats
 
 
 def test_refuses_a_remat_module_called_twice():
@@ -447,14 +454,7 @@ def test_a_scanned_module_is_a_site_once_and_refused_twice():
   (site,) = ghost.find_sites(loss, params, REMAT_BATCH[0])
   assert (site.param, site.shape, site.scanned) == (
       "['block']['dense']['kernel']", (4, 4), True)
-  mask = jnp.array([1.0, 1.0, 0.0, 1.0])
-  want, want_stats = clipping.clipped_grad(loss, clip_norm=0.5)(
-      params, REMAT_BATCH, mask)
-  got, stats = ghost.ghost_clipped_grad(loss, clip_norm=0.5)(
-      params, REMAT_BATCH, mask)
-  np.testing.assert_allclose(stats.norms, want_stats.norms, rtol=1e-5)
-  for g, w in zip(leaves64(got), leaves64(want)):
-    assert_close(g, w)
+  assert_matches_vmap(ghost.ghost_clipped_grad, loss, params)
 
   twice = nn.meta.unbox(ScanToy(twice=True).init(
       jax.random.PRNGKey(0), jnp.zeros((3, 4)))["params"])
