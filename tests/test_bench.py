@@ -282,17 +282,16 @@ def test_model_overrides():
 def test_a_scanned_t5_is_costed_from_its_loop_unrolled(capsys):
   """--scan_layers: accumulate's figures come from its loop unrolled at one
   and two layers per stack (the extrapolation itself is checked against the
-  whole loop unrolled in tests/test_dry_run.py), nodp's too; GPT-2 has no
-  scanned form."""
+  whole loop unrolled in tests/test_dry_run.py); GPT-2 has no scanned
+  form."""
   assert bench.main(["--model=t5_tiny", "--vocab=128", "--seq=8", "--batch=4",
-                     "--mode=ghost", "--cost_only", "--compare_nodp",
-                     "--scan_layers"]) == 0
+                     "--mode=nodp", "--cost_only", "--scan_layers"]) == 0
   line = json.loads(capsys.readouterr().out)
   assert line["scan_layers"] is True
-  for parts in (line["cost_parts"], line["nodp_cost_parts"]):
-    assert parts["accumulate"]["extrapolated_to"] == {
-        "num_encoder_layers": 2, "num_decoder_layers": 2}
-    assert parts["accumulate"]["flops"] > 0
+  accumulate = line["cost_parts"]["accumulate"]
+  assert accumulate["extrapolated_to"] == {
+      "num_encoder_layers": 2, "num_decoder_layers": 2}
+  assert accumulate["flops"] > 0
   assert line["flops"] == line["cost_parts"]["accumulate"]["flops"] + (
       line["cost_parts"]["apply"]["flops"])
   assert bench.main(["--model=gpt2_tiny", "--scan_layers"]) == 1

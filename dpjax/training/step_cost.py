@@ -242,6 +242,8 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
   base = cost_of(one)
   total = {f: base[f] for f in fields}
   for name, count in layers.items():
+    if count == 1:
+      continue
     more = cost_of({**one, name: 2})
     for f in fields:
       total[f] = (None if total[f] is None or more[f] is None else
