@@ -17,7 +17,9 @@ port) exactly:
 Parameter names and logical axis names follow t5x
 (`t5x/examples/t5/network.py`). Kernels are stored 2-D, e.g. attention
 `query/kernel` is `[embed, joined_kv]` (the transpose of a PyTorch
-`nn.Linear.weight`). Parameters are always float32; `T5Config.dtype` only sets
+`nn.Linear.weight`); with `scan_layers` each stack's layer params are
+stacked as `layers/...` with a leading `layers` axis (`run_layers`,
+`scan_params`). Parameters are always float32; `T5Config.dtype` only sets
 the compute dtype.
 `dpjax.models.hf_t5` maps Hugging Face checkpoints onto these params.
 
