@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.training import checkpoints, partitioning, sizing
+from dpjax.training import checkpoints, partitioning, sizing, step_cost
 from dpjax import configurables
 from dpjax import gin_cli, train
 from dpjax.models import trainable
@@ -174,6 +174,25 @@ def test_a_scanned_models_cost_is_its_loop_unrolled(dry_runs, capsys, tmp_path):
   assert scanned["bytes_accessed_per_step"] == pytest.approx(
       straight["bytes_accessed_per_step"], rel=0.05)
   assert scanned["fits"] and not os.listdir(tmp_path)
+
+
+def test_a_refused_cost_program_leaves_the_plan_without_flops(capsys, tmp_path,
+                                                            monkeypatch):
+  """The loop-unrolled programs that cost a scanned model are compiled for
+  their cost only: where a target's compiler refuses them for its memory,
+  the plan stands (it fits by the loop's own compile) without FLOPs."""
+  def refused(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (15.94G) exceeds available HBM (15.75G).")
+
+  monkeypatch.setattr(step_cost, "accumulate_cost", refused)
+  record = _dry_run(capsys, tmp_path / "scanned", "--gin.MICROBATCH_SIZE='auto'",
+                    "--gin.train.device_memory=64GiB",
+                    "--gin.T5Config.scan_layers=True")
+  assert record["scan_layers"] and record["fits"]
+  assert record["flops_per_step"] is None
+  assert record["peak_bytes_per_device"] > record["state_bytes_per_device"]
 
 
 def _run(model_dir, *flags) -> str:

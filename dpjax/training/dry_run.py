@@ -47,7 +47,7 @@ import time
 
 import jax
 
-from dpjax.training import (distributed, partitioning, run_config, sizing, step_cost, targets, trainer)
+from dpjax.training import (distributed, partitioning, reporting, run_config, sizing, step_cost, targets, trainer)
 from dpjax import errors
 from dpjax.models import common
 from dpjax.privacy import clipping_method as clipping_lib
@@ -104,13 +104,10 @@ def _dry_run(config: RunConfig, steps: int,
                                         rules=built.rules)
   shardings = dict(batch_sharding=batch_sh, mask_sharding=mask_sh)
   layers = common.scanned_layers(config.model_config)
-  per_microbatch = layers and step_cost.per_layer_extrapolation(
-      lambda counts: step_cost.accumulate_cost(
-          built.place_model(common.loop_unrolled(config.model_config, counts)),
-          built.batch_rows, m=m, **shardings), layers)
+  per_microbatch = layers and _per_layer_cost(built, layers, m, shardings)
   try:
     cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
-                               with_flops=True,
+                               with_flops=per_microbatch is not None,
                                accumulate_cost=per_microbatch or None,
                                **shardings)
   except jax.errors.JaxRuntimeError as e:
@@ -177,6 +174,30 @@ def _dry_run(config: RunConfig, steps: int,
         f"({record['remat']} remat), {limit / 2**30:.2f} GiB usable "
         f"({source} x train.memory_headroom {config.memory_headroom})")
   return record
+
+
+def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
+                    shardings: dict) -> dict | None:
+  """A scanned model's microbatch cost from its loop unrolled at one and two
+  layers per stack (`step_cost.per_layer_extrapolation`); None, said on the
+  console, where a target's compiler refuses those straight-line programs
+  for its memory (they are compiled for their cost only; the loop it runs
+  fits or not by its own compile)."""
+  model_config = built.config.model_config
+  try:
+    return step_cost.per_layer_extrapolation(
+        lambda counts: step_cost.accumulate_cost(
+            built.place_model(common.loop_unrolled(model_config, counts)),
+            built.batch_rows, m=m, **shardings), layers)
+  except jax.errors.JaxRuntimeError as e:
+    needed = step_cost.refused_bytes(e)
+    if needed is None:
+      raise
+    reporting.say(
+        f"dry run: the loop-unrolled programs that cost a scanned model's "
+        f"layers need {needed / 2**30:.2f} GiB of temporaries at microbatch "
+        f"{m}, over the target's memory: no FLOPs or time estimate")
+    return None
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,
