@@ -421,8 +421,8 @@ def run(args: argparse.Namespace) -> dict:
 
     return logical_step_cost(
         step, state, batch_abstract, mask_abstract,
-        accumulate_cost=layers and step_cost.per_layer_extrapolation(
-            unrolled_cost, layers) or None)
+        accumulate_cost=(step_cost.per_layer_extrapolation(unrolled_cost, layers)
+                         if layers else None))
 
   start = time.perf_counter()
   if args.no_cost:  # a model whose every compile takes minutes (T5-XL, CPU)

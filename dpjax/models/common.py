@@ -49,11 +49,34 @@ class ModelConfig:
     return cls(**d)
 
 
+def config_parts(model_config):
+  """The model config and every config nested in its fields (e.g.
+  GPT2DiscConfig.lm, DualEncoderConfig.encoder), outermost first."""
+  if dataclasses.is_dataclass(model_config) and not isinstance(model_config,
+                                                               type):
+    yield model_config
+    for f in dataclasses.fields(model_config):
+      yield from config_parts(getattr(model_config, f.name))
+
+
+def map_parts(model_config, fn: Callable):
+  """`model_config` rebuilt with `fn` applied to it and to every config
+  nested in its fields, innermost first."""
+  if not dataclasses.is_dataclass(model_config) or isinstance(model_config,
+                                                              type):
+    return model_config
+  changes = {f.name: map_parts(getattr(model_config, f.name), fn)
+             for f in dataclasses.fields(model_config)
+             if dataclasses.is_dataclass(getattr(model_config, f.name))}
+  return fn(dataclasses.replace(model_config, **changes) if changes
+            else model_config)
+
+
 def scanned_layers(model_config) -> dict[str, int]:
   """The layer counts (`num_*_layers` fields) of the model config's scanned
   part (`scan_layers`, its own or a nested config's, its loop not unrolled);
   {} if none."""
-  for part in _parts(model_config):
+  for part in config_parts(model_config):
     if (getattr(part, "scan_layers", False)
         and not getattr(part, "scan_unrolled", False)):
       return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)
@@ -65,21 +88,9 @@ def loop_unrolled(model_config, layers: Mapping[str, int]):
   """`model_config` with its scanned parts at `layers` counts, their loops
   unrolled (`scan_unrolled`: the same clipping, e.g. ghost's second pass,
   in straight-line code)."""
-  if not dataclasses.is_dataclass(model_config):
-    return model_config
-  if getattr(model_config, "scan_layers", False):
-    return dataclasses.replace(model_config, scan_unrolled=True, **layers)
-  changes = {f.name: loop_unrolled(getattr(model_config, f.name), layers)
-             for f in dataclasses.fields(model_config)
-             if dataclasses.is_dataclass(getattr(model_config, f.name))}
-  return dataclasses.replace(model_config, **changes) if changes else model_config
-
-
-def _parts(model_config):
-  if dataclasses.is_dataclass(model_config):
-    yield model_config
-    for f in dataclasses.fields(model_config):
-      yield from _parts(getattr(model_config, f.name))
+  return map_parts(model_config, lambda c: (
+      dataclasses.replace(c, scan_unrolled=True, **layers)
+      if getattr(c, "scan_layers", False) else c))
 
 
 def one_example_loss(batch_loss: BatchLoss

@@ -455,14 +455,18 @@ def saved_model_json(meta: RunMeta) -> dict:
   return {"class": meta.model_class, **meta.model_config}
 
 
-def model_and_parts(model_config) -> list[dict]:
-  """The architecture of the config and of each model config among its
-  fields (e.g. a GPT2DiscConfig's `lm`): the models whose runs can
-  initialise it."""
+def _initialisable(model_config) -> list:
+  """The config and each model config among its fields (e.g. a
+  GPT2DiscConfig's `lm`): the models whose runs can initialise it."""
   parts = [getattr(model_config, f.name)
            for f in dataclasses.fields(model_config)]
-  return [architecture(model_json(c)) for c in (model_config, *parts)
+  return [c for c in (model_config, *parts)
           if dataclasses.is_dataclass(c) and hasattr(c, "to_json")]
+
+
+def model_and_parts(model_config) -> list[dict]:
+  """The architecture of each of `_initialisable(model_config)`."""
+  return [architecture(model_json(c)) for c in _initialisable(model_config)]
 
 
 def with_defaults(saved: dict, model_config) -> dict:
@@ -493,10 +497,8 @@ def check_model(meta: RunMeta, model_config) -> None:
 def check_initialises(meta: RunMeta, model_config) -> None:
   """Refuses a run as INITIAL_CHECKPOINT_PATH unless its model is this one
   or one this model extends (a field of its config)."""
-  parts = [model_config, *(getattr(model_config, f.name)
-                           for f in dataclasses.fields(model_config))]
-  same_class = next((c for c in parts if type(c).__name__ == meta.model_class),
-                    None)
+  same_class = next((c for c in _initialisable(model_config)
+                     if type(c).__name__ == meta.model_class), None)
   saved = saved_model_json(meta)
   if same_class is not None:
     saved = {"class": meta.model_class,

@@ -104,12 +104,13 @@ def _dry_run(config: RunConfig, steps: int,
                                         rules=built.rules)
   shardings = dict(batch_sharding=batch_sh, mask_sharding=mask_sh)
   layers = common.scanned_layers(config.model_config)
-  per_microbatch = layers and _per_layer_cost(built, layers, m, shardings)
+  # A scanned model's own analysis counts its layer loop once.
+  per_microbatch = (_per_layer_cost(built, layers, m, shardings) if layers
+                    else None)
   try:
     cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
-                               with_flops=per_microbatch is not None,
-                               accumulate_cost=per_microbatch or None,
-                               **shardings)
+                               with_flops=not layers or per_microbatch is not None,
+                               accumulate_cost=per_microbatch, **shardings)
   except jax.errors.JaxRuntimeError as e:
     needed = step_cost.refused_bytes(e)
     if needed is None:

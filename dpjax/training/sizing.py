@@ -37,6 +37,7 @@ import jax
 
 from dpjax.training import checkpoints, partitioning, reporting
 from dpjax import errors, fileio
+from dpjax.models import common
 from dpjax.training import step_cost, targets
 
 FILENAME = "auto_sizing.json"
@@ -196,17 +197,8 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
 def config_values(model_config, name: str) -> list:
   """The values of field `name` in a model config and its nested configs
   (e.g. GPT2DiscConfig.lm), outermost first."""
-  values = []
-
-  def visit(config):
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-      if hasattr(config, name):
-        values.append(getattr(config, name))
-      for field in dataclasses.fields(config):
-        visit(getattr(config, field.name))
-
-  visit(model_config)
-  return values
+  return [getattr(part, name) for part in common.config_parts(model_config)
+          if hasattr(part, name)]
 
 
 def model_remat(model_config) -> str | None:
@@ -218,15 +210,9 @@ def model_remat(model_config) -> str | None:
 def with_remat(model_config, remat: str):
   """`model_config` with every `remat = 'auto'` in it (its own, or a
   part's, e.g. GPT2DiscConfig.lm) set to `remat`."""
-  if not dataclasses.is_dataclass(model_config) or isinstance(model_config,
-                                                              type):
-    return model_config
-  changes = {f.name: with_remat(getattr(model_config, f.name), remat)
-             for f in dataclasses.fields(model_config)
-             if dataclasses.is_dataclass(getattr(model_config, f.name))}
-  if getattr(model_config, "remat", None) == AUTO:
-    changes["remat"] = remat
-  return dataclasses.replace(model_config, **changes) if changes else model_config
+  return common.map_parts(model_config, lambda c: (
+      dataclasses.replace(c, remat=remat) if getattr(c, "remat", None) == AUTO
+      else c))
 
 
 def peak_or_refusal(compiled_peak: Callable[[], int], floor: int

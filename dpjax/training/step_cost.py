@@ -164,29 +164,42 @@ def combine(accumulate: Mapping, apply: Mapping, k: int) -> dict:
   return {**total, "parts": parts}
 
 
-def _compile(placed, batch_rows, *, m: int, k: int, batch_sharding,
-             mask_sharding):
-  """`placed`'s accumulate over [k, m, ...] batches and its apply, compiled
-  for abstract shapes split as the trainer splits them."""
+def _replicated(batch_sharding):
+  """Scalars and the key: replicated on the batch's mesh (a compile
+  target's devices are not the default device)."""
+  return jax.sharding.NamedSharding(batch_sharding.mesh,
+                                    jax.sharding.PartitionSpec())
+
+
+def _abstract_sums(placed):
+  return abstract_like(jax.eval_shape(placed.zero_sums,
+                                      placed.abstract_state.params),
+                       placed.sums_shardings)
+
+
+def _compile_accumulate(placed, batch_rows, *, m: int, k: int,
+                        batch_sharding, mask_sharding):
+  """`placed`'s accumulate over [k, m, ...] batches, compiled for abstract
+  shapes split as the trainer splits them."""
   state = placed.abstract_state
-  # Scalars and the key replicated on the batch's mesh (a compile target's
-  # devices are not the default device).
-  replicated = jax.sharding.NamedSharding(batch_sharding.mesh,
-                                          jax.sharding.PartitionSpec())
-  index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
-  grads = abstract_like(jax.eval_shape(placed.zero_sums, state.params),
-                        placed.sums_shardings)
+  index = jax.ShapeDtypeStruct((), np.int32,
+                               sharding=_replicated(batch_sharding))
   batch = {f: jax.ShapeDtypeStruct((k, m, *x.shape), x.dtype,
                                    sharding=batch_sharding)
            for f, x in batch_rows.items()}
   mask = jax.ShapeDtypeStruct((k, m), np.float32, sharding=mask_sharding)
-  accumulate = placed.accumulate.lower(state.params, grads, batch, mask, index,
-                                       index, state.clip_norms).compile()
-  apply = placed.apply.lower(
-      state, grads,
+  return placed.accumulate.lower(state.params, _abstract_sums(placed), batch,
+                                 mask, index, index,
+                                 state.clip_norms).compile()
+
+
+def _compile_apply(placed, batch_sharding):
+  """`placed`'s apply, compiled for abstract shapes."""
+  replicated = _replicated(batch_sharding)
+  return placed.apply.lower(
+      placed.abstract_state, _abstract_sums(placed),
       jax.ShapeDtypeStruct((4,), np.uint32, sharding=replicated),  # noise key
       jax.ShapeDtypeStruct((), np.float32, sharding=replicated)).compile()
-  return accumulate, apply
 
 
 def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
@@ -202,7 +215,8 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   fields; for a model whose layers are a loop, which XLA's analysis counts
   once: `per_layer_extrapolation`)."""
   shardings = dict(batch_sharding=batch_sharding, mask_sharding=mask_sharding)
-  accumulate, apply = _compile(placed, batch_rows, m=m, k=k, **shardings)
+  accumulate = _compile_accumulate(placed, batch_rows, m=m, k=k, **shardings)
+  apply = _compile_apply(placed, batch_sharding)
   state = placed.abstract_state
   state_bytes = device_bytes(state)
   resident = state_bytes - device_bytes(state.params)  # not accumulate's args
@@ -213,7 +227,7 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
     if accumulate_cost is None:
       accumulate_cost = cost_analysis(
           accumulate if k == 1 else
-          _compile(placed, batch_rows, m=m, k=1, **shardings)[0])
+          _compile_accumulate(placed, batch_rows, m=m, k=1, **shardings))
     total = combine(accumulate_cost, cost_analysis(apply), k)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
     seconds = total["seconds"]
@@ -254,6 +268,6 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
 def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
                     *, m: int, batch_sharding, mask_sharding) -> dict:
   """`cost_analysis` of `placed`'s accumulate over one microbatch of m."""
-  return cost_analysis(_compile(placed, batch_rows, m=m, k=1,
-                                batch_sharding=batch_sharding,
-                                mask_sharding=mask_sharding)[0])
+  return cost_analysis(_compile_accumulate(
+      placed, batch_rows, m=m, k=1, batch_sharding=batch_sharding,
+      mask_sharding=mask_sharding))
