@@ -186,7 +186,7 @@ def register_tasks(config: run_config_lib.RunConfig) -> None:
   initial checkpoint (`trainer.initial_tokenizer_files`); after the gin
   files are parsed, whose bindings the tasks read."""
   tasks.register_tasks(tokenizer_files=trainer.initial_tokenizer_files(
-      config.initial_checkpoint_path))
+      config.initial_checkpoint_path, config.initial_checkpoint_base_path))
 
 
 def is_bound(name: str) -> bool:

@@ -1,6 +1,7 @@
 """End-to-end behaviour of `dpjax.train` on the embedded sample (tiny T5)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -553,6 +554,53 @@ def test_initial_checkpoint_vocabulary_is_recorded_in_the_checkpoint(
 def test_initial_checkpoint_vocabulary_becomes_the_tasks(from_pretrained):
   _, ckpt, _, vocabulary_file = from_pretrained
   assert vocabulary_file == str(ckpt / "spiece.model")
+
+
+def test_a_run_starts_from_an_adapter_release_on_the_base_it_is_given(
+    tmp_path):
+  """An adapters-only release names its base portably ('hf_t5', not here):
+  without the base's directory the run is refused in one line before
+  anything is written; with train.initial_checkpoint_base_path it starts
+  from the base plus the released adapters, and takes the base's
+  vocabulary (learning rate 0: the params stay the loaded ones)."""
+  from dpjax import export, pretrained
+  from tests.models.test_lora import with_random_b
+  lora = ["T5Config.lora = @LoRAConfig()", "LoRAConfig.rank = 4",
+          "LoRAConfig.alpha = 8.0"]
+  configure(tmp_path / "unused", *lora)
+  config = configurables.T5Config()
+  base_params, _ = t5.init_params(dataclasses.replace(config, lora=None),
+                                  jax.random.PRNGKey(7), input_length=8,
+                                  target_length=8)
+  base = tmp_path / "elsewhere" / "hf_t5"
+  pretrained.export_hf(base_params, config, str(base))
+  shutil.copy(tasks.DEFAULT_VOCABULARY_PATH, base / "spiece.model")
+  release = tmp_path / "release"
+  release.mkdir()
+  adapted = with_random_b(pretrained.load_pretrained(
+      base, config, rng=jax.random.PRNGKey(0)))
+  export.write_params(adapted, config, str(release), adapters_only=True,
+                      base=export.adapter_base(config, str(base)))
+  start = [*lora, "TRAIN_STEPS = 2", "LEARNING_RATE = 0.0",
+           f"INITIAL_CHECKPOINT_PATH = '{release}'"]
+
+  refused = tmp_path / "refused"
+  with pytest.raises(pretrained.CheckpointError) as e:
+    run(refused, *start)
+  assert "'hf_t5'" in str(e.value) and "\n" not in str(e.value)
+  assert "train.initial_checkpoint_base_path" in str(e.value)
+  assert not refused.exists()
+
+  model_dir = tmp_path / "from_release"
+  run(model_dir, *start, f"train.initial_checkpoint_base_path = '{base}'")
+  jax.tree.map(np.testing.assert_array_equal, restored_params(model_dir),
+               adapted)
+  _, meta = verify.run_meta(str(model_dir))
+  assert meta.tokenizer_files["sentencepiece"] == str(base / "spiece.model")
+  # A base path without an adapter release is a mistake, said as one.
+  with pytest.raises(errors.UsageError, match="is not one"):
+    run(tmp_path / "r2", f"INITIAL_CHECKPOINT_PATH = '{base}'",
+        f"train.initial_checkpoint_base_path = '{base}'")
 
 
 def test_checkpoint_of_another_architecture_is_refused_before_writing(tmp_path):

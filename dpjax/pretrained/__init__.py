@@ -35,7 +35,7 @@ from dpjax.pretrained.hf import (CheckpointError, export_hf, load_hf, open_hf_ch
 _LENGTHS = {"inputs": 1, "targets": 1}
 
 __all__ = ["CheckpointError", "export_hf", "load_hf", "load_pretrained", "open_hf_checkpoint",
-           "tokenizer_files"]
+           "resolve_base", "tokenizer_files"]
 
 
 def load_pretrained(path: str | os.PathLike, config, *, shardings=None, rng=None,
@@ -131,20 +131,11 @@ def _load_with_adapters(path, config, shardings, rng) -> Any:
 
 
 def _load_peft(path, config, shardings, base_path=None) -> Any:
-  """The base model (`base_path`, else the directory's
-  `base_model_name_or_path` if that is a local checkpoint), checked against
-  the directory's fingerprint (`peft.check_base`), with its adapters
+  """The base model (`resolve_base`), checked against the directory's
+  fingerprint (`peft.check_base`), with its adapters
   (`peft.load_adapters`) and any grown embedding rows it carries
   (`peft.load_embeddings`)."""
-  name = peft.read_adapter_config(path).get("base_model_name_or_path")
-  if base_path is None:
-    if not name or not pathlib.Path(name).is_dir():
-      digests = peft.read_base_record(path).get("weights_sha256") or {}
-      fingerprint = "".join(f", {k} sha256 {v}" for k, v in sorted(digests.items()))
-      raise CheckpointError(
-          f"{path}: its base model {name!r}{fingerprint} is not a local checkpoint; "
-          "pass its directory as base_path")
-    base_path = name
+  base_path = resolve_base(path, base_path)
   peft.check_base(path, base_path)
   params = _base_with_adapters(base_path, config, shardings,
                                peft.load_adapters(path, config))
@@ -156,6 +147,24 @@ def _load_peft(path, config, shardings, base_path=None) -> Any:
     node[param[-1]] = jax.device_put(table.astype(old.dtype), old.sharding)
   reporting.say(f"LoRA adapters: from {path}, on the base model {base_path}")
   return params
+
+
+def resolve_base(path, base_path=None) -> str | os.PathLike:
+  """The base model directory of the PEFT LoRA directory `path`: `base_path`
+  if given, else its `base_model_name_or_path` if that is a local directory;
+  a one-line CheckpointError naming the base and its fingerprint if
+  neither."""
+  if base_path is not None:
+    return base_path
+  name = peft.read_adapter_config(path).get("base_model_name_or_path")
+  if not name or not pathlib.Path(name).is_dir():
+    digests = peft.read_base_record(path).get("weights_sha256") or {}
+    fingerprint = "".join(f", {k} sha256 {v}" for k, v in sorted(digests.items()))
+    raise CheckpointError(
+        f"{path}: its base model {name!r}{fingerprint} is not a local checkpoint; "
+        "give its directory (a run's train.initial_checkpoint_base_path, "
+        "load_pretrained's base_path)")
+  return name
 
 
 def _base_with_adapters(base_path, config, shardings, adapters) -> Any:

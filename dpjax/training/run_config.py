@@ -90,7 +90,10 @@ class RunConfig:
   Optimisation: `optimizer` ('sgd' | 'adam' | 'adamw' | 'adafactor'),
   `learning_rate` (None: `learning_rate_schedule` over the run's steps), `clipping_method` ('vmap' | 'ghost' | 'auto'), `seed` (public:
   initialisation, dropout, the redaction coins; never noise or batches),
-  `initial_checkpoint_path` (a Hugging Face, t5x or dpjax run directory).
+  `initial_checkpoint_path` (a Hugging Face, t5x or dpjax run directory, or
+  a PEFT LoRA adapter release), `initial_checkpoint_base_path` (an adapter
+  release's base model directory, where the name it records is not a local
+  one; checked against the release's fingerprint).
 
   Redaction schedule (Kabra & Elenberg, Findings of EMNLP 2023, arXiv
   2305.14208): `public_task_name` with `redaction_schedule`
@@ -141,6 +144,7 @@ class RunConfig:
   seed: int = 0
   pinned_secret_seed: int | None = None
   initial_checkpoint_path: str | None = None
+  initial_checkpoint_base_path: str | None = None
   prior_ledger: str | None = None
   public_task_name: str | None = None
   redaction_schedule: str | None = None

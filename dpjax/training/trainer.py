@@ -130,7 +130,8 @@ def build(config: RunConfig, *, dry_run: bool = False,
   init_run = (verify.read_run(os.path.expanduser(
       config.initial_checkpoint_path)) if config.initial_checkpoint_path
               else None)
-  tokenizer = initial_tokenizer_files(config.initial_checkpoint_path)
+  tokenizer = initial_tokenizer_files(config.initial_checkpoint_path,
+                                      config.initial_checkpoint_base_path)
   lengths = dict(config.task_feature_lengths)
   model_config = config.model_config
   try:  # the data layer needs the model's converter, not its remat
@@ -568,7 +569,8 @@ def _initial_params(config: RunConfig, model: trainable_lib.Trainable,
     # head) start as they would without it.
     params = pretrained.load_pretrained(
         config.initial_checkpoint_path, model.config,
-        shardings=shardings, rng=jax.random.PRNGKey(seed))
+        shardings=shardings, rng=jax.random.PRNGKey(seed),
+        base_path=config.initial_checkpoint_base_path)
     reporting.say(f"initialised from {config.initial_checkpoint_path}")
     return params
   return jax.jit(_params_initializer(model), out_shardings=shardings)(
@@ -636,15 +638,32 @@ def _check_registered(binding: str, name: str) -> None:
         "python -m dpjax.pipelines.seqpate)")
 
 
-def initial_tokenizer_files(initial_checkpoint_path: str | None
+def initial_tokenizer_files(initial_checkpoint_path: str | None,
+                            base_path: str | None = None
                             ) -> dict[str, str] | None:
   """The tokenizer files a run starting from `initial_checkpoint_path` registers
   its tasks with: those the dpjax run there recorded, else the pretrained
-  checkpoint's (`pretrained.tokenizer_files`); None without a checkpoint."""
+  checkpoint's (`pretrained.tokenizer_files`; an adapter release's, else
+  its base model's, `base_path` or the local one it names); None without a
+  checkpoint."""
   if not initial_checkpoint_path:
+    if base_path:
+      raise errors.UsageError(
+          "train.initial_checkpoint_base_path is the base model of an adapter "
+          "release in INITIAL_CHECKPOINT_PATH, which is not set")
     return None
-  run = verify.read_run(os.path.expanduser(initial_checkpoint_path))
+  path = os.path.expanduser(initial_checkpoint_path)
+  run = verify.read_run(path)
   if run:
     run.manager.close()
+  adapters = not run and pretrained.peft.is_adapter_dir(path)
+  if base_path and not adapters:
+    raise errors.UsageError(
+        f"train.initial_checkpoint_base_path is the base model of an adapter "
+        f"release; INITIAL_CHECKPOINT_PATH {initial_checkpoint_path} is not one")
+  if run:
     return dict(run.meta.tokenizer_files)
-  return pretrained.tokenizer_files(initial_checkpoint_path)
+  files = pretrained.tokenizer_files(path)
+  if adapters and not files:
+    return pretrained.tokenizer_files(pretrained.resolve_base(path, base_path))
+  return files
