@@ -271,7 +271,7 @@ def honest(tmp_path_factory, data_dir):
 
 
 def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(honest):
-  """With fresh secrets, at 99.9% (`audits.assert_honest` says why the
+  """With fresh secrets, at 99.99% (`audits.assert_honest` says why the
   test is not a coin toss). BandMF's, adaptive clipping's and user-level
   runs' audits are in their mechanisms' test files; shuffling's canary
   sampling and scores are checked above."""

@@ -354,12 +354,13 @@ def test_a_two_loss_step_moves_each_bound_by_its_own_count():
 
 
 def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
-  """`python -m dpjax.audit` of the adaptive run at ε = 3: each canary
-  enters at the step's bound (tests/audit)."""
+  """`audits.AUDITS` audits (`python -m dpjax.audit`, fresh secrets) of
+  the adaptive run at ε = 3: each canary enters at the step's bound
+  (tests/audit)."""
   from tests import test_trainer
   bindings = [b.replace(" = ", "=", 1)
               for b in [*test_trainer.TINY, *ADAPTIVE_RUN]]
-  line = audits.audit_gin(
-      tmp_path / "audit", "quickstart.gin", *bindings,
-      "TARGET_EPSILON=3.0", "TRAIN_STEPS=2", flags=audits.FLAGS)
-  audits.assert_honest([line], "adaptive clipping")
+  audits.assert_honest(audits.honest_audits(
+      tmp_path, "quickstart.gin", *bindings, *audits.SMALL_T5,
+      "TRAIN_STEPS=2"),
+      "adaptive clipping")

@@ -317,11 +317,11 @@ def test_lora_run_checkpoints_noise_for_the_adapters_only(tmp_path):
 
 
 def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
-  """`python -m dpjax.audit` of this file's run at ε = 3: canaries sampled as
-  cyclic Poisson samples an example, the releases decorrelated by the
-  strategy (tests/audit)."""
+  """`audits.AUDITS` audits (`python -m dpjax.audit`, fresh secrets) of
+  this file's run at ε = 3, two steps: canaries sampled as cyclic Poisson
+  samples an example, the releases decorrelated by the strategy
+  (tests/audit)."""
   bindings = [b.replace(" = ", "=", 1) for b in [*test_trainer.TINY, *EXTRA]]
-  line = audits.audit_gin(
-      tmp_path / "audit", "quickstart_bandmf.gin", *bindings,
-      "TARGET_EPSILON=3.0", flags=audits.FLAGS)
-  audits.assert_honest([line], "bandmf")
+  audits.assert_honest(audits.honest_audits(
+      tmp_path, "quickstart_bandmf.gin", *bindings, *audits.SMALL_T5,
+      "TRAIN_STEPS=2"), "bandmf")

@@ -311,10 +311,10 @@ def test_dry_run_counts_users(tmp_path, capsys):
 
 
 def test_an_audit_of_this_run_stays_at_or_below_its_epsilon(tmp_path):
-  """`python -m dpjax.audit` of the user-level run at ε = 3: canary users,
-  Poisson-sampled at the user rate (tests/audit)."""
+  """`audits.AUDITS` audits (`python -m dpjax.audit`, fresh secrets) of
+  the user-level run at ε = 3: canary users, Poisson-sampled at the user
+  rate (tests/audit)."""
   bindings = [b.replace(" = ", "=", 1) for b in TINY]
-  line = audits.audit_gin(
-      tmp_path / "audit", "dialog_sample_user_level.gin", *bindings,
-      "TARGET_EPSILON=3.0", "TRAIN_STEPS=2", flags=audits.FLAGS)
-  audits.assert_honest([line], "user-level")
+  audits.assert_honest(audits.honest_audits(
+      tmp_path, "dialog_sample_user_level.gin", *bindings, "TRAIN_STEPS=2"),
+      "user-level")
