@@ -250,6 +250,35 @@ def test_cost_of_a_loop_free_program_carries_the_tpu_estimate():
   json.dumps(cost)  # plain numbers
 
 
+def test_windowed_einsum_loops_are_compiled_out_of_a_tpu_cost():
+  """The gradient of an FSDP matmul over 32 v4 chips: the TPU compiler
+  splits it into windowed-einsum loops, whose bodies XLA counts once and
+  whose time it does not estimate; `loop_free_cost` compiles the program
+  without them, whose FLOPs are the matmuls' (2 MKN each, forward and the
+  weight gradient, per chip) and which has an estimate."""
+  mesh = jax.sharding.Mesh(np.array(shared_target("tpu:v4:2x2x4").devices),
+                           ("fsdp",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  m, k, n = 4096, 1024, 4096
+  x = jax.ShapeDtypeStruct((m, k), jax.numpy.bfloat16, sharding=rows)
+  w = jax.ShapeDtypeStruct((k, n), jax.numpy.bfloat16, sharding=rows)
+  grad = jax.jit(jax.grad(lambda w, x: jax.numpy.sum(
+      (x @ w).astype(np.float32)**2)), out_shardings=rows)
+  lowered = grad.lower(w, x)
+  with targets.without_persistent_cache():
+    compiled = lowered.compile()
+    windowed = step_cost.cost_analysis(compiled)
+    cost = step_cost.loop_free_cost(lowered, mesh, compiled)
+  assert windowed["windowed_einsum_loops"] == windowed["while_loops"] > 0
+  assert windowed["seconds"] is None
+  assert cost["while_loops"] == 0 and cost["windowed_einsum"] is False
+  matmuls = 2 * (2 * m * k * n) / 32
+  assert matmuls <= cost["flops"] < 1.01 * matmuls
+  assert windowed["flops"] < 0.9 * matmuls  # a loop's body counted once
+  floor = cost["flops"] / targets.TPU_CHIPS["v4"].peak_bf16_flops
+  assert floor <= cost["seconds"] < 100 * floor
+
+
 @pytest.mark.parametrize("accelerator, topology", [
     ("v4-8", "tpu:v4:2x2x1"), ("v4-32", "tpu:v4:2x2x4"),
     ("v4-256", "tpu:v4:4x4x8"), ("v4-512", "tpu:v4:4x8x8"),

@@ -315,19 +315,20 @@ def abstract_state(tx, abstract_params, axes, mesh, rules):
 def logical_step_cost(step: BenchStep, state, batch, mask,
                       accumulate_cost: dict | None = None) -> dict:
   """XLA's cost of one logical step on abstract `state`, `batch[K,m,...]`,
-  `mask[K,m]`, as it is executed (`step_cost.logical_step`); `cost_parts`
+  `mask[K,m]`, as it is executed (`step_cost.combine`); `cost_parts`
   holds the parts. `accumulate_cost`: one microbatch's figures from
   elsewhere (a scanned model's, `step_cost.per_layer_extrapolation`)."""
-  k = mask.shape[0]
+  k, mesh = mask.shape[0], mask.sharding.mesh
   accumulate, one = _one_microbatch_accumulate(step, state, batch, mask)
+  compiled = accumulate.compile()
   sums = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(step.accumulate, state.params, *one, state.step)[0],
-      accumulate.output_shardings[0])
-  apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums).compile()
+      compiled.output_shardings[0])
+  apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums)
   total = step_cost.combine(
-      accumulate_cost or step_cost.cost_analysis(accumulate),
-      step_cost.cost_analysis(apply), k)
+      accumulate_cost or step_cost.loop_free_cost(accumulate, mesh, compiled),
+      step_cost.loop_free_cost(apply, mesh, apply.compile()), k)
   return {"flops": total["flops"], "bytes_accessed": total["bytes_accessed"],
           "seconds": total["seconds"],
           "cost_parts": {"sum": "microbatches x accumulate + apply",
@@ -335,12 +336,11 @@ def logical_step_cost(step: BenchStep, state, batch, mask,
 
 
 def _one_microbatch_accumulate(step: BenchStep, state, batch, mask):
-  """(`step.accumulate` compiled for one microbatch of `batch`, that
+  """(`step.accumulate` lowered for one microbatch of `batch`, that
   microbatch and its mask as abstract shapes)."""
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (1, *x.shape[1:]), x.dtype, sharding=x.sharding), (batch, mask))
-  return jax.jit(step.accumulate).lower(state.params, *one,
-                                        state.step).compile(), one
+  return jax.jit(step.accumulate).lower(state.params, *one, state.step), one
 
 
 def residual_bytes(loss: Callable, params, microbatch) -> int:
@@ -416,8 +416,8 @@ def run(args: argparse.Namespace) -> dict:
       other_step = build(mode, other)
       params, axes = other.abstract_params()
       other_state = abstract_state(other_step.tx, params, axes, mesh, rules)[1]
-      return step_cost.cost_analysis(_one_microbatch_accumulate(
-          other_step, other_state, batch_abstract, mask_abstract)[0])
+      return step_cost.loop_free_cost(_one_microbatch_accumulate(
+          other_step, other_state, batch_abstract, mask_abstract)[0], mesh)
 
     return logical_step_cost(
         step, state, batch_abstract, mask_abstract,

@@ -11,7 +11,10 @@ would be compiled there. It gives
   `memory_analysis`: arguments + outputs + temporaries - donated aliases);
 * `flops` and `bytes_accessed` of one logical step, k x accumulate of one
   microbatch + apply (XLA's `cost_analysis`; XLA counts a loop body once,
-  whatever its trip count, so the scan's body is costed alone and scaled).
+  whatever its trip count, so the scan's body is costed alone and scaled,
+  and the TPU compiler's windowed-einsum loops are compiled out of the
+  programs costed: `loop_free_cost`), and on TPU the compiler's estimate of
+  the step's time.
 
 Limits: the figures are XLA's estimates for the backend compiled for (a
 CPU's are not a GPU's), and they ignore the runtime's own reserve and
@@ -75,7 +78,37 @@ def cost_analysis(compiled) -> dict:
           "bytes_accessed": float(analysis["bytes accessed"]),
           "seconds": (seconds if seconds and seconds > 0 and not while_loops
                       else None),  # a loop's body is counted once
-          "while_loops": while_loops, "custom_calls": calls}
+          "while_loops": while_loops,
+          "windowed_einsum_loops": len(re.findall(
+              r"\swhile\([^\n]*body=%?[\w.]*windowed_dot_general_body", text)),
+          "custom_calls": calls}
+
+
+# The TPU compiler splits a matmul whose operand FSDP all-gathers (or whose
+# result it reduce-scatters) over many devices into a loop over the shards,
+# each iteration's transfer overlapping the previous one's matmul ("windowed
+# einsum"; T5-Large over 32 v4 chips: 33 loops). XLA's analyses count a
+# loop's body once and the time estimate has no loops: a program compiled
+# for its cost is compiled without them (`loop_free_cost`), the same matmuls
+# and collectives in sequence, so the estimate leaves out that overlap.
+WINDOWED_EINSUM_OFF = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                       "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+
+
+def loop_free_cost(lowered, mesh, compiled=None) -> dict:
+  """`cost_analysis` of the program `lowered` is for `mesh`: of `compiled`
+  (its compile, where one is at hand) unless the TPU compiler left
+  windowed-einsum loops in it; else, and where none is at hand, of
+  `lowered` compiled for its cost, on TPU with those loops off
+  (`WINDOWED_EINSUM_OFF`; `windowed_einsum: False` added)."""
+  if compiled is not None:
+    cost = cost_analysis(compiled)
+    if not cost["windowed_einsum_loops"]:
+      return cost
+  if mesh.devices.flat[0].platform != "tpu":
+    return cost_analysis(lowered.compile())
+  return {**cost_analysis(lowered.compile(WINDOWED_EINSUM_OFF)),
+          "windowed_einsum": False}
 
 
 # Custom calls the TPU compiler leaves out of its time estimate (see
@@ -146,14 +179,6 @@ def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
       tree, shardings)
 
 
-def logical_step(accumulate, apply, k: int) -> dict:
-  """XLA's flops and bytes accessed of a logical step from its compiled
-  parts: k x (`accumulate` of one microbatch) + `apply`, each compiled alone
-  (XLA counts a loop's body once, so a whole step's own analysis would count
-  one microbatch); the parts' analyses under `parts`."""
-  return combine(cost_analysis(accumulate), cost_analysis(apply), k)
-
-
 def combine(accumulate: Mapping, apply: Mapping, k: int) -> dict:
   """k x `accumulate`'s figures (one microbatch's) + `apply`'s."""
   parts = {"accumulate": dict(accumulate), "apply": dict(apply)}
@@ -177,9 +202,9 @@ def _abstract_sums(placed):
                        placed.sums_shardings)
 
 
-def _compile_accumulate(placed, batch_rows, *, m: int, k: int,
-                        batch_sharding, mask_sharding):
-  """`placed`'s accumulate over [k, m, ...] batches, compiled for abstract
+def _lower_accumulate(placed, batch_rows, *, m: int, k: int, batch_sharding,
+                      mask_sharding):
+  """`placed`'s accumulate over [k, m, ...] batches, lowered for abstract
   shapes split as the trainer splits them."""
   state = placed.abstract_state
   index = jax.ShapeDtypeStruct((), np.int32,
@@ -189,17 +214,16 @@ def _compile_accumulate(placed, batch_rows, *, m: int, k: int,
            for f, x in batch_rows.items()}
   mask = jax.ShapeDtypeStruct((k, m), np.float32, sharding=mask_sharding)
   return placed.accumulate.lower(state.params, _abstract_sums(placed), batch,
-                                 mask, index, index,
-                                 state.clip_norms).compile()
+                                 mask, index, index, state.clip_norms)
 
 
-def _compile_apply(placed, batch_sharding):
-  """`placed`'s apply, compiled for abstract shapes."""
+def _lower_apply(placed, batch_sharding):
+  """`placed`'s apply, lowered for abstract shapes."""
   replicated = _replicated(batch_sharding)
   return placed.apply.lower(
       placed.abstract_state, _abstract_sums(placed),
       jax.ShapeDtypeStruct((4,), np.uint32, sharding=replicated),  # noise key
-      jax.ShapeDtypeStruct((), np.float32, sharding=replicated)).compile()
+      jax.ShapeDtypeStruct((), np.float32, sharding=replicated))
 
 
 def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
@@ -213,10 +237,14 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   and k > 1, `accumulate` of one microbatch for the per-step FLOPs), unless
   `accumulate_cost` gives one microbatch's figures (`cost_analysis`'s
   fields; for a model whose layers are a loop, which XLA's analysis counts
-  once: `per_layer_extrapolation`)."""
+  once: `per_layer_extrapolation`). The costs are `loop_free_cost`'s: on
+  TPU, a program with windowed-einsum loops is compiled again for them."""
   shardings = dict(batch_sharding=batch_sharding, mask_sharding=mask_sharding)
-  accumulate = _compile_accumulate(placed, batch_rows, m=m, k=k, **shardings)
-  apply = _compile_apply(placed, batch_sharding)
+  mesh = batch_sharding.mesh
+  accumulate_program = _lower_accumulate(placed, batch_rows, m=m, k=k,
+                                         **shardings)
+  apply_program = _lower_apply(placed, batch_sharding)
+  accumulate, apply = accumulate_program.compile(), apply_program.compile()
   state = placed.abstract_state
   state_bytes = device_bytes(state)
   resident = state_bytes - device_bytes(state.params)  # not accumulate's args
@@ -225,10 +253,12 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   flops = bytes_accessed = seconds = None
   if with_flops:
     if accumulate_cost is None:
-      accumulate_cost = cost_analysis(
-          accumulate if k == 1 else
-          _compile_accumulate(placed, batch_rows, m=m, k=1, **shardings))
-    total = combine(accumulate_cost, cost_analysis(apply), k)
+      accumulate_cost = (
+          loop_free_cost(accumulate_program, mesh, accumulate) if k == 1 else
+          loop_free_cost(_lower_accumulate(placed, batch_rows, m=m, k=1,
+                                           **shardings), mesh))
+    total = combine(accumulate_cost,
+                    loop_free_cost(apply_program, mesh, apply), k)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
     seconds = total["seconds"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),
@@ -267,7 +297,8 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
 
 def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
                     *, m: int, batch_sharding, mask_sharding) -> dict:
-  """`cost_analysis` of `placed`'s accumulate over one microbatch of m."""
-  return cost_analysis(_compile_accumulate(
+  """The cost of `placed`'s accumulate over one microbatch of m, compiled
+  for its cost alone (`loop_free_cost`)."""
+  return loop_free_cost(_lower_accumulate(
       placed, batch_rows, m=m, k=1, batch_sharding=batch_sharding,
-      mask_sharding=mask_sharding))
+      mask_sharding=mask_sharding), batch_sharding.mesh)
