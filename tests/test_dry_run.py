@@ -35,7 +35,8 @@ FIELDS = {"n", "q", "steps", "dp_steps", "start_step", "sigma", "epsilon",
           "auto_sizing", "mesh", "rules", "compute_dtype", "params",
           "peak_bytes_per_device", "state_bytes_per_device",
           "device_memory_bytes", "device_memory_source", "fits",
-          "flops_per_step", "bytes_accessed_per_step", "backend",
+          "flops_per_step", "bytes_accessed_per_step",
+          "cost_scaled_from_microbatch", "backend",
           "device_kind", "devices", "scan_layers"}
 
 
@@ -153,15 +154,32 @@ def test_low_memory_takes_a_smaller_microbatch_that_fits(dry_runs):
   assert low["peak_bytes_per_device"] < ample["peak_bytes_per_device"]
 
 
-def test_a_scanned_models_cost_is_its_loop_unrolled(dry_runs, capsys, tmp_path):
+SCANNED = ("--gin.MICROBATCH_SIZE='auto'", "--gin.train.device_memory=64GiB",
+           "--gin.T5Config.scan_layers=True")
+
+
+@pytest.fixture(scope="module")
+def scanned(tmp_path_factory):
+  """A dry run of the tiny T5 with scanned layers (its MODEL_DIR absent)."""
+  model_dir = tmp_path_factory.mktemp("scanned") / "run"
+  with pytest.MonkeyPatch.context() as mp:
+    capture = _Capture(mp)
+    try:
+      train.main([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--dry_run",
+                  *SCANNED])
+    finally:
+      gin.clear_config()
+  assert not model_dir.exists()
+  return json.loads(capture.lines[-1])
+
+
+def test_a_scanned_models_cost_is_its_loop_unrolled(dry_runs, scanned, capsys,
+                                                    tmp_path):
   """`T5Config.scan_layers`: the step's FLOPs, extrapolated from the model
   at one and two layers per stack, are those XLA counts in the same model
   with its layer loop unrolled (`scan_unrolled`: straight-line code, which
   its analysis counts whole)."""
-  flags = ("--gin.MICROBATCH_SIZE='auto'", "--gin.train.device_memory=64GiB",
-           "--gin.T5Config.scan_layers=True")
-  scanned = _dry_run(capsys, tmp_path / "scanned", *flags)
-  straight = _dry_run(capsys, tmp_path / "straight", *flags,
+  straight = _dry_run(capsys, tmp_path / "straight", *SCANNED,
                       "--gin.T5Config.scan_unrolled=True")
   unrolled = dry_runs[1]["ample"]
   assert scanned["scan_layers"] and not straight["scan_layers"]
@@ -173,26 +191,49 @@ def test_a_scanned_models_cost_is_its_loop_unrolled(dry_runs, capsys, tmp_path):
                                                     rel=1e-5)
   assert scanned["bytes_accessed_per_step"] == pytest.approx(
       straight["bytes_accessed_per_step"], rel=0.05)
+  assert scanned["cost_scaled_from_microbatch"] is None
   assert scanned["fits"] and not os.listdir(tmp_path)
 
 
-def test_a_refused_cost_program_leaves_the_plan_without_flops(capsys, tmp_path,
-                                                            monkeypatch):
+def test_refused_cost_programs_are_costed_at_a_smaller_microbatch(
+    scanned, capsys, tmp_path, monkeypatch):
   """The loop-unrolled programs that cost a scanned model are compiled for
   their cost only: where a target's compiler refuses them for its memory,
-  the plan stands (it fits by the loop's own compile) without FLOPs."""
-  def refused(*args, **kwargs):
-    raise jax.errors.JaxRuntimeError(
-        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-        "required for HLO temporaries (15.94G) exceeds available HBM (15.75G).")
+  the plan stands (it fits by the loop's own compile) and they are costed
+  at half the microbatch, or a quarter, and scaled. FLOPs are per example,
+  so the scaled FLOPs are those costed at the whole microbatch. Refused at
+  every size, the plan has no FLOPs."""
+  real = step_cost.accumulate_cost
+  tried = []
 
-  monkeypatch.setattr(step_cost, "accumulate_cost", refused)
-  record = _dry_run(capsys, tmp_path / "scanned", "--gin.MICROBATCH_SIZE='auto'",
-                    "--gin.train.device_memory=64GiB",
-                    "--gin.T5Config.scan_layers=True")
+  def refused_above(limit):
+    def accumulate_cost(*args, m, **kwargs):
+      tried.append(m)
+      if m > limit:
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+            "required for HLO temporaries (15.94G) exceeds available HBM "
+            "(15.75G).")
+      return real(*args, m=m, **kwargs)
+    return accumulate_cost
+
+  m = scanned["microbatch_size"]
+  monkeypatch.setattr(step_cost, "accumulate_cost", refused_above(m // 3))
+  record = _dry_run(capsys, tmp_path / "scaled", *SCANNED)
+  assert record["microbatch_size"] == m and record["fits"]
+  assert record["cost_scaled_from_microbatch"] == m // 4
+  assert tried[:2] == [m, m // 2]
+  assert record["flops_per_step"] == pytest.approx(scanned["flops_per_step"],
+                                                   rel=0.01)
+  assert record["bytes_accessed_per_step"] > scanned["bytes_accessed_per_step"]
+
+  monkeypatch.setattr(step_cost, "accumulate_cost", refused_above(0))
+  record = _dry_run(capsys, tmp_path / "refused", *SCANNED)
   assert record["scan_layers"] and record["fits"]
   assert record["flops_per_step"] is None
+  assert record["cost_scaled_from_microbatch"] is None
   assert record["peak_bytes_per_device"] > record["state_bytes_per_device"]
+  assert not os.listdir(tmp_path)
 
 
 def _run(model_dir, *flags) -> str:

@@ -153,6 +153,10 @@ def _dry_run(config: RunConfig, steps: int,
       "fits": cost.peak_bytes <= limit,
       "flops_per_step": cost.flops,
       "bytes_accessed_per_step": cost.bytes_accessed,
+      # A scanned model's cost programs refused at m: costed at this
+      # microbatch and scaled (`_per_layer_cost`).
+      "cost_scaled_from_microbatch": (per_microbatch or {}).get(
+          "scaled_from_microbatch"),
       "backend": device.platform, "device_kind": device.device_kind,
       "devices": mesh.devices.size,
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -180,25 +184,45 @@ def _dry_run(config: RunConfig, steps: int,
 def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
                     shardings: dict) -> dict | None:
   """A scanned model's microbatch cost from its loop unrolled at one and two
-  layers per stack (`step_cost.per_layer_extrapolation`); None, said on the
-  console, where a target's compiler refuses those straight-line programs
-  for its memory (they are compiled for their cost only; the loop it runs
-  fits or not by its own compile)."""
+  layers per stack (`step_cost.per_layer_extrapolation`).
+
+  Those straight-line programs are compiled for their cost only, and keep
+  more alive than the loop the run compiles. Where a target's compiler
+  refuses them for its memory at m, they are costed at the largest of
+  m / 2, m / 4, ... it compiles (a multiple of the data-parallel devices)
+  and scaled by m over it (`scaled_from_microbatch`; said on the console):
+  the FLOPs are per example, so they scale exactly but for the sums'
+  accumulation; bytes and time scale the weights' reads too, so they are
+  an upper side. None, said, where no such microbatch compiles."""
   model_config = built.config.model_config
-  try:
-    return step_cost.per_layer_extrapolation(
-        lambda counts: step_cost.accumulate_cost(
-            built.place_model(common.loop_unrolled(model_config, counts)),
-            built.batch_rows, m=m, **shardings), layers)
-  except jax.errors.JaxRuntimeError as e:
-    needed = step_cost.refused_bytes(e)
-    if needed is None:
-      raise
-    reporting.say(
-        f"dry run: the loop-unrolled programs that cost a scanned model's "
-        f"layers need {needed / 2**30:.2f} GiB of temporaries at microbatch "
-        f"{m}, over the target's memory: no FLOPs or time estimate")
-    return None
+  data_parallel = partitioning.data_parallel_size(built.mesh, built.rules)
+  costed = m
+  while True:
+    try:
+      cost = step_cost.per_layer_extrapolation(
+          lambda counts: step_cost.accumulate_cost(
+              built.place_model(common.loop_unrolled(model_config, counts)),
+              built.batch_rows, m=costed, **shardings), layers)
+      break
+    except jax.errors.JaxRuntimeError as e:
+      needed = step_cost.refused_bytes(e)
+      if needed is None:
+        raise
+      reporting.say(
+          f"dry run: the loop-unrolled programs that cost a scanned model's "
+          f"layers need {needed / 2**30:.2f} GiB of temporaries at "
+          f"microbatch {costed}, over the target's memory")
+      costed //= 2
+      if costed < data_parallel or costed % data_parallel:
+        reporting.say("dry run: no FLOPs or time estimate")
+        return None
+  if costed == m:
+    return cost
+  reporting.say(f"dry run: FLOPs, bytes and time costed at microbatch "
+                f"{costed} and scaled by {m / costed:g}")
+  return {**{f: None if cost[f] is None else cost[f] * m / costed
+             for f in ("flops", "bytes_accessed", "seconds")},
+          "scaled_from_microbatch": costed}
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,
