@@ -410,7 +410,7 @@ def test_a_release_states_its_audits_bound_recomputed_from_the_scores(
                                       line["canaries"], coins.sum())
     assert entry["threat_model"] == audit_cli.THREAT_MODELS["gradient"]
     text = (out / "PRIVACY.md").read_text()
-    assert (f"ε ≥ {want:.3g} at 99.9% confidence" in text
+    assert (f"ε ≥ {want:.3g} at {100 * CONFIDENCE:.4g}% confidence" in text
             and audited_run in text.split("## Audit")[1])
 
 
