@@ -214,7 +214,9 @@ class BandMF(dpsgd.DPSGD):
 
   bands: int | None = None
   coefs: tuple[float, ...] | None = None
-  candidates: tuple[dict, ...] = ()
+  # What the choice of bands compared: said, not part of the mechanism (so
+  # it is left out of equality and the hash, which memoize its steps).
+  candidates: tuple[dict, ...] = dataclasses.field(default=(), compare=False)
   steps: int | None = None  # the releases the strategy is normalised for
 
   @classmethod
