@@ -335,3 +335,30 @@ def test_the_bench_compiles_a_dp_step_for_a_target(capsys, target, platform,
     assert line["step_time_estimate_s"] > 0
   else:
     assert line["step_time_estimate_s"] is None
+
+
+def test_fsdp_activations_are_split_along_the_batch(capsys, monkeypatch):
+  """FSDP over 32 v4 chips splits the weights along 'embed'; left to
+  itself, the TPU compiler's partitioner followed them, splitting the
+  activations along their hidden axis and computing all 32 examples on
+  every chip. With them split along the batch (`common.along_batch`), the
+  tiny T5's ghost accumulate moves about a third fewer bytes a chip and
+  its compiler estimates it faster than the same step without the
+  constraint (measured: 1.15e8 against 1.83e8 bytes, 0.25 against 0.39 ms)."""
+  from dpjax.bench import step as bench
+  from dpjax.models import common
+
+  def accumulate_cost():
+    assert bench.main(["--model=t5_tiny", "--vocab=2000", "--layers=1",
+                       "--input_length=48", "--target_length=16",
+                       "--batch=32", "--mode=ghost", "--cost_only",
+                       "--rules=fsdp", "--mesh=fsdp:32",
+                       "--target=tpu:v4:2x2x4"]) == 0
+    return json.loads(capsys.readouterr().out)["cost_parts"]["accumulate"]
+
+  split = accumulate_cost()
+  monkeypatch.setattr(common, "along_batch", lambda x: x)
+  followed = accumulate_cost()
+  assert split["flops"] == pytest.approx(followed["flops"], rel=0.05)
+  assert split["bytes_accessed"] < 0.8 * followed["bytes_accessed"]
+  assert split["seconds"] < 0.8 * followed["seconds"]

@@ -377,11 +377,14 @@ def run(args: argparse.Namespace) -> dict:
     raise Unavailable(f"microbatch {m} does not split over the "
                       f"{partitioning.data_parallel_size(mesh, rules)} "
                       "data-parallel devices")
-  build = lambda mode, model=model: build_step(
-      mode, model, batch_size=args.batch, microbatch_size=m,
-      clip_norm=args.clip_norm, noise_multiplier=args.noise_multiplier,
-      learning_rate=args.learning_rate, seed=args.seed,
-      ghost_norm=args.ghost_norm, ghost_summation=args.ghost_summation)
+  def build(mode, model=model):
+    step = build_step(
+        mode, model, batch_size=args.batch, microbatch_size=m,
+        clip_norm=args.clip_norm, noise_multiplier=args.noise_multiplier,
+        learning_rate=args.learning_rate, seed=args.seed,
+        ghost_norm=args.ghost_norm, ghost_summation=args.ghost_summation)
+    return dataclasses.replace(step, accumulate=partitioning.batch_laid_out(
+        step.accumulate, mesh, rules))
   step = build(args.mode)
   tx = step.tx
   abstract_params, axes = model.abstract_params()

@@ -2,6 +2,8 @@
 attention core."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, Mapping
 
@@ -16,6 +18,41 @@ BatchLoss = Callable[[PyTree, Mapping[str, jax.Array], dict | None], jax.Array]
 
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# While a step is traced for a mesh (`batch_layout`): shape -> the sharding of
+# an activation of that shape split along its leading (example) axis only.
+_BATCH_LAYOUT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "batch_layout", default=None)
+
+
+@contextlib.contextmanager
+def batch_layout(sharding_for: Callable[[tuple[int, ...]], Any]):
+  """Within: `along_batch` lays activations out by `sharding_for(shape)`
+  (`partitioning.batch_laid_out` sets it while a step is traced)."""
+  token = _BATCH_LAYOUT.set(sharding_for)
+  try:
+    yield
+  finally:
+    _BATCH_LAYOUT.reset(token)
+
+
+def along_batch(x: jax.Array) -> jax.Array:
+  """`x` (an activation, examples on its leading axis) split over the
+  step's data-parallel devices along that axis and whole along the others,
+  where a step is being traced for a mesh (`batch_layout`); `x` itself
+  elsewhere.
+
+  Why: with FSDP the weights are split along 'embed', and XLA's
+  partitioner, left to itself, may follow them, splitting the activations
+  along their hidden axis and computing the whole batch on every device,
+  with an all-reduce after each matmul. T5-Large's layer over 32 v4 chips
+  did so, moving 14 GB a device for 32 examples (docs/benchmarks.md). Under
+  vmap (per-example gradients) the vmapped axis is left to the partitioner
+  and the example's own axes are kept whole."""
+  sharding_for = _BATCH_LAYOUT.get()
+  if sharding_for is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, sharding_for(x.shape))
 
 
 class ModelConfig:

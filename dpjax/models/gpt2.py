@@ -257,11 +257,12 @@ class GPT2(nn.Module):
       positions = query_positions[None]
     wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), name="token_embedder")
     wpe = Embed(cfg.n_positions, cfg.d_model, ("abspos", "embed"), name="position_embedder")
-    x = (wte(tokens) + wpe(positions)).astype(cfg.compute_dtype)
+    x = common.along_batch((wte(tokens) + wpe(positions)).astype(cfg.compute_dtype))
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     layer = t5.remat_layer(DecoderLayer, cfg.remat, static_argnums=(3, 4))
     for i in range(cfg.num_layers):
-      x = layer(cfg, name=f"layers_{i}")(x, bias, deterministic, decode, cache_index)
+      x = common.along_batch(
+          layer(cfg, name=f"layers_{i}")(x, bias, deterministic, decode, cache_index))
     x = LayerNorm(cfg.layer_norm_epsilon, jnp.float32, name="decoder_norm")(x)
     return x if return_hidden else wte.attend(x)
 

@@ -322,7 +322,7 @@ _LAYER_KEY = re.compile(r"layers_(\d+)")
 
 
 def _scan_body(layer: nn.Module, x: Array, *args) -> tuple[Array, None]:
-  return layer(x, *args), None
+  return common.along_batch(layer(x, *args)), None
 
 
 def run_layers(layer: type[nn.Module], cfg: T5Config, count: int,
@@ -334,11 +334,12 @@ def run_layers(layer: type[nn.Module], cfg: T5Config, count: int,
   The scan gives each layer its own params, dropout and init keys and (for
   decoding) its own cache slice, as the unrolled loop does; a layer
   rematerialised (`remat_layer`) is rematerialised inside the loop body.
+  Each layer's output is split along the batch (`common.along_batch`).
   """
   module = remat_layer(layer, cfg.remat, static_argnums)
   if not cfg.scan_layers:
     for i in range(count):
-      x = module(cfg, name=f"layers_{i}")(x, *args)
+      x = common.along_batch(module(cfg, name=f"layers_{i}")(x, *args))
     return x
   scan = nn.scan(_scan_body, variable_axes={"params": 0, "cache": 0},
                  split_rngs={"params": True, "dropout": True},
@@ -418,7 +419,7 @@ class Encoder(nn.Module):
   def __call__(self, tokens: Array, *, deterministic: bool) -> Array:
     cfg = self.config
     dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
-    x = dropout(self.shared_embedding(tokens))
+    x = dropout(common.along_batch(self.shared_embedding(tokens)))
     positions = jnp.arange(tokens.shape[-1])
     bias = _relpos(cfg, bidirectional=True)(positions, positions) + _padding_bias(tokens)
     x = run_layers(EncoderLayer, cfg, cfg.num_encoder_layers, (3,), x, bias,
@@ -463,7 +464,7 @@ class Decoder(nn.Module):
     self_bias = relpos(query_positions, key_positions) + jnp.where(causal, 0.0, _MASK_VALUE)
     cross_bias = _padding_bias(encoder_tokens)
 
-    x = dropout(self.shared_embedding(tokens))
+    x = dropout(common.along_batch(self.shared_embedding(tokens)))
     x = run_layers(DecoderLayer, cfg, cfg.num_decoder_layers, (5, 6), x,
                    encoded, self_bias, cross_bias, deterministic, decode,
                    cache_index)

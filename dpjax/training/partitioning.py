@@ -27,14 +27,16 @@ Nothing here imports TensorFlow.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dpjax.models import common
 from dpjax.training.state import TrainState, init_state
 from dpjax.privacy import optimizers
 
@@ -191,6 +193,21 @@ def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,
   names = [None] * rank
   names[batch_dim] = "batch"
   return NamedSharding(mesh, mesh_axes(names, mesh, rules))
+
+
+def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
+  """`fn` (a step, to be jitted) whose model activations are split along
+  their example axis as the rules split a batch, and kept whole along the
+  others (`common.along_batch`), while it is traced."""
+  def sharding_for(shape):
+    names = ["batch"] + [None] * (len(shape) - 1)
+    return NamedSharding(mesh, mesh_axes(names, mesh, rules, shape))
+
+  @functools.wraps(fn)
+  def laid_out(*args, **kwargs):
+    with common.batch_layout(sharding_for):
+      return fn(*args, **kwargs)
+  return laid_out
 
 
 def data_parallel_size(mesh: Mesh, rules: Rules | None = None) -> int:

@@ -332,6 +332,7 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
   clipped = clipped_grad(model, mechanism, clip_norm,
                          None if clip_norms is None else dict(clip_norms),
                          clipping_method)
+  laid_out = lambda fn: partitioning.batch_laid_out(fn, mesh, rules)
   abstract, axes = model.abstract_params()
   names = multi_loss.release_names(model)
   replicated = partitioning.replicated(mesh)
@@ -345,10 +346,11 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
       zero_sums=jax.jit(lambda p: zero_sums(p, names, mechanism),
                         out_shardings=sums_sh),
       sums_shardings=sums_sh,
-      accumulate=jax.jit(dp_accumulate(model, mechanism, clipped, seed=seed),
+      accumulate=jax.jit(laid_out(dp_accumulate(model, mechanism, clipped,
+                                                seed=seed)),
                          donate_argnums=(1,),
                          out_shardings=(sums_sh, replicated)),
-      eval=jax.jit(make_eval_step(model.batch_loss)))
+      eval=jax.jit(laid_out(make_eval_step(model.batch_loss))))
 
 
 @functools.lru_cache(maxsize=8)  # a few runs' executables, not a suite's
@@ -381,10 +383,10 @@ def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
       sums_shardings=gradients.sums_shardings,
       accumulate=gradients.accumulate,
       apply=jax.jit(apply, donate_argnums=(0,), out_shardings=state_sh),
-      public=jax.jit(make_public_step(
+      public=jax.jit(partitioning.batch_laid_out(make_public_step(
           model.example_loss,
           optimizer_lib.base_optimizer(model, optimizer, learning_rate),
-          seed=seed, dropout=model.example_rng),
+          seed=seed, dropout=model.example_rng), mesh, rules),
                      donate_argnums=(0,), out_shardings=(state_sh, replicated)),
       eval=gradients.eval)
 
