@@ -24,8 +24,8 @@ from dpjax.models import t5, trainable
 from dpjax.privacy import mechanisms, sampling
 from dpjax.privacy.mechanisms import dpsgd
 from dpjax.privacy import ledger as ledger_lib, secret
-from tests.audit.audits import (AUDITS, CANARIES, CONFIDENCE, FLAGS, SHORT,
-                                  assert_honest, audit)
+from tests.audit.audits import (CANARIES, CONFIDENCE, RUN, SHORT,
+                                  assert_honest, audit, honest_audits)
 from tests.audit.conftest import EXAMPLES
 
 # --- Canaries: insertion, sampling and observation. -------------------------
@@ -263,11 +263,12 @@ def test_the_bound_is_jax_privacys_estimator_on_the_written_scores(noiseless):
 
 @pytest.fixture(scope="module")
 def honest(tmp_path_factory, data_dir):
-  """`AUDITS` audits of DP-SGD runs at ε = 3: (directory, line) each."""
+  """`audits.AUDITS` audits of DP-SGD runs at ε = 3: (directory, line) each."""
   out = tmp_path_factory.mktemp("honest")
-  return [(out / f"audit{i}",
-           audit(out / f"audit{i}", data_dir, *SHORT, flags=FLAGS))
-          for i in range(AUDITS)]
+  lines = honest_audits(out, "quickstart.gin", *RUN,
+                        f"register_msmarco_query_generation.data_dir='{data_dir}'",
+                        *SHORT)
+  return [(out / f"audit{i}", line) for i, line in enumerate(lines)]
 
 
 def test_dpsgd_audits_at_eps_3_stay_at_or_below_it(honest):
