@@ -443,3 +443,19 @@ def test_t5_fused_attention_matches_einsum_path_with_cache():
   # Cached decoding reproduces the full forward pass position by position.
   np.testing.assert_allclose(cached, forward(False, params)[:, :3],
                              rtol=1e-4, atol=1e-5)
+
+
+def test_per_layer_extrapolation_adds_each_layer_and_refuses_a_negative_one():
+  """Each layer of a stack adds what its second one adds; a field whose
+  second layer adds less than nothing is None, not extrapolated below
+  zero (programs the compiler laid out too differently to compare)."""
+  def cost_of(counts):  # 1 + 2 per encoder layer, 5 per decoder layer
+    e, d = counts["num_encoder_layers"], counts["num_decoder_layers"]
+    return {"flops": 1.0 + 2 * e + 5 * d, "bytes_accessed": 10.0 - e,
+            "seconds": None}
+  total = step_cost.per_layer_extrapolation(
+      cost_of, {"num_encoder_layers": 24, "num_decoder_layers": 3})
+  assert total["flops"] == 1 + 2 * 24 + 5 * 3
+  assert total["bytes_accessed"] is None and total["seconds"] is None
+  assert total["extrapolated_to"] == {"num_encoder_layers": 24,
+                                      "num_decoder_layers": 3}

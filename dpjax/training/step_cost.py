@@ -279,7 +279,10 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
   analysis counts once: `cost_of` compiles it with the loop unrolled
   (`scan_unrolled`, loop-free, so the TPU compiler estimates its time too).
   Exact for FLOPs; for bytes and time, as far as a layer's cost does not
-  depend on its neighbours.
+  depend on its neighbours. Where a second layer adds less than nothing
+  (the compiler laid the two programs out too differently to compare:
+  T5-XL's on v4-32 once), that field is None rather than extrapolated below
+  zero.
   """
   fields = ("flops", "bytes_accessed", "seconds")
   one = {name: 1 for name in layers}
@@ -290,8 +293,9 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
       continue
     more = cost_of({**one, name: 2})
     for f in fields:
-      total[f] = (None if total[f] is None or more[f] is None else
-                  total[f] + (count - 1) * (more[f] - base[f]))
+      added = None if more[f] is None or base[f] is None else more[f] - base[f]
+      total[f] = (None if total[f] is None or added is None or added < 0
+                  else total[f] + (count - 1) * added)
   return {**total, "extrapolated_to": dict(layers)}
 
 
