@@ -187,12 +187,14 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
 
 
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,
-                   rules: Rules | None = None) -> NamedSharding:
-  """Sharding for an array whose `batch_dim` axis holds examples."""
+                   rules: Rules | None = None,
+                   shape: Sequence[int] | None = None) -> NamedSharding:
+  """Sharding for an array whose `batch_dim` axis holds examples (whole
+  along that axis too where `shape`'s does not divide over its devices)."""
   rules = rules if rules is not None else logical_axis_rules()
   names = [None] * rank
   names[batch_dim] = "batch"
-  return NamedSharding(mesh, mesh_axes(names, mesh, rules))
+  return NamedSharding(mesh, mesh_axes(names, mesh, rules, shape))
 
 
 def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
@@ -200,8 +202,7 @@ def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
   their example axis as the rules split a batch, and kept whole along the
   others (`common.along_batch`), while it is traced."""
   def sharding_for(shape):
-    names = ["batch"] + [None] * (len(shape) - 1)
-    return NamedSharding(mesh, mesh_axes(names, mesh, rules, shape))
+    return batch_sharding(mesh, len(shape), rules=rules, shape=shape)
 
   @functools.wraps(fn)
   def laid_out(*args, **kwargs):

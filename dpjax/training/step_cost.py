@@ -101,11 +101,12 @@ def loop_free_cost(lowered, mesh, compiled=None) -> dict:
   windowed-einsum loops in it; else, and where none is at hand, of
   `lowered` compiled for its cost, on TPU with those loops off
   (`WINDOWED_EINSUM_OFF`; `windowed_einsum: False` added)."""
+  tpu = mesh.devices.flat[0].platform == "tpu"
   if compiled is not None:
     cost = cost_analysis(compiled)
-    if not cost["windowed_einsum_loops"]:
+    if not (tpu and cost["windowed_einsum_loops"]):
       return cost
-  if mesh.devices.flat[0].platform != "tpu":
+  if not tpu:
     return cost_analysis(lowered.compile())
   return {**cost_analysis(lowered.compile(WINDOWED_EINSUM_OFF)),
           "windowed_einsum": False}
