@@ -255,9 +255,14 @@ class GPT2(nn.Module):
 
     if positions is None:
       positions = query_positions[None]
-    wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), name="token_embedder")
-    wpe = Embed(cfg.n_positions, cfg.d_model, ("abspos", "embed"), name="position_embedder")
-    x = common.along_batch((wte(tokens) + wpe(positions)).astype(cfg.compute_dtype))
+    # Looked up in the compute dtype (t5x's convention), so the lookups'
+    # output gradients are, and ghost clipping keeps the tied projection's
+    # logits gradient in it too (`ghost.Site.dtype`); the logits are float32.
+    wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"),
+                dtype=cfg.compute_dtype, name="token_embedder")
+    wpe = Embed(cfg.n_positions, cfg.d_model, ("abspos", "embed"),
+                dtype=cfg.compute_dtype, name="position_embedder")
+    x = common.along_batch(wte(tokens) + wpe(positions))
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     layer = t5.remat_layer(DecoderLayer, cfg.remat, static_argnums=(3, 4))
     for i in range(cfg.num_layers):

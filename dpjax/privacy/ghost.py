@@ -152,6 +152,9 @@ class Site:
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
   remat: bool  # inside a jax.checkpoint: tapped, never recorded
   scanned: bool = False  # a slice of a leaf a scan loops over: tapped
+  # The module's compute dtype: an `attend`'s output gradient (its float32
+  # logits' gradient, `[T, vocab]`) is kept as a factor in it.
+  dtype: Any = jnp.float32
 
   @property
   def recordable(self) -> bool:
@@ -198,7 +201,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
     checkpoint_name(module.get_variable("params", _PARAM_NAMES[kind]),
                     f"{_MARK}{len(calls)}")
     calls.append((key, kind, x.shape,
-                  jax.ShapeDtypeStruct(out.shape, out.dtype)))
+                  jax.ShapeDtypeStruct(out.shape, out.dtype), module.dtype))
     return out
 
   jaxpr = jax.make_jaxpr(
@@ -211,7 +214,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   candidates = {calls[i][0] for i, (leaf, _, _) in origins.items()
                 if leaf is not None}
 
-  outputs = {key: out for key, _, _, out in calls}
+  outputs = {key: out for key, _, _, out, _ in calls}
 
   def cut(key, kind, module, call, x):
     if key not in candidates:
@@ -223,7 +226,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   _, used = partial_eval.dce_jaxpr(cut_jaxpr, [True] * len(cut_jaxpr.outvars))
 
   sites = []
-  for i, (key, kind, in_shape, out) in enumerate(calls):
+  for i, (key, kind, in_shape, out, dtype) in enumerate(calls):
     leaf, remat, scanned = origins.get(i, (None, False, False))
     if leaf is None or used[leaf]:
       continue
@@ -238,7 +241,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
         key=key, kind=kind, param=jax.tree_util.keystr(path), leaf=leaf,
         shape=tuple(shape), length=length, output=out,
         norm=_cheaper(length, *shape) if norm == "auto" else norm,
-        remat=remat, scanned=scanned))
+        remat=remat, scanned=scanned, dtype=jnp.dtype(dtype)))
   per_param = collections.Counter(s.leaf for s in sites)
   for s in sites:
     if not s.recordable and per_param[s.leaf] > 1:
@@ -459,7 +462,10 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
       if i is None:
         return call()
       inputs[i] = x
-      return call() + deltas[i]
+      out = call() + deltas[i]
+      site = recorded[i]
+      return (out if out.dtype == site.dtype else
+              _round_cotangent(site.dtype, out))
 
     full = [p if q is None else q for p, q in zip(leaves, small)]
     loss = _run(example_loss, jax.tree.unflatten(treedef, full), example,
@@ -480,6 +486,32 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
             algebra.large_sq_norm(recorded, factors) + sum(tapped_sq), factors)
 
   return per_example
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _round_cotangent(dtype, out: jax.Array) -> jax.Array:
+  """`out`, unchanged; its cotangent is rounded to `dtype` (and back).
+
+  For an `attend`, whose logits are float32 in a model computing in
+  bfloat16: the logits' gradient is then one `[T, vocab]` buffer in the
+  compute dtype, from which the model's backward pass and the site's
+  factor (`ghost_algebra.factors`) both read, rather than a float32 one
+  read by both (a TPU's default-precision product rounds it to bfloat16
+  anyway)."""
+  del dtype
+  return out
+
+
+def _round_cotangent_fwd(dtype, out):
+  del dtype
+  return out, None
+
+
+def _round_cotangent_bwd(dtype, _, g):
+  return (g.astype(dtype).astype(g.dtype),)
+
+
+_round_cotangent.defvjp(_round_cotangent_fwd, _round_cotangent_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -31,7 +31,10 @@ def factors(site, x: jax.Array, g: jax.Array) -> Factors:
   if site.kind == "dense":
     return x.reshape(-1, rows), g.reshape(-1, cols)
   if site.kind == "attend":
-    return g.reshape(-1, rows), x.reshape(-1, cols)
+    # The logits are float32, their gradient is rounded to the compute
+    # dtype as the model's backward pass rounds the rest: it is the largest
+    # factor kept, and the norm and the sum are both of the rounded one.
+    return g.reshape(-1, rows).astype(site.dtype), x.reshape(-1, cols)
   # Negative ids wrap, as in jnp.take; a row of an id still out of range
   # reaches no parameter row, so its B row is zeroed (and the id made safe).
   ids = x.reshape(-1)
@@ -88,12 +91,19 @@ def ghost_inner(s, f: Factors, r, h: Factors) -> jax.Array:
   if s.kind == "lookup" and r.kind == "lookup":
     gram_a = (a1[:, None] == a2[None, :]).astype(jnp.float32)
   elif s.kind == "lookup":
-    gram_a = a2[:, a1].T.astype(jnp.float32)  # onehot(a1) @ A_r^T
+    gram_a = dot(onehot(a1, a2), a2.T)
   elif r.kind == "lookup":
-    gram_a = a1[:, a2].astype(jnp.float32)
+    gram_a = dot(a1, onehot(a2, a1).T)
   else:
     gram_a = dot(a1, a2.T)
   return jnp.sum(gram_a * dot(b1, b2.T))
+
+
+def onehot(ids: jax.Array, like: jax.Array) -> jax.Array:
+  """onehot(ids) [T, rows] in `like`'s dtype: a product with it picks
+  columns of `like` [T', rows] without a gather, which on a TPU would copy
+  the `[T, vocab]` logits gradient into a layout it can gather from."""
+  return (ids[:, None] == jnp.arange(like.shape[-1])).astype(like.dtype)
 
 
 def ghost_sq_norm(site, factors: Factors) -> jax.Array:
