@@ -446,16 +446,33 @@ def test_t5_fused_attention_matches_einsum_path_with_cache():
 
 
 def test_per_layer_extrapolation_adds_each_layer_and_refuses_a_negative_one():
-  """Each layer of a stack adds what its second one adds; a field whose
-  second layer adds less than nothing is None, not extrapolated below
-  zero (programs the compiler laid out too differently to compare)."""
-  def cost_of(counts):  # 1 + 2 per encoder layer, 5 per decoder layer
+  """Each layer of a stack adds what its second one adds; where the second
+  adds less than nothing (a one-layer program laid out unlike the others),
+  what the third adds; a field still below zero is None, not extrapolated
+  below zero. Each layer count is costed once (each is a compile)."""
+  calls = []
+
+  def cost_of(counts):
+    # flops: 1 + 2 per encoder layer + 5 per decoder layer. bytes: the
+    # one-encoder-layer program is 30 too dear, then 4 per encoder layer;
+    # decoder layers add less than nothing. seconds: unknown.
     e, d = counts["num_encoder_layers"], counts["num_decoder_layers"]
-    return {"flops": 1.0 + 2 * e + 5 * d, "bytes_accessed": 10.0 - e,
+    calls.append((e, d))
+    return {"flops": 1.0 + 2 * e + 5 * d,
+            "bytes_accessed": 100.0 + 4 * e + 30 * (e == 1) - d,
             "seconds": None}
+
   total = step_cost.per_layer_extrapolation(
       cost_of, {"num_encoder_layers": 24, "num_decoder_layers": 3})
   assert total["flops"] == 1 + 2 * 24 + 5 * 3
   assert total["bytes_accessed"] is None and total["seconds"] is None
+  assert total["per_layer_from"] == {"num_encoder_layers": 3,
+                                     "num_decoder_layers": 3}
+  assert sorted(calls) == sorted(set(calls)) == [(1, 1), (1, 2), (1, 3),
+                                                 (2, 1), (3, 1)]
   assert total["extrapolated_to"] == {"num_encoder_layers": 24,
                                       "num_decoder_layers": 3}
+  # The encoder alone: its third layer's 4 a layer, from the 1-layer base.
+  encoder = step_cost.per_layer_extrapolation(
+      cost_of, {"num_encoder_layers": 24, "num_decoder_layers": 1})
+  assert encoder["bytes_accessed"] == 100 + 4 + 30 - 1 + 23 * 4

@@ -36,7 +36,7 @@ FIELDS = {"n", "q", "steps", "dp_steps", "start_step", "sigma", "epsilon",
           "peak_bytes_per_device", "state_bytes_per_device",
           "device_memory_bytes", "device_memory_source", "fits",
           "flops_per_step", "bytes_accessed_per_step",
-          "cost_scaled_from_microbatch", "backend",
+          "cost_scaled_from_microbatch", "cost_per_layer_from", "backend",
           "device_kind", "devices", "scan_layers"}
 
 
@@ -192,6 +192,8 @@ def test_a_scanned_models_cost_is_its_loop_unrolled(dry_runs, scanned, capsys,
   assert scanned["bytes_accessed_per_step"] == pytest.approx(
       straight["bytes_accessed_per_step"], rel=0.05)
   assert scanned["cost_scaled_from_microbatch"] is None
+  assert scanned["cost_per_layer_from"] == {"num_encoder_layers": 2,
+                                            "num_decoder_layers": 2}
   assert scanned["fits"] and not os.listdir(tmp_path)
 
 

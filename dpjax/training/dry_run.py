@@ -157,6 +157,9 @@ def _dry_run(config: RunConfig, steps: int,
       # microbatch and scaled (`_per_layer_cost`).
       "cost_scaled_from_microbatch": (per_microbatch or {}).get(
           "scaled_from_microbatch"),
+      # Which layer's addition each stack's cost was extrapolated from
+      # (`step_cost.per_layer_extrapolation`).
+      "cost_per_layer_from": (per_microbatch or {}).get("per_layer_from"),
       "backend": device.platform, "device_kind": device.device_kind,
       "devices": mesh.devices.size,
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -220,8 +223,8 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
     return cost
   reporting.say(f"dry run: FLOPs, bytes and time costed at microbatch "
                 f"{costed} and scaled by {m / costed:g}")
-  return {**{f: None if cost[f] is None else cost[f] * m / costed
-             for f in ("flops", "bytes_accessed", "seconds")},
+  return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
+                     for f in ("flops", "bytes_accessed", "seconds")},
           "scaled_from_microbatch": costed}
 
 

@@ -280,24 +280,37 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
   analysis counts once: `cost_of` compiles it with the loop unrolled
   (`scan_unrolled`, loop-free, so the TPU compiler estimates its time too).
   Exact for FLOPs; for bytes and time, as far as a layer's cost does not
-  depend on its neighbours. Where a second layer adds less than nothing
-  (the compiler laid the two programs out too differently to compare:
-  T5-XL's on v4-32 once), that field is None rather than extrapolated below
-  zero.
+  depend on its neighbours. Where a stack's second layer adds less than
+  nothing to a field (the compiler laid the one-layer program out unlike
+  the others: T5-XL's on v4-32, whose two-layer program moved fewer bytes
+  in less time), its third layer's addition is taken for that stack
+  (`cost_of` at three); a field still below zero there is None rather than
+  extrapolated below zero. `per_layer_from` says which layer's addition
+  each stack took.
   """
   fields = ("flops", "bytes_accessed", "seconds")
   one = {name: 1 for name in layers}
   base = cost_of(one)
   total = {f: base[f] for f in fields}
+  taken = {}
   for name, count in layers.items():
     if count == 1:
       continue
-    more = cost_of({**one, name: 2})
+    second = cost_of({**one, name: 2})
+    added, taken[name] = _added(base, second), 2
+    if count > 2 and any(a is not None and a < 0 for a in added.values()):
+      added, taken[name] = _added(second, cost_of({**one, name: 3})), 3
     for f in fields:
-      added = None if more[f] is None or base[f] is None else more[f] - base[f]
-      total[f] = (None if total[f] is None or added is None or added < 0
-                  else total[f] + (count - 1) * added)
-  return {**total, "extrapolated_to": dict(layers)}
+      total[f] = (None if total[f] is None or added[f] is None
+                  or added[f] < 0 else total[f] + (count - 1) * added[f])
+  return {**total, "extrapolated_to": dict(layers), "per_layer_from": taken}
+
+
+def _added(before: Mapping, after: Mapping) -> dict:
+  """`after - before` for each cost field (None where either is None)."""
+  return {f: None if after[f] is None or before[f] is None
+          else after[f] - before[f]
+          for f in ("flops", "bytes_accessed", "seconds")}
 
 
 def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
