@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
+from jax._src.interpreters import batching  # BatchTracer; jax is pinned
 import jax.numpy as jnp
 
 from dpjax.models import lora
@@ -46,12 +47,21 @@ def along_batch(x: jax.Array) -> jax.Array:
   partitioner, left to itself, may follow them, splitting the activations
   along their hidden axis and computing the whole batch on every device,
   with an all-reduce after each matmul. T5-Large's layer over 32 v4 chips
-  did so, moving 14 GB a device for 32 examples (docs/benchmarks.md). Under
-  vmap (per-example gradients) the vmapped axis is left to the partitioner
-  and the example's own axes are kept whole."""
+  did so, moving 14 GB a device for 32 examples (docs/benchmarks.md).
+
+  Under vmap (per-example gradients: clipping's, ghost's) `x` is one
+  example, its leading axis a position: it is kept whole along all its
+  axes, and the vmapped one is left to the partitioner, which follows the
+  batch's split. (Split like a batch, the positions would take the
+  data-parallel devices from the examples: a reshard at every layer.)"""
   sharding_for = _BATCH_LAYOUT.get()
   if sharding_for is None:
     return x
+  if isinstance(x, batching.BatchTracer):
+    whole = sharding_for(x.shape)
+    return jax.lax.with_sharding_constraint(
+        x, jax.sharding.NamedSharding(whole.mesh,
+                                      jax.sharding.PartitionSpec()))
   return jax.lax.with_sharding_constraint(x, sharding_for(x.shape))
 
 

@@ -22,7 +22,8 @@ and over a parameter's sites k (a tied embedding has several):
     ||sum_k A_k^T B_k||^2 = sum_{k,l} sum_{t,s} (A_k[t].A_l[s]) (B_k[t].B_l[s])
 
 the ghost-norm identity: `[T, T]` Gram matrices instead of `[rows, cols]`;
-for one-hot rows `A.A` is an id comparison and `onehot . A` a gather. Where
+for one-hot rows `A.A` is an id comparison and `onehot . A` picks columns
+(as a product with the one-hot rows: a TPU gathers them by copying). Where
 that costs more, a site's `A^T B` is formed per example instead (the direct
 path). Parameters used anywhere else (norm scales, biases, relative position
 tables) are small and get per-example gradients by `vmap(grad)`, the large
@@ -92,7 +93,8 @@ the direct path where `rows cols <= 2 T^2`, which then costs no more memory
 go direct; embeddings and wide layers stay ghost). The book-keeping keeps
 every site's input and output gradient for the whole batch: the activations
 backprop keeps anyway plus, for the tied projection, the `[T, vocab]` logits
-gradient. The second pass keeps what the model's own backward pass keeps
+gradient, rounded to the compute dtype (`Site.dtype`; the logits themselves
+are float32) and shared with the model's backward pass. The second pass keeps what the model's own backward pass keeps
 (with remat, a layer's input), and costs one forward and backward pass more.
 Norms and book-kept sums run in float32 at HIGHEST matmul precision,
 whatever the compute dtype: the clip bound rests on them.
