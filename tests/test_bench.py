@@ -476,3 +476,15 @@ def test_per_layer_extrapolation_adds_each_layer_and_refuses_a_negative_one():
   encoder = step_cost.per_layer_extrapolation(
       cost_of, {"num_encoder_layers": 24, "num_decoder_layers": 1})
   assert encoder["bytes_accessed"] == 100 + 4 + 30 - 1 + 23 * 4
+
+
+def test_combine_counts_k_microbatches_and_keeps_unknowns_unknown():
+  """A logical step is k accumulate calls and one apply; a field either
+  part lacks (an extrapolation refused, a GPU's time) is None, not an
+  error (T5-XL's v4-32 dry run failed there once)."""
+  accumulate = {"flops": 10.0, "bytes_accessed": None, "seconds": 0.5}
+  apply = {"flops": 1.0, "bytes_accessed": 7.0, "seconds": 0.25}
+  total = step_cost.combine(accumulate, apply, 7)
+  assert (total["flops"], total["bytes_accessed"], total["seconds"]) == (
+      71.0, None, 3.75)
+  assert total["parts"] == {"accumulate": accumulate, "apply": apply}

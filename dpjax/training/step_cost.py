@@ -181,12 +181,13 @@ def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
 
 
 def combine(accumulate: Mapping, apply: Mapping, k: int) -> dict:
-  """k x `accumulate`'s figures (one microbatch's) + `apply`'s."""
+  """k x `accumulate`'s figures (one microbatch's) + `apply`'s; None where
+  either has none (e.g. an extrapolation that could not be made)."""
   parts = {"accumulate": dict(accumulate), "apply": dict(apply)}
-  total = {f: k * parts["accumulate"][f] + parts["apply"][f]
-           for f in ("flops", "bytes_accessed")}
-  times = [parts[p]["seconds"] for p in parts]
-  total["seconds"] = (None if None in times else k * times[0] + times[1])
+  total = {}
+  for f in ("flops", "bytes_accessed", "seconds"):
+    one, other = parts["accumulate"][f], parts["apply"][f]
+    total[f] = None if one is None or other is None else k * one + other
   return {**total, "parts": parts}
 
 
