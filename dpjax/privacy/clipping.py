@@ -39,6 +39,8 @@ guarantee.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -322,7 +324,7 @@ def _make_clipped_sum(
   """Builds the (grad_sum, ClipStats) function for a leaf -> group mapping."""
   group_names = list(clip_norms)
   bounds = np.asarray([clip_norms[g] for g in group_names], np.float32)
-  per_example = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0))
+  per_example = vmap_examples(jax.value_and_grad(loss_fn), in_axes=(None, 0))
 
   def clip_chunk(params, batch, mask):
     """Clipped grad sum and per-example stats for one [m, ...] chunk."""
@@ -345,6 +347,50 @@ def _make_clipped_sum(
 
 
 # Building blocks shared with `dpjax.privacy.ghost`.
+
+
+# (mesh axis names, their total size) a batch's examples are split over,
+# while a step is traced for a mesh (`examples_split_over`).
+_EXAMPLE_AXES: contextvars.ContextVar[tuple[tuple[str, ...], int] | None] = (
+    contextvars.ContextVar("dpjax_example_axes", default=None))
+
+
+@contextlib.contextmanager
+def examples_split_over(axes: tuple[str, ...], size: int):
+  """While a step is traced inside, `vmap_examples` declares its vmapped
+  axis split over the mesh `axes` (`size` devices in all), as the batch is
+  (`partitioning.batch_laid_out` enters it)."""
+  token = _EXAMPLE_AXES.set((tuple(axes), size))
+  try:
+    yield
+  finally:
+    _EXAMPLE_AXES.reset(token)
+
+
+def vmap_examples(fn: Callable, in_axes) -> Callable:
+  """`jax.vmap(fn, in_axes)` over a batch's examples (the per-example pass).
+
+  Inside `examples_split_over`, and where the batch divides over its
+  devices, the vmapped axis is declared split over the batch's mesh axes
+  (`spmd_axis_name`): the model's activations inside, which it keeps whole
+  per example (`common.along_batch`), are then split along the examples
+  as the batch is. Left open, XLA's partitioner may follow FSDP's weights
+  instead (the tiny T5's ghost step over 32 v4 chips moved 30% more bytes).
+  Computes the same values either way."""
+  def mapped(*args):
+    split = _EXAMPLE_AXES.get()
+    if split is not None and split[0]:
+      axes, size = split
+      sizes = {jnp.shape(x)[a] for x, a in zip(args, _tuple(in_axes, args))
+               if a is not None for x in jax.tree.leaves(x)}
+      if all(n % size == 0 for n in sizes):
+        return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=axes)(*args)
+    return jax.vmap(fn, in_axes=in_axes)(*args)
+  return mapped
+
+
+def _tuple(in_axes, args) -> tuple:
+  return in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
 
 
 def check_bound(name: str, value: float) -> None:

@@ -325,7 +325,7 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     small = [None if i in large else p for i, p in enumerate(leaves)]
     per_example = _per_example(example_loss, sites, leaves, treedef,
                                tapped=_tapped(sites) if second_pass else ())
-    losses, small_grads, large_sq, factors = jax.vmap(
+    losses, small_grads, large_sq, factors = clipping.vmap_examples(
         per_example, in_axes=(None, 0))(small, batch)
     sq_norms = large_sq + sum(clipping.sum_squares(g)
                               for g in small_grads if g is not None)
@@ -555,7 +555,7 @@ def _weighted_grad(example_loss, leaves, treedef, large, batch, weights,
 
   def weighted_loss(large_leaves):
     full = dict(enumerate(leaves)) | dict(zip(large, large_leaves))
-    losses = jax.vmap(example_loss, in_axes=(None, 0))(
+    losses = clipping.vmap_examples(example_loss, in_axes=(None, 0))(
         jax.tree.unflatten(treedef, [full[i] for i in range(len(leaves))]),
         batch)
     return jnp.sum(weights * losses.astype(jnp.float32))

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dpjax.models import common
 from dpjax.training.state import TrainState, init_state
-from dpjax.privacy import optimizers
+from dpjax.privacy import clipping, optimizers
 
 PyTree = Any
 # (logical axis name, mesh axis | tuple of mesh axes | None = replicated).
@@ -200,13 +200,19 @@ def batch_sharding(mesh: Mesh, rank: int, batch_dim: int = 0,
 def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
   """`fn` (a step, to be jitted) whose model activations are split along
   their example axis as the rules split a batch, and kept whole along the
-  others (`common.along_batch`), while it is traced."""
+  others (`common.along_batch`), while it is traced; its per-example
+  passes' vmapped axis too (`clipping.vmap_examples`)."""
   def sharding_for(shape):
     return batch_sharding(mesh, len(shape), rules=rules, shape=shape)
 
+  axes = batch_sharding(mesh, 1, rules=rules).spec[0]
+  axes = () if axes is None else _as_tuple(axes)
+  size = math.prod(mesh.shape[a] for a in axes)
+
   @functools.wraps(fn)
   def laid_out(*args, **kwargs):
-    with common.batch_layout(sharding_for):
+    with common.batch_layout(sharding_for), \
+        clipping.examples_split_over(axes, size):
       return fn(*args, **kwargs)
   return laid_out
 
