@@ -12,6 +12,7 @@ from jax._src.interpreters import batching  # BatchTracer; jax is pinned
 import jax.numpy as jnp
 
 from dpjax.models import lora
+from dpjax.privacy import clipping
 
 PyTree = Any
 # (params, batch, dropout rngs or None) -> [b] per-example losses.
@@ -49,15 +50,17 @@ def along_batch(x: jax.Array) -> jax.Array:
   with an all-reduce after each matmul. T5-Large's layer over 32 v4 chips
   did so, moving 14 GB a device for 32 examples (docs/benchmarks.md).
 
-  Under vmap (per-example gradients: clipping's, ghost's) `x` is one
-  example, its leading axis a position: it is kept whole along all its
-  axes, and the vmapped one is left to the partitioner, which follows the
-  batch's split. (Split like a batch, the positions would take the
-  data-parallel devices from the examples: a reshard at every layer.)"""
+  Under vmap (per-example gradients: `clipping.vmap_examples`, clipping's
+  and ghost's, inside their loops and rematerialised layers too; any other
+  vmap seen directly) `x` is one example, its leading axis a position: it
+  is kept whole along all its axes, and the vmapped one is split as the
+  batch is (`vmap_examples`) or left to the partitioner. (Split like a
+  batch, the positions would take the data-parallel devices from the
+  examples: a reshard at every layer.)"""
   sharding_for = _BATCH_LAYOUT.get()
   if sharding_for is None:
     return x
-  if isinstance(x, batching.BatchTracer):
+  if clipping.one_example_traced() or isinstance(x, batching.BatchTracer):
     whole = sharding_for(x.shape)
     return jax.lax.with_sharding_constraint(
         x, jax.sharding.NamedSharding(whole.mesh,

@@ -353,6 +353,7 @@ def _make_clipped_sum(
 # while a step is traced for a mesh (`examples_split_over`).
 _EXAMPLE_AXES: contextvars.ContextVar[tuple[tuple[str, ...], int] | None] = (
     contextvars.ContextVar("dpjax_example_axes", default=None))
+_ONE_EXAMPLE = contextvars.ContextVar("dpjax_one_example", default=False)
 
 
 @contextlib.contextmanager
@@ -378,15 +379,27 @@ def vmap_examples(fn: Callable, in_axes) -> Callable:
   instead (the tiny T5's ghost step over 32 v4 chips moved 30% more bytes).
   Computes the same values either way."""
   def mapped(*args):
-    split = _EXAMPLE_AXES.get()
+    split, spmd_axis_name = _EXAMPLE_AXES.get(), None
     if split is not None and split[0]:
       axes, size = split
       sizes = {jnp.shape(x)[a] for x, a in zip(args, _tuple(in_axes, args))
                if a is not None for x in jax.tree.leaves(x)}
       if all(n % size == 0 for n in sizes):
-        return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=axes)(*args)
-    return jax.vmap(fn, in_axes=in_axes)(*args)
+        spmd_axis_name = axes
+    token = _ONE_EXAMPLE.set(True)
+    try:
+      return jax.vmap(fn, in_axes=in_axes,
+                      spmd_axis_name=spmd_axis_name)(*args)
+    finally:
+      _ONE_EXAMPLE.reset(token)
   return mapped
+
+
+def one_example_traced() -> bool:
+  """Whether what is being traced is one example of `vmap_examples` (its
+  loops' and rematerialised functions' bodies included, which are traced
+  apart from the vmap)."""
+  return _ONE_EXAMPLE.get()
 
 
 def _tuple(in_axes, args) -> tuple:
