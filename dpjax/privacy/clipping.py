@@ -382,8 +382,9 @@ def vmap_examples(fn: Callable, in_axes) -> Callable:
     split, spmd_axis_name = _EXAMPLE_AXES.get(), None
     if split is not None and split[0]:
       axes, size = split
-      sizes = {jnp.shape(x)[a] for x, a in zip(args, _tuple(in_axes, args))
-               if a is not None for x in jax.tree.leaves(x)}
+      sizes = {jnp.shape(leaf)[axis]
+               for arg, axis in zip(args, _tuple(in_axes, args))
+               if axis is not None for leaf in jax.tree.leaves(arg)}
       if all(n % size == 0 for n in sizes):
         spmd_axis_name = axes
     token = _ONE_EXAMPLE.set(True)
