@@ -371,26 +371,31 @@ def test_an_example_under_vmap_is_kept_whole():
   the batch divides over the devices, and left to the partitioner where it
   does not. Split like a batch, the positions would take the data-parallel
   devices from the examples (a reshard a layer, which ghost's FSDP steps
-  did before)."""
+  did before). Where only the batch is split, nothing is constrained."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from dpjax.models import common
   from dpjax.privacy import clipping
   from dpjax.training import partitioning
 
-  mesh = Mesh(np.array(shared_target("tpu:v5e:2x2").devices), ("data",))
+  devices = np.array(shared_target("tpu:v5e:2x2").devices)
 
-  def constraints(fn, examples=8):
+  def constraints(fn, examples=8, rules="fsdp", axis="fsdp"):
+    mesh = Mesh(devices, (axis,))
     batch = jax.ShapeDtypeStruct((examples, 16, 4), np.float32,
                                  sharding=NamedSharding(mesh, P()))
-    laid_out = partitioning.batch_laid_out(
-        fn, mesh, partitioning.RULE_SETS["data_parallel"])
+    laid_out = partitioning.batch_laid_out(fn, mesh,
+                                           partitioning.RULE_SETS[rules])
     text = jax.jit(laid_out).lower(batch).as_text()
     return [line.split("<@mesh, ")[1].split(">")[0]
             for line in text.splitlines() if "sdy.sharding_constraint" in line]
 
   layer = lambda x: common.along_batch(2 * x)
-  assert constraints(layer) == ['[{"data"}, {}, {}]']
+  assert constraints(layer) == ['[{"fsdp"}, {}, {}]']
   assert constraints(jax.vmap(layer)) == ["[{?}, {}, {}]"]
   per_example = clipping.vmap_examples(layer, in_axes=0)
-  assert constraints(per_example) == ['[{"data"}, {}, {}]']
+  assert constraints(per_example) == ['[{"fsdp"}, {}, {}]']
   assert constraints(per_example, examples=6) == ["[{?}, {}, {}]"]
+  # Data parallel: the parameters are whole, the partitioner follows the
+  # batch, and constraints would only cost fusions.
+  assert constraints(per_example, rules="data_parallel", axis="data") == []
+  assert constraints(layer, rules="data_parallel", axis="data") == []

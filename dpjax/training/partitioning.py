@@ -201,7 +201,16 @@ def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
   """`fn` (a step, to be jitted) whose model activations are split along
   their example axis as the rules split a batch, and kept whole along the
   others (`common.along_batch`), while it is traced; its per-example
-  passes' vmapped axis too (`clipping.vmap_examples`)."""
+  passes' vmapped axis too (`clipping.vmap_examples`).
+
+  Only where the rules split parameters over `mesh` (FSDP, tensor
+  parallelism), which the partitioner might otherwise follow: where only
+  the batch is split there is nothing else to follow, and the constraints
+  cost fusions (GPT-2 small's data-parallel ghost step on a v5e 2x2:
+  35.2 ms with them, 29.5 ms without), so `fn` is returned as it is."""
+  if not splits_parameters(mesh, rules):
+    return fn
+
   def sharding_for(shape):
     return batch_sharding(mesh, len(shape), rules=rules, shape=shape)
 
@@ -215,6 +224,14 @@ def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
         clipping.examples_split_over(axes, size):
       return fn(*args, **kwargs)
   return laid_out
+
+
+def splits_parameters(mesh: Mesh, rules: Rules) -> bool:
+  """Whether `rules` map any logical axis but the batch's to a mesh axis
+  of `mesh` with more than one device."""
+  return any(name != "batch" and axes is not None and any(
+      mesh.shape.get(a, 1) > 1 for a in _as_tuple(axes))
+             for name, axes in rules)
 
 
 def data_parallel_size(mesh: Mesh, rules: Rules | None = None) -> int:
