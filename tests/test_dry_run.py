@@ -204,18 +204,22 @@ def test_refused_cost_programs_are_costed_at_a_smaller_microbatch(
   the plan stands (it fits by the loop's own compile) and they are costed
   at half the microbatch, or a quarter, and scaled. FLOPs are per example,
   so the scaled FLOPs are those costed at the whole microbatch. Refused at
-  every size, the plan has no FLOPs."""
+  every size (here for a fusion's on-chip memory, as T5-XL's were on
+  v4-32), the plan has no FLOPs and says why in one line."""
   real = step_cost.accumulate_cost
   tried = []
+  hbm = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+         "required for HLO temporaries (15.94G) exceeds available HBM "
+         "(15.75G).")
+  vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+          "memory in memory space vmem. Used 16.36M of 16.00M vmem.\n"
+          "  1. Size: 1.0K ...")
 
-  def refused_above(limit):
+  def refused_above(limit, message=hbm):
     def accumulate_cost(*args, m, **kwargs):
       tried.append(m)
       if m > limit:
-        raise jax.errors.JaxRuntimeError(
-            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-            "required for HLO temporaries (15.94G) exceeds available HBM "
-            "(15.75G).")
+        raise jax.errors.JaxRuntimeError(message)
       return real(*args, m=m, **kwargs)
     return accumulate_cost
 
@@ -229,8 +233,18 @@ def test_refused_cost_programs_are_costed_at_a_smaller_microbatch(
                                                    rel=0.01)
   assert record["bytes_accessed_per_step"] > scanned["bytes_accessed_per_step"]
 
-  monkeypatch.setattr(step_cost, "accumulate_cost", refused_above(0))
-  record = _dry_run(capsys, tmp_path / "refused", *SCANNED)
+  monkeypatch.setattr(step_cost, "accumulate_cost", refused_above(0, vmem))
+  try:
+    train.main([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'refused'}'",
+                "--dry_run", *SCANNED])
+  finally:
+    gin.clear_config()
+  out = capsys.readouterr().out
+  record = json.loads(out.strip().splitlines()[-1])
+  assert ("could not compile the loop-unrolled programs that cost a scanned "
+          f"model's layers at microbatch {m}: XLA:TPU compile permanent "
+          "error. Ran out of memory in memory space vmem. Used 16.36M of "
+          "16.00M vmem.") in out
   assert record["scan_layers"] and record["fits"]
   assert record["flops_per_step"] is None
   assert record["cost_scaled_from_microbatch"] is None

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 
@@ -209,12 +210,18 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
       break
     except jax.errors.JaxRuntimeError as e:
       needed = step_cost.refused_bytes(e)
-      if needed is None:
+      if needed is None and "RESOURCE_EXHAUSTED" not in str(e):
         raise
+      # An HBM refusal, or the TPU compiler out of a fusion's scoped
+      # on-chip memory (T5-XL's on v4-32 at 160 a call once): both
+      # programs are costed at a smaller microbatch.
       reporting.say(
           f"dry run: the loop-unrolled programs that cost a scanned model's "
           f"layers need {needed / 2**30:.2f} GiB of temporaries at "
-          f"microbatch {costed}, over the target's memory")
+          f"microbatch {costed}, over the target's memory" if needed else
+          f"dry run: the target's compiler could not compile the "
+          f"loop-unrolled programs that cost a scanned model's layers at "
+          f"microbatch {costed}: {_first_line(e)}")
       costed //= 2
       if costed < data_parallel or costed % data_parallel:
         reporting.say("dry run: no FLOPs or time estimate")
@@ -226,6 +233,13 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
   return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
                      for f in ("flops", "bytes_accessed", "seconds")},
           "scaled_from_microbatch": costed}
+
+
+def _first_line(error: Exception) -> str:
+  """The compiler's own message, without its allocation listing."""
+  text = str(error)
+  found = re.search(r"RESOURCE_EXHAUSTED: ([^\n]*)", text)
+  return (found.group(1) if found else text.split("\n", 1)[0])[:200]
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,
