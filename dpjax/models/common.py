@@ -60,12 +60,10 @@ def along_batch(x: jax.Array) -> jax.Array:
   sharding_for = _BATCH_LAYOUT.get()
   if sharding_for is None:
     return x
+  sharding = sharding_for(x.shape)
   if clipping.one_example_traced() or isinstance(x, batching.BatchTracer):
-    whole = sharding_for(x.shape)
-    return jax.lax.with_sharding_constraint(
-        x, jax.sharding.NamedSharding(whole.mesh,
-                                      jax.sharding.PartitionSpec()))
-  return jax.lax.with_sharding_constraint(x, sharding_for(x.shape))
+    sharding = sharding.update(spec=jax.sharding.PartitionSpec())
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 class ModelConfig:

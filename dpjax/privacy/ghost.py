@@ -94,8 +94,9 @@ go direct; embeddings and wide layers stay ghost). The book-keeping keeps
 every site's input and output gradient for the whole batch: the activations
 backprop keeps anyway plus, for the tied projection, the `[T, vocab]` logits
 gradient, rounded to the compute dtype (`Site.dtype`; the logits themselves
-are float32) and shared with the model's backward pass. The second pass keeps what the model's own backward pass keeps
-(with remat, a layer's input), and costs one forward and backward pass more.
+are float32) and shared with the model's backward pass. The second pass
+keeps what the model's own backward pass keeps (with remat, a layer's
+input), and costs one forward and backward pass more.
 Norms and book-kept sums run in float32 at HIGHEST matmul precision,
 whatever the compute dtype: the clip bound rests on them.
 """

@@ -216,12 +216,11 @@ def batch_laid_out(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
 
   axes = batch_sharding(mesh, 1, rules=rules).spec[0]
   axes = () if axes is None else _as_tuple(axes)
-  size = math.prod(mesh.shape[a] for a in axes)
 
   @functools.wraps(fn)
   def laid_out(*args, **kwargs):
-    with common.batch_layout(sharding_for), \
-        clipping.examples_split_over(axes, size):
+    with common.batch_layout(sharding_for), clipping.examples_split_over(
+        axes, data_parallel_size(mesh, rules)):
       return fn(*args, **kwargs)
   return laid_out
 
