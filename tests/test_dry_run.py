@@ -154,6 +154,40 @@ def test_low_memory_takes_a_smaller_microbatch_that_fits(dry_runs):
   assert low["peak_bytes_per_device"] < ample["peak_bytes_per_device"]
 
 
+def test_sizing_skips_candidates_the_compiler_refuses_without_a_figure(
+    dry_runs, capsys, tmp_path, monkeypatch):
+  """A candidate the target's compiler refuses for a fusion's on-chip
+  memory (a TPU's vmem; no figure named) does not fit: with memory for the
+  whole batch, a refusal above half of it plans the largest candidate
+  below, and the console says what the compiler said."""
+  real = step_cost.step_cost
+  whole = dry_runs[1]["ample"]["microbatch_size"]
+
+  def step_cost_refused_above_half(placed, rows, *, m, **kwargs):
+    if m > whole // 2:
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+          "memory in memory space vmem. Used 16.36M of 16.00M vmem.\n"
+          "  1. Size: 1.0K ...")
+    return real(placed, rows, m=m, **kwargs)
+
+  monkeypatch.setattr(step_cost, "step_cost", step_cost_refused_above_half)
+  try:
+    train.main([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'", "--dry_run",
+                "--gin.MICROBATCH_SIZE='auto'",
+                "--gin.train.device_memory=64GiB"])
+  finally:
+    gin.clear_config()
+  out = capsys.readouterr().out
+  record = json.loads(out.strip().splitlines()[-1])
+  assert (f"auto sizing: microbatch {whole}, remat 'none': refused by the "
+          "compiler: XLA:TPU compile permanent error. Ran out of memory in "
+          "memory space vmem. Used 16.36M of 16.00M vmem.") in out
+  assert record["fits"] and record["microbatch_size"] == whole // 2
+  assert record["accumulation_calls"] == 2
+  assert not (tmp_path / "run").exists()
+
+
 SCANNED = ("--gin.MICROBATCH_SIZE='auto'", "--gin.train.device_memory=64GiB",
            "--gin.T5Config.scan_layers=True")
 

@@ -185,21 +185,57 @@ def test_the_record_is_reused_only_for_the_same_fingerprint(tmp_path):
 
 
 def test_a_compilers_refusal_is_a_peak_of_the_state_and_its_temporaries():
-  """A TPU compiler refuses a program over its memory, naming the
-  temporaries it needs: the search takes the resident state plus those as
-  the peak (a lower bound); any other error is not a size."""
-  def refused():
-    raise jax.errors.JaxRuntimeError(
-        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-        "required for HLO temporaries (17.27G) exceeds available HBM (15.75G).")
+  """A TPU compiler refuses a program over its memory: over its HBM it names
+  the temporaries it needs, and the search takes the resident state plus
+  those as the peak (a lower bound); over a fusion's on-chip memory it names
+  no figure, and the candidate has no peak. Any other error is not a size."""
+  hbm = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+         "required for HLO temporaries (17.27G) exceeds available HBM (15.75G).")
+  vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+          "memory in memory space vmem. Used 16.36M of 16.00M vmem.\n"
+          "  1. Size: 1.0K ...")
+
+  def raising(message):
+    def compiled_peak():
+      raise jax.errors.JaxRuntimeError(message)
+    return compiled_peak
 
   floor = 3 * 2**30
-  assert sizing.peak_or_refusal(lambda: 5, floor) == (5, False)
-  assert sizing.peak_or_refusal(refused, floor) == (
-      floor + int(17.27 * 2**30), True)
-
-  def broken():
-    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
-
+  assert sizing.peak_or_refusal(lambda: 5, floor) == (5, None)
+  peak, refused = sizing.peak_or_refusal(raising(hbm), floor)
+  assert peak == floor + int(17.27 * 2**30)
+  assert refused.temporaries == int(17.27 * 2**30)
+  peak, refused = sizing.peak_or_refusal(raising(vmem), floor)
+  assert peak is None and refused.temporaries is None
+  assert refused.message == ("XLA:TPU compile permanent error. Ran out of "
+                             "memory in memory space vmem. Used 16.36M of "
+                             "16.00M vmem.")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
-    sizing.peak_or_refusal(broken, floor)
+    sizing.peak_or_refusal(raising("INTERNAL: something else"), floor)
+
+
+@pytest.mark.parametrize("limit", [1_000, 3_000, 9_000])
+@pytest.mark.parametrize("refused_above", [16, 40, 150])
+def test_candidates_refused_without_a_figure_do_not_fit(limit, refused_above):
+  """Candidates above a size the compiler refuses without naming memory (a
+  fusion over a TPU core's vmem) are skipped as not fitting: the choice is
+  brute force's over the peaks with those removed."""
+  affine = _affine_peak(state=100, per_example=70, remat_saving=0.3)
+  peak = lambda m, r: None if m > refused_above else affine(m, r)
+  sizes = sizing.microbatch_candidates(300, multiple=2)
+  remats = ("none", "layer")
+  got = sizing.choose(peak, sizes=sizes, max_batch=300, remats=remats,
+                      limit_bytes=limit, memory_source="test")
+  best = _brute_force(lambda m, r: float("inf") if peak(m, r) is None
+                      else peak(m, r), sizes, 300, remats, limit)
+  assert got.fits and best is not None
+  assert (got.microbatch_size, got.remat) == best[2:]
+  assert got.peak_bytes == peak(*best[2:]) <= limit
+  assert any(t["peak_bytes"] is None for t in got.tried)
+
+  nothing = sizing.choose(lambda m, r: None, sizes=sizes, max_batch=300,
+                          remats=remats, limit_bytes=limit,
+                          memory_source="test")
+  assert not nothing.fits and nothing.peak_bytes is None
+  assert nothing.microbatch_size == sizes[-1]
+  assert "refused by the compiler" in nothing.summary()

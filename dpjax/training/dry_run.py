@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import time
 
@@ -113,14 +112,15 @@ def _dry_run(config: RunConfig, steps: int,
                                with_flops=not layers or per_microbatch is not None,
                                accumulate_cost=per_microbatch, **shardings)
   except jax.errors.JaxRuntimeError as e:
-    needed = step_cost.refused_bytes(e)
-    if needed is None:
+    refused = step_cost.refusal(e)
+    if refused is None:
       raise
     raise errors.UsageError(
         f"the run does not fit {compile_target.spec if compile_target else 'this device'}: "
         f"its compiler refused microbatch {m} ({sizing.model_remat(built.model.config)} "
-        f"remat), needing {needed / 2**30:.2f} GiB of temporaries beyond "
-        "the state") from None
+        "remat), " + (f"needing {refused.temporaries / 2**30:.2f} GiB of "
+                      "temporaries beyond the state" if refused.temporaries
+                      else refused.message)) from None
   memory, source = sizing.device_memory(config.device_memory,
                                         compile_target)
   limit = int(memory * config.memory_headroom)
@@ -209,19 +209,20 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
               built.batch_rows, m=costed, **shardings), layers)
       break
     except jax.errors.JaxRuntimeError as e:
-      needed = step_cost.refused_bytes(e)
-      if needed is None and "RESOURCE_EXHAUSTED" not in str(e):
+      refused = step_cost.refusal(e)
+      if refused is None:
         raise
       # An HBM refusal, or the TPU compiler out of a fusion's scoped
       # on-chip memory (T5-XL's on v4-32 at 160 a call once): both
       # programs are costed at a smaller microbatch.
       reporting.say(
           f"dry run: the loop-unrolled programs that cost a scanned model's "
-          f"layers need {needed / 2**30:.2f} GiB of temporaries at "
-          f"microbatch {costed}, over the target's memory" if needed else
+          f"layers need {refused.temporaries / 2**30:.2f} GiB of temporaries "
+          f"at microbatch {costed}, over the target's memory"
+          if refused.temporaries else
           f"dry run: the target's compiler could not compile the "
           f"loop-unrolled programs that cost a scanned model's layers at "
-          f"microbatch {costed}: {_first_line(e)}")
+          f"microbatch {costed}: {refused.message}")
       costed //= 2
       if costed < data_parallel or costed % data_parallel:
         reporting.say("dry run: no FLOPs or time estimate")
@@ -233,13 +234,6 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
   return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
                      for f in ("flops", "bytes_accessed", "seconds")},
           "scaled_from_microbatch": costed}
-
-
-def _first_line(error: Exception) -> str:
-  """The compiler's own message, without its allocation listing."""
-  text = str(error)
-  found = re.search(r"RESOURCE_EXHAUSTED: ([^\n]*)", text)
-  return (found.group(1) if found else text.split("\n", 1)[0])[:200]
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,

@@ -102,7 +102,8 @@ class Choice:
   microbatch_size: int
   remat: str | None  # None: the model's remat was not 'auto'
   accumulation_steps: int  # microbatches per logical step
-  peak_bytes: int | None  # per device, compiled (None: not measured)
+  peak_bytes: int | None  # per device (None: not measured, or refused
+                          # by a compiler that named no figure)
   limit_bytes: int | None
   memory_source: str | None
   fits: bool = True
@@ -115,16 +116,18 @@ class Choice:
   def summary(self) -> str:
     """The choice in one console line."""
     remat = "" if self.remat is None else f", remat {self.remat!r}"
-    if self.peak_bytes is None:
+    if self.peak_bytes is None and not self.tried:
       return f"microbatch {self.microbatch_size}{remat}"
+    peak = ("refused by the compiler" if self.peak_bytes is None
+            else f"peak {self.peak_bytes / 2**30:.2f} GiB")
     return (f"microbatch {self.microbatch_size} x {self.accumulation_steps} "
-            f"calls{remat}: peak {self.peak_bytes / 2**30:.2f} GiB of "
+            f"calls{remat}: {peak} of "
             f"{self.limit_bytes / 2**30:.2f} GiB usable ({self.memory_source})"
             f"{'' if self.fits else ' -- DOES NOT FIT'}; "
             f"{len(self.tried)} candidates compiled")
 
 
-def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
+def choose(peak_bytes: Callable[[int, str], int | None], *, sizes: Sequence[int],
            max_batch: int, remats: Sequence[str], limit_bytes: int,
            memory_source: str, floor_bytes: int = 0) -> Choice:
   """The fastest (fewest calls, then cheapest remat) candidate whose
@@ -139,16 +142,19 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
   largest that did, else `floor_bytes` at m = 0) predicts to fit, or the
   one just above a size that fit, to confirm it. Once a prediction is
   wrong the rest is bisection: two or three compiles where the peak is
-  affine, never more than about twice log2(len(sizes))."""
+  affine, never more than about twice log2(len(sizes)). A peak of None (a
+  candidate the compiler refused without a figure) does not fit and
+  draws no line."""
   tried: list[dict] = []
   measured: dict[tuple[int, str], int] = {}
 
   def fits(i: int, remat: str) -> bool:
-    peak = int(peak_bytes(sizes[i], remat))
+    peak = peak_bytes(sizes[i], remat)
+    peak = None if peak is None else int(peak)
     tried.append({"microbatch_size": sizes[i], "remat": remat,
                   "peak_bytes": peak})
     measured[i, remat] = peak
-    return peak <= limit_bytes
+    return peak is not None and peak <= limit_bytes
 
   def predicted(lo: int, hi: int, remat: str) -> tuple[int, bool] | None:
     """(the index in sizes[lo:hi] the line picks, whether the line says it
@@ -156,7 +162,7 @@ def choose(peak_bytes: Callable[[int, str], int], *, sizes: Sequence[int],
     m_up, p_up = sizes[lo - 1], measured[lo - 1, remat]
     m_low, p_low = ((sizes[hi], measured[hi, remat])
                     if (hi, remat) in measured else (0, floor_bytes))
-    if p_up <= p_low or m_up <= m_low:
+    if p_up is None or p_up <= p_low or m_up <= m_low:
       return None
     m_fit = m_low + (limit_bytes - p_low) * (m_up - m_low) / (p_up - p_low)
     i = next((i for i in range(lo, hi) if sizes[i] <= m_fit), hi - 1)
@@ -216,19 +222,21 @@ def with_remat(model_config, remat: str):
 
 
 def peak_or_refusal(compiled_peak: Callable[[], int], floor: int
-                    ) -> tuple[int, bool]:
-  """(`compiled_peak()`, False), or where the compiler refused the program
-  for want of device memory (a TPU's does, naming the temporaries it needs,
-  `step_cost.refused_bytes`) (`floor` + those temporaries, True): with the
-  resident state `floor`, a lower bound of the peak, which the search can
-  interpolate through."""
+                    ) -> tuple[int | None, step_cost.Refusal | None]:
+  """(`compiled_peak()`, None), or where the target's compiler refused the
+  program for want of memory (`step_cost.refusal`), (the peak's lower
+  bound, the refusal): `floor` (the resident state) + the temporaries the
+  compiler named, which the search can interpolate through, or None where
+  it named none (a fusion over a TPU core's on-chip memory): such a
+  candidate does not fit, by no figure."""
   try:
-    return int(compiled_peak()), False
+    return int(compiled_peak()), None
   except jax.errors.JaxRuntimeError as e:
-    needed = step_cost.refused_bytes(e)
-    if needed is None:
+    refused = step_cost.refusal(e)
+    if refused is None:
       raise
-    return floor + needed, True
+    return (None if refused.temporaries is None
+            else floor + refused.temporaries), refused
 
 
 def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
@@ -284,10 +292,11 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
             place(remat_choice), rows, m=m, k=-(-max_batch // m),
             batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes,
         floor)
-    what = "refused by the compiler, peak at least" if refused else "peak"
+    what = (f"refused by the compiler: {refused.message}" if bytes_ is None
+            else f"{'refused by the compiler, peak at least' if refused else 'peak'} "
+                 f"{bytes_ / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB")
     reporting.say(
         f"auto sizing: microbatch {m}, remat {remat_choice!r}: {what} "
-        f"{bytes_ / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB "
         f"(compiled in {time.perf_counter() - start:.0f} s)")
     return bytes_
 
@@ -304,10 +313,12 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
   if not choice.fits and not dry_run:
     raise errors.UsageError(
         f"no microbatch fits: even {choice.microbatch_size} example(s) per "
-        f"call with remat {choice.remat!r} needs at least "
-        f"{choice.peak_bytes / 2**30:.2f} GiB per device, over the "
-        f"{limit / 2**30:.2f} GiB usable ({source} x train.memory_headroom "
-        f"{config.memory_headroom}). Shard the params "
+        f"call with remat {choice.remat!r} "
+        + ("is refused by the target's compiler for its memory"
+           if choice.peak_bytes is None else
+           f"needs at least {choice.peak_bytes / 2**30:.2f} GiB per device")
+        + f", over the {limit / 2**30:.2f} GiB usable ({source} x "
+        f"train.memory_headroom {config.memory_headroom}). Shard the params "
         "(gin/performance/fsdp.gin: logical_axis_rules.name = 'fsdp' on an 'fsdp' "
         "mesh), use more devices, or set train.device_memory")
   return choice, key

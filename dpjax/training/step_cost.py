@@ -138,16 +138,32 @@ def generic_cost_analysis(compiled) -> dict:
       jax.devices("cpu")[0].client, module)
 
 
-def refused_bytes(error: Exception) -> int | None:
-  """The temporaries a TPU compiler said a program needs when it refused to
-  compile it for want of device memory ("RESOURCE_EXHAUSTED: ... HLO
-  temporaries (17.27G) exceeds available HBM (15.75G)"), in bytes; None
-  for any other error."""
-  found = re.search(r"RESOURCE_EXHAUSTED.*?temporaries \((\d+(?:\.\d+)?)([KMGT])\)",
-                    str(error), re.S)
-  if not isinstance(error, jax.errors.JaxRuntimeError) or not found:
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+  """A target compiler's refusal to compile a program for want of memory.
+
+  A TPU compiler refuses a program whose temporaries exceed its HBM
+  ("RESOURCE_EXHAUSTED: ... HLO temporaries (17.27G) exceeds available HBM
+  (15.75G)"), or one whose fusion needs more of a core's scoped on-chip
+  memory than it has ("... Ran out of memory in memory space vmem. Used
+  16.36M of 16.00M vmem."). Either way the program does not run on that
+  target as compiled; only the first names a figure."""
+  message: str  # the compiler's own line, without its allocation listing
+  temporaries: int | None  # the HBM temporaries it named, in bytes
+
+
+def refusal(error: Exception) -> Refusal | None:
+  """`error` read as a compiler's refusal for memory; None for any other."""
+  text = str(error)
+  if (not isinstance(error, jax.errors.JaxRuntimeError)
+      or "RESOURCE_EXHAUSTED" not in text):
     return None
-  return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+  line = re.search(r"RESOURCE_EXHAUSTED: ([^\n]*)", text)
+  named = re.search(r"temporaries \((\d+(?:\.\d+)?)([KMGT])\)", text)
+  return Refusal(
+      message=(line.group(1) if line else text.split("\n", 1)[0])[:200],
+      temporaries=None if not named else int(
+          float(named.group(1)) * 1024 ** ("KMGT".index(named.group(2)) + 1)))
 
 
 def device_bytes(tree: PyTree) -> int:
