@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.training import checkpoints, partitioning, sizing, step_cost
+from dpjax.training import checkpoints, dry_run, partitioning, sizing, step_cost
 from dpjax import configurables
 from dpjax import gin_cli, train
 from dpjax.models import trainable
@@ -152,6 +152,21 @@ def test_low_memory_takes_a_smaller_microbatch_that_fits(dry_runs):
   assert low["accumulation_calls"] > 1 and low["fits"]
   assert low["peak_bytes_per_device"] <= low["device_memory_bytes"]
   assert low["peak_bytes_per_device"] < ample["peak_bytes_per_device"]
+
+
+@pytest.mark.parametrize("m, devices", [(160, 32), (1088, 64), (96, 32),
+                                        (8, 1), (32, 32)])
+def test_refused_cost_programs_halve_to_multiples_of_the_devices(m, devices):
+  """After m, each microbatch the cost programs are tried at is the largest
+  multiple of the data-parallel devices at most half the one before (160
+  on v4-32's 32 devices: 64, then 32; 80 would not split), down to one per
+  device."""
+  sizes = dry_run.cost_microbatches(m, devices)
+  assert sizes[0] == m and sizes[-1] >= devices
+  for before, after in zip(sizes, sizes[1:]):
+    assert after % devices == 0
+    assert after <= before / 2 < after + devices
+  assert sizes[-1] // 2 < devices
 
 
 def test_sizing_skips_candidates_the_compiler_refuses_without_a_figure(

@@ -193,15 +193,15 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
   Those straight-line programs are compiled for their cost only, and keep
   more alive than the loop the run compiles. Where a target's compiler
   refuses them for its memory at m, they are costed at the largest of
-  m / 2, m / 4, ... it compiles (a multiple of the data-parallel devices)
+  m / 2, m / 4, ... it compiles (each rounded down to a multiple of the
+  data-parallel devices: 160 on 32 devices is followed by 64, then 32)
   and scaled by m over it (`scaled_from_microbatch`; said on the console):
   the FLOPs are per example, so they scale exactly but for the sums'
   accumulation; bytes and time scale the weights' reads too, so they are
   an upper side. None, said, where no such microbatch compiles."""
   model_config = built.config.model_config
   data_parallel = partitioning.data_parallel_size(built.mesh, built.rules)
-  costed = m
-  while True:
+  for costed in cost_microbatches(m, data_parallel):
     try:
       cost = step_cost.per_layer_extrapolation(
           lambda counts: step_cost.accumulate_cost(
@@ -223,10 +223,9 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
           f"dry run: the target's compiler could not compile the "
           f"loop-unrolled programs that cost a scanned model's layers at "
           f"microbatch {costed}: {refused.message}")
-      costed //= 2
-      if costed < data_parallel or costed % data_parallel:
-        reporting.say("dry run: no FLOPs or time estimate")
-        return None
+  else:
+    reporting.say("dry run: no FLOPs or time estimate")
+    return None
   if costed == m:
     return cost
   reporting.say(f"dry run: FLOPs, bytes and time costed at microbatch "
@@ -234,6 +233,16 @@ def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
   return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
                      for f in ("flops", "bytes_accessed", "seconds")},
           "scaled_from_microbatch": costed}
+
+
+def cost_microbatches(m: int, multiple: int) -> list[int]:
+  """m, then m / 2, m / 4, ..., each rounded down to a multiple of
+  `multiple` (the data-parallel devices), while positive: the microbatches
+  at which `_per_layer_cost` tries the cost programs."""
+  sizes = [m]
+  while sizes[-1] // 2 // multiple:
+    sizes.append(sizes[-1] // 2 // multiple * multiple)
+  return sizes
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,
