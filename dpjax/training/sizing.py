@@ -146,7 +146,7 @@ def choose(peak_bytes: Callable[[int, str], int | None], *, sizes: Sequence[int]
   candidate the compiler refused without a figure) does not fit and
   draws no line."""
   tried: list[dict] = []
-  measured: dict[tuple[int, str], int] = {}
+  measured: dict[tuple[int, str], int | None] = {}
 
   def fits(i: int, remat: str) -> bool:
     peak = peak_bytes(sizes[i], remat)
