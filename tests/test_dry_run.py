@@ -40,14 +40,26 @@ FIELDS = {"n", "q", "steps", "dp_steps", "start_step", "sigma", "epsilon",
           "device_kind", "devices", "scan_layers"}
 
 
-def _dry_run(capsys, model_dir, *flags) -> dict:
+# A TPU compiler's refusal for a fusion's on-chip memory, which names no
+# figure (T5-XL's on v4-32 at 160 a call).
+VMEM_REFUSAL = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out "
+                "of memory in memory space vmem. Used 16.36M of 16.00M vmem.\n"
+                "  1. Size: 1.0K ...")
+
+
+def _dry_run_and_console(capsys, model_dir, *flags) -> tuple[dict, str]:
+  """A dry run's JSON line and all it printed."""
   try:
     train.main([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--dry_run",
                 *flags])
   finally:
     gin.clear_config()
-  lines = capsys.readouterr().out.strip().splitlines()
-  return json.loads(lines[-1])
+  out = capsys.readouterr().out
+  return json.loads(out.strip().splitlines()[-1]), out
+
+
+def _dry_run(capsys, model_dir, *flags) -> dict:
+  return _dry_run_and_console(capsys, model_dir, *flags)[0]
 
 
 @pytest.fixture(scope="module")
@@ -180,21 +192,13 @@ def test_sizing_skips_candidates_the_compiler_refuses_without_a_figure(
 
   def step_cost_refused_above_half(placed, rows, *, m, **kwargs):
     if m > whole // 2:
-      raise jax.errors.JaxRuntimeError(
-          "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
-          "memory in memory space vmem. Used 16.36M of 16.00M vmem.\n"
-          "  1. Size: 1.0K ...")
+      raise jax.errors.JaxRuntimeError(VMEM_REFUSAL)
     return real(placed, rows, m=m, **kwargs)
 
   monkeypatch.setattr(step_cost, "step_cost", step_cost_refused_above_half)
-  try:
-    train.main([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'", "--dry_run",
-                "--gin.MICROBATCH_SIZE='auto'",
-                "--gin.train.device_memory=64GiB"])
-  finally:
-    gin.clear_config()
-  out = capsys.readouterr().out
-  record = json.loads(out.strip().splitlines()[-1])
+  record, out = _dry_run_and_console(
+      capsys, tmp_path / "run", "--gin.MICROBATCH_SIZE='auto'",
+      "--gin.train.device_memory=64GiB")
   assert (f"auto sizing: microbatch {whole}, remat 'none': refused by the "
           "compiler: XLA:TPU compile permanent error. Ran out of memory in "
           "memory space vmem. Used 16.36M of 16.00M vmem.") in out
@@ -260,9 +264,6 @@ def test_refused_cost_programs_are_costed_at_a_smaller_microbatch(
   hbm = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
          "required for HLO temporaries (15.94G) exceeds available HBM "
          "(15.75G).")
-  vmem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
-          "memory in memory space vmem. Used 16.36M of 16.00M vmem.\n"
-          "  1. Size: 1.0K ...")
 
   def refused_above(limit, message=hbm):
     def accumulate_cost(*args, m, **kwargs):
@@ -282,14 +283,9 @@ def test_refused_cost_programs_are_costed_at_a_smaller_microbatch(
                                                    rel=0.01)
   assert record["bytes_accessed_per_step"] > scanned["bytes_accessed_per_step"]
 
-  monkeypatch.setattr(step_cost, "accumulate_cost", refused_above(0, vmem))
-  try:
-    train.main([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'refused'}'",
-                "--dry_run", *SCANNED])
-  finally:
-    gin.clear_config()
-  out = capsys.readouterr().out
-  record = json.loads(out.strip().splitlines()[-1])
+  monkeypatch.setattr(step_cost, "accumulate_cost",
+                      refused_above(0, VMEM_REFUSAL))
+  record, out = _dry_run_and_console(capsys, tmp_path / "refused", *SCANNED)
   assert ("could not compile the loop-unrolled programs that cost a scanned "
           f"model's layers at microbatch {m}: XLA:TPU compile permanent "
           "error. Ran out of memory in memory space vmem. Used 16.36M of "

@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Unavailable as e:
     result, status = {"error": str(e)}, 1
   except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    if step_cost.refusal(e) is None:
       raise
     result, status = {"error": f"out of device memory: {e}"}, 1
   print(json.dumps({**result, **context}), flush=True)
