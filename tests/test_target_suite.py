@@ -175,6 +175,23 @@ def test_targets_of_rows_not_run_are_not_applicable():
   assert "| n/a |" in ts.table(spec, partial, "python -m dpjax.bench")
 
 
+def test_scan_layers_scans_the_scannable_models_only():
+  args = ts.parse_args(["--suite=targets", "--targets=tpu:v5e:2x2",
+                        "--scan_layers"])
+  spec = ts.select(ts.SUITES["targets"], args)
+  run, calls = fake_run()
+  ts.run_suite(spec, headroom=0.9, run=run,
+               memory_of={"tpu:v5e:2x2": 16 * GiB}.get)
+  scans = {}
+  for argv in calls:
+    model = next(a.split("=")[1] for a in argv if a.startswith("--model="))
+    scans.setdefault(model, set()).add(argv.count("--scan_layers"))
+  assert scans == {"gpt2_small": {0}, "t5_base": {1}, "t5_xl": {1}}
+  unscanned = ts.select(ts.SUITES["targets"], ts.parse_args(
+      ["--suite=targets"]))
+  assert [m.args.count("--scan_layers") for m in unscanned.models] == [0, 0, 1]
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--targets=tpu:v9:2x2", "--target 'tpu:v9:2x2': expected one of"),
     ("--models=gpt2_huge", "--models: ['gpt2_huge'] not in the suite's"),

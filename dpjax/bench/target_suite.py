@@ -21,7 +21,12 @@ mode (nodp, vmap, ghost, jax_privacy) gets
      batch, the update does not; a larger batch only uses a device better,
      so this errs low).
 Every compile is its own process (`suite.run_row`), so the host memory a
-large compile holds is returned before the next.
+large compile holds is returned before the next. `--scan_layers` scans
+T5-Base's layers too: its 24 unrolled layers' ghost program for a v5e
+holds more than 22 GB of host memory in the TPU compiler, the scanned one
+about 5 GB. Ghost then takes the second backward pass (`privacy/ghost.py`:
+a scanned site's factors are not recorded), so that row measures a
+different ghost from the unscanned one's book-keeping.
 
 Targets, each printed met, not met or n/a:
   * ghost's step at most 1.10 x nodp's at equal batch, by the TPU
@@ -56,6 +61,7 @@ class Model(NamedTuple):
   """A model of a target suite: its name and its `dpjax.bench` flags."""
   name: str
   args: tuple[str, ...]  # shape, remat and mesh flags of `dpjax.bench`
+  scannable: bool = False  # has a scanned form (`dpjax.bench --scan_layers`)
 
 
 class Spec(NamedTuple):
@@ -74,9 +80,9 @@ SUITES = {
                  "gpu:h100:1x1"),
         models=(Model("gpt2_small", ("--seq=256",)),
                 Model("t5_base", ("--input_length=384",
-                                  "--target_length=128")),
+                                  "--target_length=128"), scannable=True),
                 Model("t5_xl", ("--seq=512", "--remat=layer", "--scan_layers",
-                                *FSDP))),
+                                *FSDP), scannable=True)),
         batch=32, max_per_device=1024, common=("--dtype=bfloat16",)),
     "targets_smoke": Spec(
         targets=("tpu:v5e:2x2",),
@@ -283,6 +289,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--json_out", help="also write every row's JSON line here")
   p.add_argument("--resume", action="store_true",
                  help="reuse the rows and compiles already in --json_out")
+  p.add_argument("--scan_layers", action="store_true",
+                 help="compile every scannable model's layers as a loop, one "
+                 "layer per stack (T5-Base; T5-XL always is): less host "
+                 "memory for the compiler, ghost by its second pass")
   args = p.parse_args(argv)
   if args.resume and not args.json_out:
     p.error("--resume reads the rows of --json_out")
@@ -290,7 +300,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def select(spec: Spec, args: argparse.Namespace) -> Spec:
-  """The suite narrowed to `--targets` and `--models`."""
+  """The suite narrowed to `--targets` and `--models`, its scannable models
+  scanned with `--scan_layers`."""
   if args.targets:
     spec = spec._replace(targets=tuple(args.targets.split(",")))
   if args.models:
@@ -301,6 +312,11 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
                                f"suite's {[m.name for m in spec.models]}")
     spec = spec._replace(models=tuple(m for m in spec.models
                                       if m.name in names))
+  if args.scan_layers:
+    spec = spec._replace(models=tuple(
+        m._replace(args=(*m.args, "--scan_layers"))
+        if m.scannable and "--scan_layers" not in m.args else m
+        for m in spec.models))
   return spec
 
 
