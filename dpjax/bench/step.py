@@ -130,6 +130,14 @@ def mfu(num_params: int, tokens_per_second: float,
   return 6 * num_params * tokens_per_second / (peak_per_device * num_devices)
 
 
+def scannable(name: str) -> bool:
+  """Whether model `name` has a scanned form: its config has `scan_layers`
+  (T5's has, GPT-2's not)."""
+  config = CONFIGS.get(name.split("_")[0])
+  return config is not None and "scan_layers" in {
+      f.name for f in dataclasses.fields(config)}
+
+
 def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
                  num_layers: int | None = None, remat: str = "none",
                  lora_rank: int = 0, scan_layers: bool = False):
@@ -159,7 +167,7 @@ def model_config(name: str, *, dtype: str, vocab_size: int | None = None,
     overrides["lora"] = lora.LoRAConfig(rank=lora_rank,
                                         alpha=2.0 * lora_rank)
   if scan_layers:
-    if family != "t5":
+    if not scannable(name):
       raise Unavailable(f"--scan_layers: {name} has no scanned form (T5 has)")
     overrides["scan_layers"] = True
   return dataclasses.replace(config, dtype=dtype, dropout_rate=0.0,

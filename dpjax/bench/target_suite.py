@@ -47,7 +47,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from dpjax import errors
 from dpjax.training import run_config, sizing, targets
-from dpjax.bench import suite
+from dpjax.bench import step, suite
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
 STEP_TARGET, THROUGHPUT_TARGET = suite.STEP_TARGET, suite.THROUGHPUT_TARGET
@@ -61,7 +61,6 @@ class Model(NamedTuple):
   """A model of a target suite: its name and its `dpjax.bench` flags."""
   name: str
   args: tuple[str, ...]  # shape, remat and mesh flags of `dpjax.bench`
-  scannable: bool = False  # has a scanned form (`dpjax.bench --scan_layers`)
 
 
 class Spec(NamedTuple):
@@ -80,9 +79,9 @@ SUITES = {
                  "gpu:h100:1x1"),
         models=(Model("gpt2_small", ("--seq=256",)),
                 Model("t5_base", ("--input_length=384",
-                                  "--target_length=128"), scannable=True),
+                                  "--target_length=128")),
                 Model("t5_xl", ("--seq=512", "--remat=layer", "--scan_layers",
-                                *FSDP), scannable=True)),
+                                *FSDP))),
         batch=32, max_per_device=1024, common=("--dtype=bfloat16",)),
     "targets_smoke": Spec(
         targets=("tpu:v5e:2x2",),
@@ -315,7 +314,7 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
   if args.scan_layers:
     spec = spec._replace(models=tuple(
         m._replace(args=(*m.args, "--scan_layers"))
-        if m.scannable and "--scan_layers" not in m.args else m
+        if step.scannable(m.name) and "--scan_layers" not in m.args else m
         for m in spec.models))
   return spec
 
