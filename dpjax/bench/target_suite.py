@@ -24,9 +24,8 @@ Every compile is its own process (`suite.run_row`), so the host memory a
 large compile holds is returned before the next. `--scan_layers` scans
 T5-Base's layers too: its 24 unrolled layers' ghost program for a v5e
 holds more than 22 GB of host memory in the TPU compiler, the scanned one
-about 5 GB. Ghost then takes the second backward pass (`privacy/ghost.py`:
-a scanned site's factors are not recorded), so that row measures a
-different ghost from the unscanned one's book-keeping.
+about 5 GB. Ghost book-keeps through the loop as it does unrolled
+(`privacy/ghost.py`: each site's factors leave the loop stacked per layer).
 
 Targets, each printed met, not met or n/a:
   * ghost's step at most 1.10 x nodp's at equal batch, by the TPU
@@ -291,7 +290,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--scan_layers", action="store_true",
                  help="compile every scannable model's layers as a loop, one "
                  "layer per stack (T5-Base; T5-XL always is): less host "
-                 "memory for the compiler, ghost by its second pass")
+                 "memory for the compiler")
   args = p.parse_args(argv)
   if args.resume and not args.json_out:
     p.error("--resume reads the rows of --json_out")

@@ -134,7 +134,7 @@ def scanned_layers(model_config) -> dict[str, int]:
 
 def loop_unrolled(model_config, layers: Mapping[str, int]):
   """`model_config` with its scanned parts at `layers` counts, their loops
-  unrolled (`scan_unrolled`: the same clipping, e.g. ghost's second pass,
+  unrolled (`scan_unrolled`: the same clipping, e.g. ghost's book-keeping,
   in straight-line code)."""
   return map_parts(model_config, lambda c: (
       dataclasses.replace(c, scan_unrolled=True, **layers)

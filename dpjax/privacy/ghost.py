@@ -44,18 +44,26 @@ is formed one of two ways (`summation`):
 
 Scanned layers (`jax.lax.scan` over a stack of identical layers, e.g.
 `T5Config.scan_layers`) hold each large parameter once, stacked `[layers,
-rows, cols]`, and the loop body sees one layer's slice. A site whose
-parameter is such a slice is tapped, with the tap's per-example zero closed
-over by the loop: a loop's backward pass sums the cotangents of what its
-body closes over, so the tap returns `sum_l ||A_l^T B_l||^2`, which is the
-stacked parameter's squared norm (the layers' gradients are disjoint blocks
-of it); the sum then comes from the second pass.
+rows, cols]`, and the loop body sees one layer's slice, where a site's
+factors cannot be kept: the body's values live for one iteration. So a
+zero stacked like the factors, `[layers, T, rows]` and `[layers, T, cols]`,
+is placed beside the parameter in the params tree (a flax scan loops over
+it as over the parameter, `_with_sinks`), and the site returns its factors
+as that slice's cotangent: the loop's backward pass stacks them per layer,
+and book-keeping proceeds from them. A site inside a rematerialised body,
+or one whose module does not see the stacked zero (a loss that rebuilds
+the params tree; a lookup, whose int ids have no cotangent), is tapped
+instead, with the tap's per-example zero closed over by the loop: a loop's
+backward pass sums the cotangents of what its body closes over, so the tap
+returns `sum_l ||A_l^T B_l||^2`, which is the stacked parameter's squared
+norm (the layers' gradients are disjoint blocks of it); the sum then comes
+from the second pass.
 
 A parameter with several sites (a tied embedding) needs the cross terms of
-the identity, so its factors are recorded, which a rematerialised or
-scanned site cannot be: such a parameter must be used outside
-`jax.checkpoint` and loops (the dpjax models' embeddings are); inside, it
-is refused.
+the identity, so its factors are recorded, which a rematerialised site
+cannot be, and a scanned one only per layer: such a parameter must be used
+outside `jax.checkpoint` and loops (the dpjax models' embeddings are);
+inside, it is refused.
 
 Formal guarantees
 -----------------
@@ -139,6 +147,9 @@ _SUMMATIONS = ("auto", "book_keeping", "second_pass")
 _TRANSPARENT = (primitives.remat_p, primitives.jit_p, primitives.closed_call_p,
                 primitives.call_p)
 _MARK = "dpjax.ghost.site."
+# The params-tree key, beside a scanned site's parameter, of the zero whose
+# cotangent carries its factors out of the loop.
+_SINK = "dpjax_ghost_factors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,16 +165,32 @@ class Site:
   output: jax.ShapeDtypeStruct  # the call's output for one example
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
   remat: bool  # inside a jax.checkpoint: tapped, never recorded
-  scanned: bool = False  # a slice of a leaf a scan loops over: tapped
+  scanned: bool = False  # a slice of a leaf a scan loops over
   # The module's compute dtype: an `attend`'s output gradient (its float32
   # logits' gradient, `[T, vocab]`) is kept as a factor in it.
   dtype: Any = jnp.float32
+  input: jax.ShapeDtypeStruct | None = None  # the call's input, one example
+  # Scanned, and its module sees one layer's slice of a zero placed beside
+  # its parameter (`_with_sinks`): its factors leave the loop as that
+  # zero's cotangent.
+  sink: bool = False
 
   @property
   def recordable(self) -> bool:
-    """Whether the factors can leave the model (neither remat nor a loop
-    body keeps them)."""
-    return not (self.remat or self.scanned)
+    """Whether the factors can leave the model: not inside remat, and out
+    of a loop body only through its sink."""
+    return not self.remat and (self.sink or not self.scanned)
+
+  def factor_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes and dtypes of one example's factors."""
+    return jax.eval_shape(lambda x, g: algebra.factors(self, x, g),
+                          self.input, self.output)
+
+  def stacked_factors(self, layers: int) -> algebra.Factors:
+    """Zeros shaped like a scanned site's factors, one per layer (to be
+    traced: a constant of the program, not an allocation)."""
+    return tuple(jnp.zeros((layers, *f.shape), f.dtype)
+                 for f in self.factor_shapes())
 
 
 def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
@@ -174,8 +201,10 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   `params`, passed to it unchanged (through `jax.checkpoint` and `jax.jit`
   too), and used by the loss ONLY through such calls (both checked on the
   traced program, the latter with the sites' outputs cut off); otherwise it
-  is left alone and the parameter is small. Traces `example_loss` twice,
-  runs nothing; so `example_loss` must not be `jax.jit`-wrapped itself (a
+  is left alone and the parameter is small. A scanned site outside remat
+  gets `sink` where its module sees the zero placed for its factors.
+  Traces `example_loss` twice (three times with scanned sites), runs
+  nothing; so `example_loss` must not be `jax.jit`-wrapped itself (a
   cached trace would hide its flax calls).
 
   Args:
@@ -203,7 +232,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
     # Names the parameter's value in the program, to find which leaf it is.
     checkpoint_name(module.get_variable("params", _PARAM_NAMES[kind]),
                     f"{_MARK}{len(calls)}")
-    calls.append((key, kind, x.shape,
+    calls.append((key, kind, jax.ShapeDtypeStruct(x.shape, x.dtype),
                   jax.ShapeDtypeStruct(out.shape, out.dtype), module.dtype))
     return out
 
@@ -229,7 +258,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   _, used = partial_eval.dce_jaxpr(cut_jaxpr, [True] * len(cut_jaxpr.outvars))
 
   sites = []
-  for i, (key, kind, in_shape, out, dtype) in enumerate(calls):
+  for i, (key, kind, x, out, dtype) in enumerate(calls):
     leaf, remat, scanned = origins.get(i, (None, False, False))
     if leaf is None or used[leaf]:
       continue
@@ -239,15 +268,15 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
       raise ValueError(f"{kind} site {key} uses {jax.tree_util.keystr(path)} "
                        f"of shape {value.shape}; expected 2-D"
                        f"{' slices' if scanned else ''}.")
-    length = math.prod(in_shape if kind == "lookup" else in_shape[:-1])
+    length = math.prod(x.shape if kind == "lookup" else x.shape[:-1])
     sites.append(Site(
         key=key, kind=kind, param=jax.tree_util.keystr(path), leaf=leaf,
         shape=tuple(shape), length=length, output=out,
         norm=_cheaper(length, *shape) if norm == "auto" else norm,
-        remat=remat, scanned=scanned, dtype=jnp.dtype(dtype)))
+        remat=remat, scanned=scanned, dtype=jnp.dtype(dtype), input=x))
   per_param = collections.Counter(s.leaf for s in sites)
   for s in sites:
-    if not s.recordable and per_param[s.leaf] > 1:
+    if (s.remat or s.scanned) and per_param[s.leaf] > 1:
       where = ("a rematerialised function (jax.checkpoint / nn.remat)"
                if s.remat else "a scan's loop body")
       raise ValueError(
@@ -256,7 +285,60 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
           "site, which such a call cannot record. Call the module once per "
           "checkpointed function or loop body, move it out, or use vmap "
           "clipping.")
-  return tuple(sites)
+  sunk = _sinks_reach(example_loss, params, example, [
+      s for s in sites if s.scanned and not s.remat and s.kind != "lookup"])
+  return tuple(dataclasses.replace(s, sink=s.key in sunk) for s in sites)
+
+
+def _sinks_reach(example_loss, params, example, scanned: list[Site]
+                 ) -> frozenset:
+  """Keys of the `scanned` sites whose module sees one layer's slice of
+  the zeros shaped like its stacked factors placed beside its parameter
+  (`_with_sinks`): shape and dtype unchanged, as a flax scan over the
+  params passes them, and a loss that rebuilds the params tree may not.
+  Traces `example_loss` once; runs nothing."""
+  if not scanned:
+    return frozenset()
+  layers = {s.leaf: jax.tree.leaves(params)[s.leaf].shape[0] for s in scanned}
+  want = {s.key: _shapes(s.factor_shapes()) for s in scanned}
+  seen = set()
+
+  def probe(key, kind, module, call, x):
+    del kind, x
+    if key in want and _shapes(
+        module.get_variable("params", _SINK, None)) == want[key]:
+      seen.add(key)
+    return call()
+
+  sinks = lambda: {s.leaf: s.stacked_factors(layers[s.leaf]) for s in scanned}
+  try:
+    jax.make_jaxpr(lambda p, e: _run(
+        example_loss, _with_sinks(p, sinks()), e, probe))(params, example)
+  except (KeyError, TypeError, ValueError):  # a loss that rejects the key
+    return frozenset()
+  return frozenset(seen)
+
+
+def _shapes(tree) -> Any:
+  """The tree's structure with each leaf's (shape, dtype)."""
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def _with_sinks(params, sinks: dict[int, Any]) -> PyTree:
+  """`params` with `sinks[leaf]` under the key `_SINK` in the dict that
+  holds each such leaf, where the leaf's path is all dict keys (flax's
+  layout; elsewhere none is placed). The rest of the tree is shared."""
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+  def insert(tree, path, value):
+    if not path:
+      return {**tree, _SINK: value}
+    return {**tree, path[0]: insert(tree[path[0]], path[1:], value)}
+
+  for leaf, sink in sinks.items():
+    if all(isinstance(k, jax.tree_util.DictKey) for k in paths[leaf]):
+      params = insert(params, [k.key for k in paths[leaf][:-1]], sink)
+  return params
 
 
 def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
@@ -276,12 +358,13 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     norm: Per-site norm path, as in `find_sites`.
     summation: 'book_keeping' (one pass, factors kept), 'second_pass' (taps
       and a second backward pass, nothing kept), or 'auto': the second pass
-      where a site is rematerialised or scanned, book-keeping otherwise.
+      where a site's factors cannot be recorded (`Site.recordable`: inside
+      remat, or in a loop without its sink), book-keeping otherwise.
 
   Returns:
     A `ClippedGradFn` with `sensitivity == clip_norm`. Calling it on a loss
     with no sites raises `ValueError` (use `clipping.clipped_grad`), and so
-    does 'book_keeping' on a loss with rematerialised or scanned sites.
+    does 'book_keeping' on a loss with a site it cannot record.
 
   Example:
     >>> import jax.numpy as jnp
@@ -342,7 +425,9 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
       summed = [grads.get(i, g) for i, g in enumerate(summed)]
     else:
       for site, (a, b) in zip(sites, factors):
-        term = algebra.book_keeping(site, a, b, weights, keep)
+        term = (jax.vmap(algebra.book_keeping, in_axes=(None, 1, 1, None, None))
+                if site.scanned else algebra.book_keeping)(
+                    site, a, b, weights, keep)
         summed[site.leaf] = term if summed[site.leaf] is None else (
             summed[site.leaf] + term)
     return jax.tree.unflatten(treedef, summed), stats
@@ -358,9 +443,9 @@ def _second_pass(summation: str, sites: tuple[Site, ...]) -> bool:
   if summation == "book_keeping" and hidden:
     raise ValueError(
         f"summation='book_keeping' cannot record the factors of "
-        f"{len(hidden)} site(s) inside rematerialised functions or scanned "
-        f"layers (e.g. {hidden[0].param}); use summation='second_pass' or "
-        "'auto'.")
+        f"{len(hidden)} site(s) inside rematerialised functions or loops "
+        f"that do not carry them out (e.g. {hidden[0].param}); use "
+        "summation='second_pass' or 'auto'.")
   return summation == "second_pass" or (summation == "auto" and bool(hidden))
 
 
@@ -445,22 +530,29 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
   """`(small, example) -> (loss, small grads, large squared norm, factors)`.
 
   Differentiates only w.r.t. the small leaves (`None` at large ones), zeros
-  added to the outputs of the recorded sites (their factors are returned,
-  in site order) and the sinks of the `tapped` ones; the large leaves are
-  constants.
+  added to the outputs of the recorded sites outside loops, the stacked
+  zeros beside the parameters of those inside (`_with_sinks`) and the sinks
+  of the `tapped` ones; the large leaves are constants. The factors are
+  those of the untapped sites, in site order (a scanned site's stacked per
+  layer).
   """
-  recorded = [s for s in sites if s.key not in tapped]
+  recorded = [s for s in sites if s.key not in tapped and not s.scanned]
+  stacked = [s for s in sites if s.key not in tapped and s.scanned]
   index = {s.key: i for i, s in enumerate(recorded)}
   taps = {s.key: (j, s) for j, s in enumerate(
       s for s in sites if s.key in tapped)}
+  looped = {s.key: s for s in stacked}
 
-  def loss_and_inputs(small, deltas, sinks, example):
+  def loss_and_inputs(small, deltas, sinks, stacks, example):
     inputs = [None] * len(recorded)
 
     def perturb(key, kind, module, call, x):
       if key in taps:
         j, site = taps[key]
-        return _tap(site, call(), x, sinks[j])
+        return _tap(site, False, call(), x, sinks[j])
+      if key in looped:
+        return _tap(looped[key], True, call(), x,
+                    module.get_variable("params", _SINK))
       i = index.get(key)
       if i is None:
         return call()
@@ -471,22 +563,31 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
               _round_cotangent(site.dtype, out))
 
     full = [p if q is None else q for p, q in zip(leaves, small)]
-    loss = _run(example_loss, jax.tree.unflatten(treedef, full), example,
-                perturb)
+    params = _with_sinks(jax.tree.unflatten(treedef, full),
+                         {s.leaf: z for s, z in zip(stacked, stacks)})
+    loss = _run(example_loss, params, example, perturb)
     return loss, inputs
 
-  grad_fn = jax.value_and_grad(loss_and_inputs, argnums=(0, 1, 2),
+  grad_fn = jax.value_and_grad(loss_and_inputs, argnums=(0, 1, 2, 3),
                                has_aux=True)
 
   def per_example(small, example):
     zeros = [jnp.zeros(s.output.shape, s.output.dtype) for s in recorded]
     sinks = [jnp.zeros((), jnp.float32) for _ in taps]
-    (loss, inputs), (small_grads, out_grads, tapped_sq) = grad_fn(
-        small, zeros, sinks, example)
+    stacks = [s.stacked_factors(leaves[s.leaf].shape[0]) for s in stacked]
+    (loss, inputs), (small_grads, out_grads, tapped_sq, looped_factors) = (
+        grad_fn(small, zeros, sinks, stacks, example))
     factors = [algebra.factors(s, x, g)
                for s, x, g in zip(recorded, inputs, out_grads)]
+    # A scanned parameter's norm: its layers' blocks are disjoint.
+    looped_sq = [jnp.sum(jax.vmap(lambda f, s=s: algebra.large_sq_norm(
+        (s,), (f,)))(f)) for s, f in zip(stacked, looped_factors)]
+    by_key = dict(zip([s.key for s in recorded + stacked],
+                      factors + [tuple(f) for f in looped_factors]))
     return (loss, small_grads,
-            algebra.large_sq_norm(recorded, factors) + sum(tapped_sq), factors)
+            algebra.large_sq_norm(recorded, factors) + sum(tapped_sq)
+            + sum(looped_sq),
+            [by_key[s.key] for s in sites if s.key in by_key])
 
   return per_example
 
@@ -517,24 +618,27 @@ def _round_cotangent_bwd(dtype, _, g):
 _round_cotangent.defvjp(_round_cotangent_fwd, _round_cotangent_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tap(site: Site, out: jax.Array, x: jax.Array, sink: jax.Array
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tap(site: Site, record: bool, out: jax.Array, x: jax.Array, sink: PyTree
          ) -> jax.Array:
   """`out`, unchanged. Its backward pass passes the cotangent through and
   returns, as the cotangent of `sink` (a zero nothing reads), this call's
-  `||A^T B||^2` from its input `x` and that cotangent: the site's norm,
-  computed where the cotangent exists, inside a rematerialised layer too."""
-  del site, x, sink
+  factors (`record`) or `||A^T B||^2` from them: from its input `x` and
+  that cotangent, where the cotangent exists, inside a rematerialised layer
+  or a loop's body too."""
+  del site, record, x, sink
   return out
 
 
-def _tap_fwd(site, out, x, sink):
-  del site, sink
+def _tap_fwd(site, record, out, x, sink):
+  del site, record, sink
   return out, x
 
 
-def _tap_bwd(site, x, g):
-  return g, None, algebra.large_sq_norm((site,), (algebra.factors(site, x, g),))
+def _tap_bwd(site, record, x, g):
+  factors = algebra.factors(site, x, g)
+  return g, None, (factors if record else
+                   algebra.large_sq_norm((site,), (factors,)))
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)

@@ -432,13 +432,16 @@ def test_refuses_a_remat_module_called_twice():
     ghost.find_sites(loss, params, REMAT_BATCH[0])
 
 
-@pytest.mark.parametrize("remat", ["none", "layer"])
-def test_scanned_layers_match_the_unrolled_per_example_loop(remat):
+@pytest.mark.parametrize("remat, summation", [
+    ("none", "auto"), ("none", "second_pass"), ("layer", "auto")])
+def test_scanned_layers_match_the_unrolled_per_example_loop(remat, summation):
   """`T5Config.scan_layers`: each layer kernel is one site on its stacked
-  leaf, tapped in the loop body, and the clipped sum and norms equal the
-  float64 loop over the unrolled model's examples. (No dropout: the scan
-  draws a layer's mask from its split of the key, the unrolled model from
-  its module path.)"""
+  leaf, its factors carried out of the loop by its sink (book-keeping, the
+  'auto' summation) unless the layer is rematerialised (tapped, second
+  pass), and the clipped sum and norms equal the float64 loop over the
+  unrolled model's examples either way. (No dropout: the scan draws a
+  layer's mask from its split of the key, the unrolled model from its
+  module path.)"""
   layers = dict(num_encoder_layers=2, num_decoder_layers=2)
   loss, params, batch = t5_problem(**layers)
   scanned_loss = t5_problem(**layers, scan_layers=True, remat=remat)[0]
@@ -455,9 +458,14 @@ def test_scanned_layers_match_the_unrolled_per_example_loop(remat):
              and jax.tree_util.keystr(p).endswith("['kernel']")}
   assert {s.param for s in sites if s.scanned} == in_loop
   assert all(s.remat == (remat == "layer") for s in sites if s.scanned)
+  assert all(s.sink == (remat == "none") for s in sites if s.scanned)
   assert not any(s.scanned for s in sites if s.param not in in_loop)
-  got, stats = jit(ghost.ghost_clipped_grad(scanned_loss, clip_norm=clip))(
-      stacked, batch, MASK)
+  if remat == "layer":
+    with pytest.raises(ValueError, match="cannot record"):
+      ghost.ghost_clipped_grad(scanned_loss, clip_norm=clip,
+                               summation="book_keeping")(stacked, batch, MASK)
+  got, stats = jit(ghost.ghost_clipped_grad(
+      scanned_loss, clip_norm=clip, summation=summation))(stacked, batch, MASK)
   np.testing.assert_allclose(stats.norms, np.where(keep, norms, 0), rtol=1e-5)
   assert 0 < int(stats.num_clipped) < int(np.sum(keep))
   for g, e in zip(leaves64(t5.unscan_params(got)), expected):
@@ -478,15 +486,29 @@ class ScanToy(nn.Module):
 
 def test_a_scanned_module_is_a_site_once_and_refused_twice():
   """Called once per loop body its stacked kernel is one site of the
-  layer's shape; called twice, its norm needs the cross term the loop
-  cannot give out, and it is refused."""
+  layer's shape, book-kept through its sink; in a loss that rebuilds the
+  params tree (the sink never reaches the module) it is tapped and summed
+  by the second pass; called twice, its norm needs the cross term the
+  loop cannot give out, and it is refused."""
   params = nn.meta.unbox(ScanToy().init(jax.random.PRNGKey(0),
                                         jnp.zeros((3, 4)))["params"])
   loss = lambda p, x: jnp.sum(ScanToy().apply({"params": p}, x) ** 2)
   (site,) = ghost.find_sites(loss, params, REMAT_BATCH[0])
-  assert (site.param, site.shape, site.scanned) == (
-      "['block']['dense']['kernel']", (4, 4), True)
-  assert_matches_vmap(ghost.ghost_clipped_grad, loss, params)
+  assert (site.param, site.shape, site.scanned, site.sink) == (
+      "['block']['dense']['kernel']", (4, 4), True, True)
+  assert_matches_vmap(functools.partial(ghost.ghost_clipped_grad,
+                                        summation="book_keeping"),
+                      loss, params)
+
+  treedef = jax.tree.structure(params)
+  rebuilt = lambda p, x: loss(jax.tree.unflatten(treedef, jax.tree.leaves(p)),
+                              x)
+  (site,) = ghost.find_sites(rebuilt, params, REMAT_BATCH[0])
+  assert (site.scanned, site.sink) == (True, False)
+  assert_matches_vmap(ghost.ghost_clipped_grad, rebuilt, params)
+  with pytest.raises(ValueError, match="cannot record"):
+    ghost.ghost_clipped_grad(rebuilt, clip_norm=0.5, summation="book_keeping")(
+        params, REMAT_BATCH, jnp.ones(4))
 
   twice = nn.meta.unbox(ScanToy(twice=True).init(
       jax.random.PRNGKey(0), jnp.zeros((3, 4)))["params"])
