@@ -38,9 +38,13 @@ is formed one of two ways (`summation`):
   whose backward pass returns that example's `||A^T B||^2` as the cotangent
   of a per-example zero, so nothing is recorded), and the sum from one more
   backward pass of `sum_i w_i L_i` through the model as it is. One more
-  backward pass, no stored factors; it is the only way through
-  rematerialised layers (`jax.checkpoint`, e.g. `T5Config.remat = 'layer'`),
-  whose activations exist only while their backward pass runs.
+  backward pass, no stored factors: the default through rematerialised
+  layers (`jax.checkpoint`, e.g. `T5Config.remat = 'layer'`), whose
+  activations exist only while their backward pass runs. Book-keeping
+  works there too (a tap returns the factors themselves, as the cotangent
+  of a zero shaped like them), at the cost of keeping every site's factors,
+  which is more than remat keeps and less than no remat (no attention
+  weights).
 
 Scanned layers (`jax.lax.scan` over a stack of identical layers, e.g.
 `T5Config.scan_layers`) hold each large parameter once, stacked `[layers,
@@ -50,20 +54,20 @@ zero stacked like the factors, `[layers, T, rows]` and `[layers, T, cols]`,
 is placed beside the parameter in the params tree (a flax scan loops over
 it as over the parameter, `_with_sinks`), and the site returns its factors
 as that slice's cotangent: the loop's backward pass stacks them per layer,
-and book-keeping proceeds from them. A site inside a rematerialised body,
-or one whose module does not see the stacked zero (a loss that rebuilds
-the params tree; a lookup, whose int ids have no cotangent), is tapped
-instead, with the tap's per-example zero closed over by the loop: a loop's
-backward pass sums the cotangents of what its body closes over, so the tap
-returns `sum_l ||A_l^T B_l||^2`, which is the stacked parameter's squared
-norm (the layers' gradients are disjoint blocks of it); the sum then comes
-from the second pass.
+and book-keeping proceeds from them. A site whose module does not see the
+stacked zero (a loss that rebuilds the params tree; a lookup, whose int
+ids have no cotangent) can only be tapped, as is every scanned site when
+the second pass sums, with the tap's per-example zero closed over by the
+loop: a loop's backward pass sums the cotangents of what its body closes
+over, so the tap returns `sum_l ||A_l^T B_l||^2`, which is the stacked
+parameter's squared norm (the layers' gradients are disjoint blocks of
+it); the sum then comes from the second pass.
 
 A parameter with several sites (a tied embedding) needs the cross terms of
-the identity, so its factors are recorded, which a rematerialised site
-cannot be, and a scanned one only per layer: such a parameter must be used
-outside `jax.checkpoint` and loops (the dpjax models' embeddings are);
-inside, it is refused.
+the identity, so its factors are always recorded, which the second pass
+does not do inside remat or a loop: such a parameter must be used outside
+`jax.checkpoint` and loops (the dpjax models' embeddings are); inside, it
+is refused.
 
 Formal guarantees
 -----------------
@@ -177,19 +181,21 @@ class Site:
 
   @property
   def recordable(self) -> bool:
-    """Whether the factors can leave the model: not inside remat, and out
-    of a loop body only through its sink."""
-    return not self.remat and (self.sink or not self.scanned)
+    """Whether the factors can leave the model: outside a loop always
+    (inside remat as a tap's cotangent), out of a loop's body only through
+    its sink."""
+    return self.sink or not self.scanned
 
   def factor_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The shapes and dtypes of one example's factors."""
     return jax.eval_shape(lambda x, g: algebra.factors(self, x, g),
                           self.input, self.output)
 
-  def stacked_factors(self, layers: int) -> algebra.Factors:
-    """Zeros shaped like a scanned site's factors, one per layer (to be
-    traced: a constant of the program, not an allocation)."""
-    return tuple(jnp.zeros((layers, *f.shape), f.dtype)
+  def factor_zeros(self, layers: int | None = None) -> algebra.Factors:
+    """Zeros shaped like the factors, stacked `layers` deep if given (to
+    be traced: a constant of the program, not an allocation)."""
+    stack = () if layers is None else (layers,)
+    return tuple(jnp.zeros((*stack, *f.shape), f.dtype)
                  for f in self.factor_shapes())
 
 
@@ -286,7 +292,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
           "checkpointed function or loop body, move it out, or use vmap "
           "clipping.")
   sunk = _sinks_reach(example_loss, params, example, [
-      s for s in sites if s.scanned and not s.remat and s.kind != "lookup"])
+      s for s in sites if s.scanned and s.kind != "lookup"])
   return tuple(dataclasses.replace(s, sink=s.key in sunk) for s in sites)
 
 
@@ -310,7 +316,7 @@ def _sinks_reach(example_loss, params, example, scanned: list[Site]
       seen.add(key)
     return call()
 
-  sinks = lambda: {s.leaf: s.stacked_factors(layers[s.leaf]) for s in scanned}
+  sinks = lambda: {s.leaf: s.factor_zeros(layers[s.leaf]) for s in scanned}
   try:
     jax.make_jaxpr(lambda p, e: _run(
         example_loss, _with_sinks(p, sinks()), e, probe))(params, example)
@@ -358,8 +364,9 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     norm: Per-site norm path, as in `find_sites`.
     summation: 'book_keeping' (one pass, factors kept), 'second_pass' (taps
       and a second backward pass, nothing kept), or 'auto': the second pass
-      where a site's factors cannot be recorded (`Site.recordable`: inside
-      remat, or in a loop without its sink), book-keeping otherwise.
+      where a site is rematerialised or its factors cannot be recorded
+      (`Site.recordable`: in a loop without its sink), book-keeping
+      otherwise.
 
   Returns:
     A `ClippedGradFn` with `sensitivity == clip_norm`. Calling it on a loss
@@ -443,10 +450,11 @@ def _second_pass(summation: str, sites: tuple[Site, ...]) -> bool:
   if summation == "book_keeping" and hidden:
     raise ValueError(
         f"summation='book_keeping' cannot record the factors of "
-        f"{len(hidden)} site(s) inside rematerialised functions or loops "
-        f"that do not carry them out (e.g. {hidden[0].param}); use "
-        "summation='second_pass' or 'auto'.")
-  return summation == "second_pass" or (summation == "auto" and bool(hidden))
+        f"{len(hidden)} site(s) inside loops that do not carry them out "
+        f"(e.g. {hidden[0].param}); use summation='second_pass' or 'auto'.")
+  # Under remat, 'auto' keeps the memory remat saves rather than the factors.
+  return summation == "second_pass" or (summation == "auto" and any(
+      s.remat or not s.recordable for s in sites))
 
 
 def _tapped(sites: tuple[Site, ...]) -> frozenset:
@@ -530,29 +538,33 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
   """`(small, example) -> (loss, small grads, large squared norm, factors)`.
 
   Differentiates only w.r.t. the small leaves (`None` at large ones), zeros
-  added to the outputs of the recorded sites outside loops, the stacked
-  zeros beside the parameters of those inside (`_with_sinks`) and the sinks
-  of the `tapped` ones; the large leaves are constants. The factors are
-  those of the untapped sites, in site order (a scanned site's stacked per
-  layer).
+  added to the outputs of the recorded sites, zeros shaped like the factors
+  of the carried ones (inside remat or a loop: a tap returns its factors as
+  their cotangent; a scanned site's are stacked per layer beside its
+  parameter, `_with_sinks`) and the sinks of the `tapped` ones; the large
+  leaves are constants. The factors are those of the untapped sites, in
+  site order.
   """
-  recorded = [s for s in sites if s.key not in tapped and not s.scanned]
-  stacked = [s for s in sites if s.key not in tapped and s.scanned]
+  untapped = [s for s in sites if s.key not in tapped]
+  recorded = [s for s in untapped if not (s.remat or s.scanned)]
+  carried = [s for s in untapped if s.remat or s.scanned]
   index = {s.key: i for i, s in enumerate(recorded)}
   taps = {s.key: (j, s) for j, s in enumerate(
       s for s in sites if s.key in tapped)}
-  looped = {s.key: s for s in stacked}
+  carry = {s.key: (j, s) for j, s in enumerate(carried)}
 
-  def loss_and_inputs(small, deltas, sinks, stacks, example):
+  def loss_and_inputs(small, deltas, sinks, carries, example):
     inputs = [None] * len(recorded)
 
     def perturb(key, kind, module, call, x):
       if key in taps:
         j, site = taps[key]
         return _tap(site, False, call(), x, sinks[j])
-      if key in looped:
-        return _tap(looped[key], True, call(), x,
-                    module.get_variable("params", _SINK))
+      if key in carry:
+        j, site = carry[key]
+        return _tap(site, True, call(), x, (
+            module.get_variable("params", _SINK) if site.scanned
+            else carries[j]))
       i = index.get(key)
       if i is None:
         return call()
@@ -563,8 +575,8 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
               _round_cotangent(site.dtype, out))
 
     full = [p if q is None else q for p, q in zip(leaves, small)]
-    params = _with_sinks(jax.tree.unflatten(treedef, full),
-                         {s.leaf: z for s, z in zip(stacked, stacks)})
+    params = _with_sinks(jax.tree.unflatten(treedef, full), {
+        s.leaf: z for s, z in zip(carried, carries) if s.scanned})
     loss = _run(example_loss, params, example, perturb)
     return loss, inputs
 
@@ -574,22 +586,28 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
   def per_example(small, example):
     zeros = [jnp.zeros(s.output.shape, s.output.dtype) for s in recorded]
     sinks = [jnp.zeros((), jnp.float32) for _ in taps]
-    stacks = [s.stacked_factors(leaves[s.leaf].shape[0]) for s in stacked]
-    (loss, inputs), (small_grads, out_grads, tapped_sq, looped_factors) = (
-        grad_fn(small, zeros, sinks, stacks, example))
+    carries = [s.factor_zeros(leaves[s.leaf].shape[0] if s.scanned else None)
+               for s in carried]
+    (loss, inputs), (small_grads, out_grads, tapped_sq, carried_factors) = (
+        grad_fn(small, zeros, sinks, carries, example))
     factors = [algebra.factors(s, x, g)
                for s, x, g in zip(recorded, inputs, out_grads)]
-    # A scanned parameter's norm: its layers' blocks are disjoint.
-    looped_sq = [jnp.sum(jax.vmap(lambda f, s=s: algebra.large_sq_norm(
-        (s,), (f,)))(f)) for s, f in zip(stacked, looped_factors)]
-    by_key = dict(zip([s.key for s in recorded + stacked],
-                      factors + [tuple(f) for f in looped_factors]))
+    carried_factors = [tuple(f) for f in carried_factors]
+    by_key = dict(zip([s.key for s in recorded + carried],
+                      factors + carried_factors))
     return (loss, small_grads,
             algebra.large_sq_norm(recorded, factors) + sum(tapped_sq)
-            + sum(looped_sq),
-            [by_key[s.key] for s in sites if s.key in by_key])
+            + sum(_own_sq_norm(s, f) for s, f in zip(carried, carried_factors)),
+            [by_key[s.key] for s in untapped])
 
   return per_example
+
+
+def _own_sq_norm(site: Site, factors: algebra.Factors) -> jax.Array:
+  """||A^T B||^2 of a site that is its parameter's only one; a scanned
+  site's summed over its layers (their gradients are disjoint blocks)."""
+  norm = lambda f: algebra.large_sq_norm((site,), (f,))
+  return jnp.sum(jax.vmap(norm)(factors)) if site.scanned else norm(factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
