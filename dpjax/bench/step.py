@@ -33,7 +33,8 @@ memory analysis without allocating or running anything, and
 its forward pass (JAX's residuals, params and their compute-dtype copies
 included), whatever the mode: the compiler-independent view of
 `--remat=layer` (every transformer layer rematerialised, the config's
-`remat`; ghost clipping then sums by a second backward pass). XLA's default
+`remat`; ghost clipping then sums by a second backward pass unless
+`--ghost_summation=book_keeping`). XLA's default
 CPU scheduler favours concurrency and runs the recomputation early, so its
 memory analysis shows little of the saving; run with
 `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false` for the
