@@ -207,8 +207,8 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   `params`, passed to it unchanged (through `jax.checkpoint` and `jax.jit`
   too), and used by the loss ONLY through such calls (both checked on the
   traced program, the latter with the sites' outputs cut off); otherwise it
-  is left alone and the parameter is small. A scanned site outside remat
-  gets `sink` where its module sees the zero placed for its factors.
+  is left alone and the parameter is small. A scanned site gets `sink`
+  where its module sees the zero placed for its factors.
   Traces `example_loss` twice (three times with scanned sites), runs
   nothing; so `example_loss` must not be `jax.jit`-wrapped itself (a
   cached trace would hide its flax calls).
