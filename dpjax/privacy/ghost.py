@@ -168,7 +168,7 @@ class Site:
   length: int  # T: positions one example sends through the call
   output: jax.ShapeDtypeStruct  # the call's output for one example
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
-  remat: bool  # inside a jax.checkpoint: tapped, never recorded
+  remat: bool  # inside a jax.checkpoint: its factors only through a tap
   scanned: bool = False  # a slice of a leaf a scan loops over
   # The module's compute dtype: an `attend`'s output gradient (its float32
   # logits' gradient, `[T, vocab]`) is kept as a factor in it.
