@@ -231,7 +231,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
     raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
   params, example = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), (params, example))
-  calls = []  # (key, kind, input shape, output), in call order
+  calls = []  # (key, kind, input, output, compute dtype), in call order
 
   def mark(key, kind, module, call, x):
     out = call()
@@ -305,7 +305,8 @@ def _sinks_reach(example_loss, params, example, scanned: list[Site]
   Traces `example_loss` once; runs nothing."""
   if not scanned:
     return frozenset()
-  layers = {s.leaf: jax.tree.leaves(params)[s.leaf].shape[0] for s in scanned}
+  leaves = jax.tree.leaves(params)
+  layers = {s.leaf: leaves[s.leaf].shape[0] for s in scanned}
   want = {s.key: _shapes(s.factor_shapes()) for s in scanned}
   seen = set()
 
@@ -592,7 +593,6 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
         grad_fn(small, zeros, sinks, carries, example))
     factors = [algebra.factors(s, x, g)
                for s, x, g in zip(recorded, inputs, out_grads)]
-    carried_factors = [tuple(f) for f in carried_factors]
     by_key = dict(zip([s.key for s in recorded + carried],
                       factors + carried_factors))
     return (loss, small_grads,
