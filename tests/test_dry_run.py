@@ -31,7 +31,7 @@ TINY = ["--gin_file=quickstart.gin", "--gin.TRAIN_STEPS=4",
 FIELDS = {"n", "q", "steps", "dp_steps", "start_step", "sigma", "epsilon",
           "target_epsilon", "delta", "accountant", "sampling", "privacy_unit",
           "mechanism",
-          "clipping_method", "remat", "microbatch_size", "accumulation_calls",
+          "clipping_method", "ghost_summation", "remat", "microbatch_size", "accumulation_calls",
           "auto_sizing", "mesh", "rules", "compute_dtype", "params",
           "peak_bytes_per_device", "state_bytes_per_device",
           "device_memory_bytes", "device_memory_source", "fits",
@@ -377,6 +377,9 @@ def test_the_xl_paper_gin_dry_runs_on_cpu(tmp_path, capsys):
   assert record["accountant"] == "pld" and record["compute_dtype"] == "bfloat16"
   assert record["clipping_method"] == "ghost" and record["auto_sizing"]
   assert record["mesh"] == {"fsdp": 1} and record["remat"] in sizing.REMAT_ORDER
+  # 'auto' keeps remat's memory: the second pass under it.
+  assert record["ghost_summation"] == (
+      "second_pass" if record["remat"] == "layer" else "book_keeping")
   assert record["n"] == 2998 and record["q"] == pytest.approx(32 / 2998)
   assert not os.path.exists(tmp_path / "xl")
 

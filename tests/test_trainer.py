@@ -752,6 +752,17 @@ def test_unknown_clipping_method_is_a_usage_error(tmp_path):
     run(tmp_path / "bad", "TRAIN_STEPS = 1", "train.clipping_method = 'fast'")
 
 
+@pytest.mark.parametrize("bindings, match", [
+    (["train.ghost_summation = 'fast'"], "ghost_summation must be"),
+    (["train.clipping_method = 'vmap'",
+      "train.ghost_summation = 'book_keeping'"], "needs ghost clipping"),
+])
+def test_bad_ghost_summation_is_a_usage_error(tmp_path, bindings, match):
+  with pytest.raises(errors.UsageError, match=match):
+    run(tmp_path / "bad", "TRAIN_STEPS = 1", *bindings)
+  assert not os.path.exists(tmp_path / "bad")  # refused before writing
+
+
 def test_unknown_task_is_a_usage_error_naming_the_known_ones(tmp_path):
   with pytest.raises(errors.UsageError,
                      match="MIXTURE_OR_TASK_NAME = 'no_such_task' is no "

@@ -25,6 +25,7 @@ def make_clipped_grad(
     *,
     clip_norm: float,
     method: str = "auto",
+    summation: str = "auto",
     microbatch_size: int | None = None,
     trainable=None,
 ) -> clipping.ClippedGradFn:
@@ -39,6 +40,10 @@ def make_clipped_grad(
       summed by book-keeping or, through rematerialised layers, a second
       backward pass); 'auto': ghost if the loss has ghost sites (decided when
       the callable is traced), vmap otherwise.
+    summation: How ghost clipping forms the clipped sum
+      (`ghost.ghost_clipped_grad`'s `summation`: 'auto', 'book_keeping' or
+      'second_pass'); a cost only. Vmap has no such choice: with
+      `method='vmap'` it must be 'auto'.
     microbatch_size: As in `clipping.clipped_grad`.
     trainable: Optional bools shaped like the params (e.g. LoRA's
       `lora.trainable_mask`): only those leaves are differentiated, clipped
@@ -57,6 +62,12 @@ def make_clipped_grad(
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  if summation not in ghost.SUMMATIONS:
+    raise ValueError(
+        f"summation must be one of {ghost.SUMMATIONS}, got {summation!r}.")
+  if method == "vmap" and summation != "auto":
+    raise ValueError(f"summation={summation!r} is ghost clipping's; "
+                     "method='vmap' sums per-example gradients.")
 
   def make(loss):
     by_vmap = clipping.clipped_grad(loss, clip_norm=clip_norm,
@@ -64,7 +75,8 @@ def make_clipped_grad(
     if method == "vmap":
       return by_vmap
     by_ghost = ghost.ghost_clipped_grad(loss, clip_norm=clip_norm,
-                                        microbatch_size=microbatch_size)
+                                        microbatch_size=microbatch_size,
+                                        summation=summation)
     if method == "ghost":
       return by_ghost
 
@@ -88,8 +100,24 @@ def resolved(loss_fn: clipping.LossFn, params, example,
   (abstract shapes do)."""
   if method != "auto":
     return method
+  return "ghost" if _trained_sites(loss_fn, params, example,
+                                   trainable) else "vmap"
+
+
+def resolved_summation(loss_fn: clipping.LossFn, params, example,
+                       summation: str = "auto", trainable=None) -> str:
+  """'book_keeping' or 'second_pass': how ghost clipping forms the sum of
+  `loss_fn`'s sites for `summation` (`ghost.ghost_clipped_grad`'s)."""
+  sites = _trained_sites(loss_fn, params, example, trainable)
+  second = ghost.uses_second_pass(summation, tuple(sites))
+  return "second_pass" if second else "book_keeping"
+
+
+def _trained_sites(loss_fn, params, example, trainable) -> list:
+  """`loss_fn`'s ghost sites whose parameter is trained (a frozen weight is
+  no site: `trained_only`)."""
   sites = ghost.find_sites(loss_fn, params, example)
-  if trainable is not None:  # a frozen weight is no site (`trained_only`)
+  if trainable is not None:
     flags = [bool(t) for t in jax.tree.leaves(trainable)]
     sites = [s for s in sites if flags[s.leaf]]
-  return "ghost" if sites else "vmap"
+  return sites

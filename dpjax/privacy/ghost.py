@@ -143,7 +143,7 @@ _KINDS = {
 }
 _PARAM_NAMES = {"dense": "kernel", "lookup": "embedding", "attend": "embedding"}
 _NORMS = ("auto", "ghost", "direct")
-_SUMMATIONS = ("auto", "book_keeping", "second_pass")
+SUMMATIONS = ("auto", "book_keeping", "second_pass")
 # Calls whose body sees its operands unchanged, so a parameter passed in is
 # still that parameter inside (a custom_vjp redefines the gradient: sites
 # under one stay ordinary calls). A scan's body sees a slice of what it
@@ -399,9 +399,9 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
   clipping.check_bound("clip_norm", clip_norm)
   if norm not in _NORMS:
     raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
-  if summation not in _SUMMATIONS:
+  if summation not in SUMMATIONS:
     raise ValueError(
-        f"summation must be one of {_SUMMATIONS}, got {summation!r}.")
+        f"summation must be one of {SUMMATIONS}, got {summation!r}.")
   bounds = np.asarray([clip_norm], np.float32)
 
   def clip_chunk(params, batch, mask):
@@ -411,7 +411,7 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
       raise ValueError("ghost clipping found no intercepted site in the loss "
                        "(no Dense/Embed of dpjax.privacy.layers fed by "
                        "a params leaf); use clipping.clipped_grad.")
-    second_pass = _second_pass(summation, sites)
+    second_pass = uses_second_pass(summation, sites)
     leaves, treedef = jax.tree.flatten(params)
     large = sorted({s.leaf for s in sites})
     small = [None if i in large else p for i, p in enumerate(leaves)]
@@ -445,8 +445,10 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
       sensitivity=float(clip_norm))
 
 
-def _second_pass(summation: str, sites: tuple[Site, ...]) -> bool:
-  """Whether the sum comes from a second backward pass (`summation`)."""
+def uses_second_pass(summation: str, sites: tuple[Site, ...]) -> bool:
+  """Whether `ghost_clipped_grad(summation=summation)` forms the sum of
+  `sites` (`find_sites`') by a second backward pass; a ValueError where
+  'book_keeping' cannot record a site's factors."""
   hidden = [s for s in sites if not s.recordable]
   if summation == "book_keeping" and hidden:
     raise ValueError(

@@ -8,7 +8,9 @@ secret file, no sizing record. It compiles the DP step for abstract shapes
 CPU) and prints one JSON line:
 
   n, q, steps, dp_steps, sigma, epsilon (planned), target_epsilon, delta,
-  accountant, sampling, clipping_method (what 'auto' resolves to), remat,
+  accountant, sampling, clipping_method (what 'auto' resolves to),
+  ghost_summation (with ghost clipping: how it forms the clipped sum,
+  'book_keeping' or 'second_pass', 'auto' resolved; else null), remat,
   microbatch_size, accumulation_calls (microbatches per step), mesh, rules,
   compute_dtype, params, peak_bytes_per_device (compiled), state_bytes,
   device_memory_bytes, fits, flops_per_step and bytes_accessed_per_step
@@ -64,18 +66,23 @@ def use_memory_scheduler() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}".strip()
 
 
-def clipping_method(built: trainer.Built) -> str:
-  """The clipping the run's step uses ('auto' resolved)."""
-  method, model = built.config.clipping_method, built.model
-  if method == "auto" and model.example_losses is not None:
-    return "vmap"  # several losses: clipped by vmap only (multi_loss.clipped_grad)
+def clipping_method(built: trainer.Built) -> tuple[str, str | None]:
+  """The clipping the run's step uses ('auto' resolved), and with ghost
+  clipping how it forms the sum ('book_keeping' | 'second_pass')."""
+  config, model = built.config, built.model
+  if config.clipping_method == "auto" and model.example_losses is not None:
+    return "vmap", None  # several losses: by vmap only (multi_loss.clipped_grad)
   example = dict(built.batch_rows)
   if model.example_rng:
     example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   abstract = model.abstract_params()[0]
-  return clipping_lib.resolved(
-      model.example_loss, abstract, example, method,
-      trainable=model.trainable_mask and model.trainable_mask(abstract))
+  on = dict(trainable=model.trainable_mask and model.trainable_mask(abstract))
+  method = clipping_lib.resolved(model.example_loss, abstract, example,
+                                 config.clipping_method, **on)
+  if method != "ghost":
+    return method, None
+  return method, clipping_lib.resolved_summation(
+      model.example_loss, abstract, example, config.ghost_summation, **on)
 
 
 def dry_run(config: RunConfig, steps: int = 0,
@@ -127,6 +134,7 @@ def _dry_run(config: RunConfig, steps: int,
   start = built.resume.step if built.resume else 0
   abstract = built.placed.abstract_state.params
   device = mesh.devices.flat[0]
+  method, summation = clipping_method(built)
   record = {
       "n": plan.privacy.dataset_size,
       "q": plan.privacy.batch_size / plan.privacy.dataset_size,
@@ -138,7 +146,8 @@ def _dry_run(config: RunConfig, steps: int,
       "sampling": plan.sampler.describe()["method"],
       "privacy_unit": plan.mechanism.unit,
       "mechanism": plan.ledger.mechanism,
-      "clipping_method": clipping_method(built),
+      "clipping_method": method,
+      "ghost_summation": summation,
       "remat": sizing.model_remat(built.model.config),
       "scan_layers": bool(layers),
       "microbatch_size": m, "accumulation_calls": k,

@@ -24,6 +24,7 @@ import optax
 from dpjax import errors
 from dpjax.privacy import mechanisms
 from dpjax.privacy.mechanisms import adaptive_clipping as adaptive_lib
+from dpjax.privacy.mechanisms import multi_loss
 
 
 def as_float(value) -> float | None:
@@ -88,7 +89,10 @@ class RunConfig:
   secret noise and sampling become public, and the ledger says so).
 
   Optimisation: `optimizer` ('sgd' | 'adam' | 'adamw' | 'adafactor'),
-  `learning_rate` (None: `learning_rate_schedule` over the run's steps), `clipping_method` ('vmap' | 'ghost' | 'auto'), `seed` (public:
+  `learning_rate` (None: `learning_rate_schedule` over the run's steps),
+  `clipping_method` ('vmap' | 'ghost' | 'auto'), `ghost_summation` (how ghost clipping forms the clipped sum: 'auto',
+  'book_keeping' or 'second_pass', `dpjax.privacy.ghost`; a cost only,
+  the same sum and bound), `seed` (public:
   initialisation, dropout, the redaction coins; never noise or batches),
   `initial_checkpoint_path` (a Hugging Face, t5x or dpjax run directory, or
   a PEFT LoRA adapter release), `initial_checkpoint_base_path` (an adapter
@@ -140,6 +144,7 @@ class RunConfig:
   length_buckets: int = 4
   optimizer: str = "adam"
   clipping_method: str = "vmap"
+  ghost_summation: str = "auto"
   learning_rate: optax.ScalarOrSchedule | None = None
   seed: int = 0
   pinned_secret_seed: int | None = None
@@ -211,6 +216,7 @@ def check(config: RunConfig) -> float:
                              or not 0 < epochs < math.inf):
     raise errors.UsageError("EPOCHS (train.epochs) must be a positive "
                              f"number or None, got {epochs!r}")
+  multi_loss.check_clipping(config.clipping_method, config.ghost_summation)
   # The mechanism's own settings, and its first bound.
   clip_norm = mechanisms.from_config(config).initial_clip_norm(clip_norm)
   for name, c in [("CLIP_NORM (train.clip_norm)", clip_norm),

@@ -266,7 +266,8 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
       mesh, model=checkpoints.config_json(config.model_config),
       lengths=config.task_feature_lengths, max_batch=max_batch,
       microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
-      clipping=config.clipping_method, optimizer=config.optimizer,
+      clipping=config.clipping_method, summation=config.ghost_summation,
+      optimizer=config.optimizer,
       limit=limit)
   choice = load(model_dir, key)
   if choice is not None:

@@ -203,13 +203,16 @@ def build_dp_step(model, mechanism: DPSGD = DPSGD(), *, clip_norm: float,
                   optimizer: str, learning_rate: optax.ScalarOrSchedule,
                   noise_multiplier: float, normalizer: float, seed: int,
                   clipping_method: str = "vmap",
+                  ghost_summation: str = "auto",
                   clip_norms: Mapping[str, float] | None = None):
   """(DP optimizer, accumulate, apply) for a model under `mechanism`: the
   un-jitted DP step.
 
   `clipping_method`: 'vmap' (per-example gradients), 'ghost' (ghost norms:
   no per-example weight gradients) or 'auto' (ghost when the model has
-  intercepted layers); all give the same clipped sum and bound. Only the
+  intercepted layers); all give the same clipped sum and bound, and so does
+  ghost's `ghost_summation` ('auto' | 'book_keeping' | 'second_pass',
+  `ghost.ghost_clipped_grad`'s `summation`). Only the
   trained leaves are clipped (`Trainable.trainable_mask`, e.g. LoRA's
   adapters). A multi-loss model clips each loss to its `clip_norms` entry
   (default `clip_norm`) by vmap only. `seed` keys dropout only (public);
@@ -217,7 +220,7 @@ def build_dp_step(model, mechanism: DPSGD = DPSGD(), *, clip_norm: float,
   (`RunSecret.noise_key()`).
   """
   clipped = clipped_grad(model, mechanism, clip_norm, clip_norms,
-                         clipping_method)
+                         clipping_method, ghost_summation)
   tx = dp_optimizer(model, mechanism, clipped, optimizer=optimizer,
                     learning_rate=learning_rate,
                     noise_multiplier=noise_multiplier, normalizer=normalizer)
@@ -226,13 +229,14 @@ def build_dp_step(model, mechanism: DPSGD = DPSGD(), *, clip_norm: float,
 
 def clipped_grad(model, mechanism: DPSGD, clip_norm: float,
                  clip_norms: Mapping[str, float] | None,
-                 clipping_method: str) -> Callable:
+                 clipping_method: str, ghost_summation: str = "auto"
+                 ) -> Callable:
   """The mechanism's clipped-gradient callable for `model`, one bound per
   named loss (`multi_loss.release_bounds`)."""
   return mechanism.clipped_grad(
       model, clip_norm=clip_norm,
       bounds=multi_loss.release_bounds(model, clip_norm, clip_norms),
-      method=clipping_method)
+      method=clipping_method, summation=ghost_summation)
 
 
 def dp_optimizer(model, mechanism: DPSGD, clipped: Callable, *,
@@ -280,6 +284,7 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
                 learning_rate: optax.ScalarOrSchedule, clip_norm: float,
                 clip_norms: Mapping[str, float] | None,
                 normalizer: float, seed: int, clipping_method: str,
+                ghost_summation: str = "auto",
                 canaries: canaries_lib.GradientCanaries | None = None
                 ) -> PlacedSteps:
   """The DP, public and eval steps jitted on `mesh` (with `canaries`, an
@@ -302,7 +307,7 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
       _place_steps, model, mechanism, mesh, rules, optimizer, learning_rate,
       clip_norm,
       None if clip_norms is None else tuple(sorted(clip_norms.items())),
-      normalizer, seed, clipping_method, canaries)
+      normalizer, seed, clipping_method, ghost_summation, canaries)
 
 
 def _memoized(placed: Callable, *args):
@@ -328,10 +333,10 @@ class _GradientSteps(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
-                    seed, clipping_method) -> _GradientSteps:
+                    seed, clipping_method, ghost_summation) -> _GradientSteps:
   clipped = clipped_grad(model, mechanism, clip_norm,
                          None if clip_norms is None else dict(clip_norms),
-                         clipping_method)
+                         clipping_method, ghost_summation)
   laid_out = lambda fn: partitioning.batch_laid_out(fn, mesh, rules)
   abstract, axes = model.abstract_params()
   names = multi_loss.release_names(model)
@@ -356,9 +361,10 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
 @functools.lru_cache(maxsize=8)  # a few runs' executables, not a suite's
 def _place_steps(model, mechanism, mesh, rules, optimizer, learning_rate,
                  clip_norm, clip_norms, normalizer, seed,
-                 clipping_method, canaries) -> PlacedSteps:
+                 clipping_method, ghost_summation, canaries) -> PlacedSteps:
   gradients = _memoized(_gradient_steps, model, mechanism, mesh, rules,
-                        clip_norm, clip_norms, seed, clipping_method)
+                        clip_norm, clip_norms, seed, clipping_method,
+                        ghost_summation)
   optimizer_for = lambda sigma: dp_optimizer(
       model, mechanism, gradients.clipped, optimizer=optimizer,
       learning_rate=learning_rate, noise_multiplier=sigma,

@@ -190,7 +190,8 @@ def build(config: RunConfig, *, dry_run: bool = False,
         optimizer=config.optimizer, learning_rate=schedule,
         clip_norm=plan.privacy.clip_norm, clip_norms=bounds,
         normalizer=plan.normalizer, seed=config.seed,
-        clipping_method=config.clipping_method, canaries=audit_canaries)
+        clipping_method=config.clipping_method,
+        ghost_summation=config.ghost_summation, canaries=audit_canaries)
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}

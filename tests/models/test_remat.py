@@ -175,23 +175,29 @@ def test_ghost_sites_inside_remat(model):
 
 def test_trainer_ghost_with_remat_equals_vmap():
   """The trainer's ghost step on a remat model accumulates what its vmap
-  step on the plain model does."""
+  step on the plain model does, its sum formed by the second pass ('auto'
+  under remat) or by book-keeping (`ghost_summation`)."""
   batch = gpt2_batch(np.random.default_rng(1))
   batch = jax.tree.map(lambda x: x.reshape((2, N // 2) + x.shape[1:]), batch)
   mask = np.ones((2, N // 2), np.float32)
   kw = dict(clip_norm=0.3, optimizer="sgd", learning_rate=0.1,
             noise_multiplier=1.0, normalizer=4.0, seed=0)
   sums = {}
-  for remat, method in (("none", "vmap"), ("layer", "ghost")):
+  for remat, method, summation in (("none", "vmap", "auto"),
+                                   ("layer", "ghost", "auto"),
+                                   ("layer", "ghost", "book_keeping")):
     model = trainable_lib.trainable(gpt2_config(remat), {"targets": 12})
     params = gpt2.init_params(model.config, jax.random.PRNGKey(0),
                               max_length=12)[0]
-    _, accumulate, _ = step_lib.build_dp_step(model, clipping_method=method,
-                                             **kw)
+    _, accumulate, _ = step_lib.build_dp_step(
+        model, clipping_method=method, ghost_summation=summation, **kw)
     zeros = {"loss": jax.tree.map(jnp.zeros_like, params)}
-    sums[method], _ = jit(accumulate)(params, zeros, batch, mask, 0, 0)
-  for a, b in zip(jax.tree.leaves(sums["vmap"]), jax.tree.leaves(sums["ghost"])):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    sums[method, summation], _ = jit(accumulate)(params, zeros, batch, mask,
+                                                 0, 0)
+  want = jax.tree.leaves(sums["vmap", "auto"])
+  for key in (("ghost", "auto"), ("ghost", "book_keeping")):
+    for a, b in zip(want, jax.tree.leaves(sums[key])):
+      np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
 def test_config_field():

@@ -298,7 +298,8 @@ class AdaptiveDPSGD(dpsgd.DPSGD):
             "also releases its count of unclipped examples with noise "
             f"stddev {s.count_stddev:.4g}")
 
-  def clipped_grad(self, model, *, clip_norm, bounds, method):
+  def clipped_grad(self, model, *, clip_norm, bounds, method,
+                   summation="auto"):
     """Each loss over its bound, clipped to 1 (sensitivity 1)."""
     if model.example_losses is None:
       loss = scaled_loss(model.example_loss, multi_loss.LOSS)
@@ -308,7 +309,8 @@ class AdaptiveDPSGD(dpsgd.DPSGD):
     return multi_loss.clipped_grad(
         loss, losses, clip_norm=1.0,
         bounds=None if bounds is None else {k: 1.0 for k in bounds},
-        method=method, trainable=multi_loss.trainable_mask(model))
+        method=method, summation=summation,
+        trainable=multi_loss.trainable_mask(model))
 
   def accumulate(self, accumulate):
     return counting(accumulate)

@@ -194,12 +194,14 @@ class DPSGD:
   # --- The step. ------------------------------------------------------------
 
   def clipped_grad(self, model, *, clip_norm: float,
-                   bounds: Mapping[str, float] | None, method: str):
+                   bounds: Mapping[str, float] | None, method: str,
+                   summation: str = "auto"):
     """The clipped-gradient callable of `model`'s losses, carrying each
-    sum's sensitivity (`multi_loss.sensitivities`)."""
+    sum's sensitivity (`multi_loss.sensitivities`); `method` and ghost's
+    `summation` as in `multi_loss.clipped_grad`."""
     return multi_loss.clipped_grad(
         model.example_loss, model.example_losses, clip_norm=clip_norm,
-        bounds=bounds, method=method,
+        bounds=bounds, method=method, summation=summation,
         trainable=multi_loss.trainable_mask(model))
 
   def accumulate(self, accumulate):

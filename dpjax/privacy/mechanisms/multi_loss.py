@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from dpjax import errors
-from dpjax.privacy import clipping
+from dpjax.privacy import clipping, ghost
 from dpjax.privacy.clipping_method import make_clipped_grad
 
 # The name of a model's one loss: its clipped sum is release {LOSS: sum}.
@@ -63,17 +63,35 @@ def release_names(model) -> list[str]:
               else [LOSS])
 
 
-def clipped_grad(example_loss, example_losses, *, clip_norm: float,
-                 bounds: Mapping[str, float] | None, method: str, trainable):
-  """The clipped-gradient callable of one loss (`example_loss` clipped to
-  `clip_norm` by `method`: 'vmap', 'ghost' or 'auto'), or of several
-  (`example_losses`, each to its `bounds` entry; vmap only)."""
+def check_clipping(method: str, summation: str = "auto") -> None:
+  """Refuses an unknown `train.clipping_method` or `train.ghost_summation`,
+  or a summation other than 'auto' for vmap (it has none): one
+  UsageError naming the binding."""
   if method not in CLIPPING_METHODS:
     raise errors.UsageError("train.clipping_method must be 'vmap', 'ghost' "
                              f"or 'auto', got {method!r}")
+  if summation not in ghost.SUMMATIONS:
+    raise errors.UsageError(
+        "train.ghost_summation must be 'auto', 'book_keeping' or "
+        f"'second_pass', got {summation!r}")
+  if method == "vmap" and summation != "auto":
+    raise errors.UsageError(
+        f"train.ghost_summation = {summation!r} needs ghost clipping, and "
+        "train.clipping_method is 'vmap': set it to 'ghost' or 'auto', or "
+        "leave ghost_summation 'auto'")
+
+
+def clipped_grad(example_loss, example_losses, *, clip_norm: float,
+                 bounds: Mapping[str, float] | None, method: str, trainable,
+                 summation: str = "auto"):
+  """The clipped-gradient callable of one loss (`example_loss` clipped to
+  `clip_norm` by `method`: 'vmap', 'ghost' or 'auto'; ghost's sum formed by
+  `summation`), or of several (`example_losses`, each to its `bounds`
+  entry; vmap only)."""
+  check_clipping(method, summation)
   if bounds is None:
     return make_clipped_grad(example_loss, clip_norm=clip_norm, method=method,
-                             trainable=trainable)
+                             summation=summation, trainable=trainable)
   if method == "ghost":
     raise errors.UsageError(
         "train.clipping_method = 'ghost' does not support a model with "
