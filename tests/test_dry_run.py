@@ -173,7 +173,7 @@ def test_refused_cost_programs_halve_to_multiples_of_the_devices(m, devices):
   multiple of the data-parallel devices at most half the one before (160
   on v4-32's 32 devices: 64, then 32; 80 would not split), down to one per
   device."""
-  sizes = dry_run.cost_microbatches(m, devices)
+  sizes = step_cost.cost_microbatches(m, devices)
   assert sizes[0] == m and sizes[-1] >= devices
   for before, after in zip(sizes, sizes[1:]):
     assert after % devices == 0

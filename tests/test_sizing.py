@@ -12,18 +12,22 @@ from dpjax.training import partitioning, sizing
 from dpjax.models import gpt2, gpt2_disc, t5
 
 
-def _brute_force(peak, sizes, max_batch, remats, limit):
-  """Every (m, remat) that fits, ordered by (calls, remat cost)."""
-  fitting = [(-(-max_batch // m), sizing.REMAT_ORDER.index(r), m, r)
-             for m, r in itertools.product(sizes, remats)
-             if peak(m, r) <= limit]
+def _brute_force(peak, sizes, max_batch, variants, limit):
+  """Every (m, variant) that fits, ordered by (calls, variant order)."""
+  fitting = [(-(-max_batch // m), variants.index(v), m, v)
+             for m, v in itertools.product(sizes, variants)
+             if peak(m, v) <= limit]
   return min(fitting) if fitting else None
+
+
+def _variants(*remats):
+  return [sizing.Variant(r) for r in remats]
 
 
 def _affine_peak(state, per_example, remat_saving):
   """A step whose activations grow with m; layer remat keeps a fraction."""
-  return lambda m, r: state + m * per_example * (
-      remat_saving if r == "layer" else 1.0)
+  return lambda m, v: state + m * per_example * (
+      remat_saving if v.remat == "layer" else 1.0)
 
 
 @pytest.mark.parametrize("limit", [150, 1_000, 3_000, 9_000, 40_000, 10**6])
@@ -31,16 +35,17 @@ def _affine_peak(state, per_example, remat_saving):
 def test_choice_is_the_brute_force_optimum(limit, remats):
   peak = _affine_peak(state=100, per_example=70, remat_saving=0.3)
   sizes = sizing.microbatch_candidates(300, multiple=2)
-  got = sizing.choose(peak, sizes=sizes, max_batch=300, remats=remats,
+  variants = _variants(*remats)
+  got = sizing.choose(peak, sizes=sizes, max_batch=300, variants=variants,
                       limit_bytes=limit, memory_source="test")
-  best = _brute_force(peak, sizes, 300, remats, limit)
+  best = _brute_force(peak, sizes, 300, variants, limit)
   if best is None:
     assert not got.fits and got.microbatch_size == sizes[-1]
     return
-  calls, _, m, remat = best
-  assert got.fits and (got.microbatch_size, got.remat) == (m, remat)
+  calls, _, m, variant = best
+  assert got.fits and (got.microbatch_size, got.remat) == (m, variant.remat)
   assert got.accumulation_steps == calls
-  assert got.peak_bytes == peak(m, remat) <= limit
+  assert got.peak_bytes == peak(m, variant) <= limit
 
 
 def test_remat_is_taken_only_when_it_saves_calls():
@@ -49,7 +54,7 @@ def test_remat_is_taken_only_when_it_saves_calls():
   peak = _affine_peak(state=0, per_example=10, remat_saving=0.6)
   sizes = sizing.microbatch_candidates(64, multiple=1)
   pick = lambda limit: sizing.choose(
-      peak, sizes=sizes, max_batch=64, remats=("none", "layer"),
+      peak, sizes=sizes, max_batch=64, variants=_variants("none", "layer"),
       limit_bytes=limit, memory_source="test")
   assert (pick(640).microbatch_size, pick(640).remat) == (64, "none")
   assert (pick(400).microbatch_size, pick(400).remat) == (64, "layer")
@@ -67,7 +72,7 @@ def test_bisection_compiles_logarithmically_many_candidates():
 
   sizes = sizing.microbatch_candidates(1024, multiple=1)
   choice = sizing.choose(peak, sizes=sizes, max_batch=1024,
-                         remats=("none",), limit_bytes=100,
+                         variants=_variants("none"), limit_bytes=100,
                          memory_source="test")
   assert choice.microbatch_size == 64 and len(sizes) == 11
   assert len(calls) == len(choice.tried) <= 5  # the whole batch, then 4
@@ -84,12 +89,12 @@ def test_an_affine_peak_takes_at_most_three_compiles(limit):
     return 42 + 7.5 * m
 
   sizes = sizing.microbatch_candidates(1085, multiple=1)
-  choice = sizing.choose(peak, sizes=sizes, max_batch=1085, remats=("none",),
+  choice = sizing.choose(peak, sizes=sizes, max_batch=1085, variants=_variants("none"),
                          limit_bytes=limit, memory_source="test",
                          floor_bytes=42)
   assert len(calls) <= 3
-  best = _brute_force(peak, sizes, 1085, ("none",), limit)
-  assert (choice.microbatch_size, "none") == best[2:]
+  best = _brute_force(peak, sizes, 1085, _variants("none"), limit)
+  assert (choice.microbatch_size, sizing.Variant("none")) == best[2:]
 
 
 @pytest.mark.parametrize("limit", [150, 1_000, 5_000, 20_000, 80_000])
@@ -105,21 +110,96 @@ def test_a_peak_far_from_affine_still_gets_the_optimum(limit, floor):
     return 100 + m * m
 
   sizes = sizing.microbatch_candidates(1024, multiple=1)
-  choice = sizing.choose(peak, sizes=sizes, max_batch=1024, remats=("none",),
+  choice = sizing.choose(peak, sizes=sizes, max_batch=1024, variants=_variants("none"),
                          limit_bytes=limit, memory_source="test",
                          floor_bytes=floor)
   assert len(calls) <= 2 * 4 + 1  # log2(11 sizes) ~ 3.5
-  best = _brute_force(peak, sizes, 1024, ("none",), limit)
-  assert (choice.microbatch_size, "none") == best[2:]
+  best = _brute_force(peak, sizes, 1024, _variants("none"), limit)
+  assert (choice.microbatch_size, sizing.Variant("none")) == best[2:]
 
 
 def test_ample_memory_costs_one_compile():
   calls = []
   sizing.choose(lambda m, r: calls.append((m, r)) or m,
                 sizes=sizing.microbatch_candidates(1024, multiple=1),
-                max_batch=1024, remats=("none", "layer"), limit_bytes=2048,
+                max_batch=1024, variants=_variants("none", "layer"),
+                limit_bytes=2048,
                 memory_source="test")
-  assert calls == [(1024, "none")]
+  assert calls == [(1024, sizing.Variant("none"))]
+
+
+def test_book_keeping_is_a_variant_under_remat_only_where_left_to_auto():
+  V = sizing.Variant
+  assert sizing.variants("auto", "auto", ghost=True) == [
+      V("none"), V("layer", "book_keeping"), V("layer")]
+  assert sizing.variants("layer", "auto", ghost=True) == [
+      V("layer", "book_keeping"), V("layer")]
+  assert sizing.variants("auto", "auto", ghost=False) == [V("none"),
+                                                          V("layer")]
+  assert sizing.variants("auto", "second_pass", ghost=True) == [
+      V("none", "second_pass"), V("layer", "second_pass")]
+  assert sizing.variants(None, "auto", ghost=True) == [V(None)]
+
+
+# Three layouts' memory per example (no remat, remat + book-keeping, remat +
+# second pass) and time per example; a call costs 40 whatever its size.
+_SAVING = {sizing.Variant("none"): 1.0,
+           sizing.Variant("layer", "book_keeping"): 0.6,
+           sizing.Variant("layer"): 0.3}
+_RATE = {sizing.Variant("none"): 1.0,
+         sizing.Variant("layer", "book_keeping"): 1.1,
+         sizing.Variant("layer"): 1.6}
+
+
+def _step_seconds(max_batch):
+  return lambda m, v: -(-max_batch // m) * (40 + m * _RATE[v])
+
+
+@pytest.mark.parametrize("limit", [150, 1_000, 3_000, 9_000, 16_000, 40_000])
+def test_with_estimates_the_least_estimated_time_wins(limit):
+  """With a time estimate, the choice is brute force's least time over
+  every candidate that fits (time falls with the calls, so each variant's
+  largest fitting microbatch is its best), and only those are costed."""
+  peak = lambda m, v: 100 + m * 70 * _SAVING[v]
+  sizes = sizing.microbatch_candidates(300, multiple=2)
+  variants = list(_SAVING)
+  seconds = _step_seconds(300)
+  got = sizing.choose(peak, sizes=sizes, max_batch=300, variants=variants,
+                      limit_bytes=limit, memory_source="test",
+                      seconds=seconds)
+  fitting = [(seconds(m, v), variants.index(v), m, v)
+             for m, v in itertools.product(sizes, variants)
+             if peak(m, v) <= limit]
+  _, _, m, v = min(fitting)
+  assert got.fits and (got.microbatch_size, got.remat,
+                       got.ghost_summation) == (m, *v)
+  largest = {(w, max(n for n in sizes if peak(n, w) <= limit))
+             for w in variants if any(peak(n, w) <= limit for n in sizes)}
+  costed = {(sizing.Variant(t["remat"], t["ghost_summation"]),
+             t["microbatch_size"]) for t in got.tried if "seconds" in t}
+  if len(largest) > 1:  # a choice to make: each variant's best costed
+    assert got.seconds == pytest.approx(seconds(m, v)) and costed == largest
+  else:
+    assert got.seconds is None and not costed
+
+
+def test_without_every_estimate_the_fewest_calls_win():
+  """A variant the compiler gives no estimate for leaves the choice to
+  calls, then variant order; without `seconds` the later variants are
+  compiled only where they could take fewer calls."""
+  peak = lambda m, v: m * 10 * _SAVING[v]
+  sizes = sizing.microbatch_candidates(64, multiple=1)
+  variants = list(_SAVING)
+  no_remat_time = lambda m, v: None if v.remat == "layer" else 1.0
+  for seconds in (None, no_remat_time):
+    got = sizing.choose(peak, sizes=sizes, max_batch=64, variants=variants,
+                        limit_bytes=300, memory_source="test",
+                        seconds=seconds)
+    # 64 fits only by the second pass (192); book-keeping takes 32 (192),
+    # no remat 16 (160).
+    assert (got.microbatch_size, got.remat, got.ghost_summation) == (
+        64, "layer", "auto")
+    assert got.seconds is None
 
 
 @pytest.mark.parametrize("max_batch,multiple", [(1, 1), (292, 1), (300, 8),
@@ -223,18 +303,19 @@ def test_candidates_refused_without_a_figure_do_not_fit(limit, refused_above):
   affine = _affine_peak(state=100, per_example=70, remat_saving=0.3)
   peak = lambda m, r: None if m > refused_above else affine(m, r)
   sizes = sizing.microbatch_candidates(300, multiple=2)
-  remats = ("none", "layer")
-  got = sizing.choose(peak, sizes=sizes, max_batch=300, remats=remats,
+  variants = _variants("none", "layer")
+  got = sizing.choose(peak, sizes=sizes, max_batch=300, variants=variants,
                       limit_bytes=limit, memory_source="test")
   best = _brute_force(lambda m, r: float("inf") if peak(m, r) is None
-                      else peak(m, r), sizes, 300, remats, limit)
+                      else peak(m, r), sizes, 300, variants, limit)
   assert got.fits and best is not None
-  assert (got.microbatch_size, got.remat) == best[2:]
+  assert (got.microbatch_size,
+          sizing.Variant(got.remat, got.ghost_summation)) == best[2:]
   assert got.peak_bytes == peak(*best[2:]) <= limit
   assert any(t["peak_bytes"] is None for t in got.tried)
 
   nothing = sizing.choose(lambda m, r: None, sizes=sizes, max_batch=300,
-                          remats=remats, limit_bytes=limit,
+                          variants=variants, limit_bytes=limit,
                           memory_source="test")
   assert not nothing.fits and nothing.peak_bytes is None
   assert nothing.microbatch_size == sizes[-1]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
+import re
 
 import gin
 import jax
@@ -54,19 +56,32 @@ def one_target_per_spec():
     yield
 
 
+# Ghost clipping through remat layers: the sizing weighs book-keeping
+# against the second pass.
+GHOST_REMAT = ["T5Config.remat = 'layer'", "train.clipping_method = 'ghost'"]
+
+
 @pytest.fixture(scope="module")
 def v5e(tmp_path_factory):
-  """A dry run of the tiny quickstart for a v5e 2x2 slice, its microbatch
-  sized automatically."""
+  """A dry run of the tiny quickstart (`GHOST_REMAT`) for a v5e 2x2 slice,
+  its microbatch and ghost summation sized automatically, and what it
+  said on the console."""
   model_dir = tmp_path_factory.mktemp("v5e") / "run"
-  configure(model_dir, "MICROBATCH_SIZE = 'auto'")
-  with one_target_per_spec():
-    return model_dir, dry_run.dry_run(configurables.run_config(),
-                                      target="tpu:v5e:2x2")
+  configure(model_dir, "MICROBATCH_SIZE = 'auto'", *GHOST_REMAT)
+  console = io.StringIO()
+  with one_target_per_spec(), contextlib.redirect_stdout(console):
+    line = dry_run.dry_run(configurables.run_config(), target="tpu:v5e:2x2")
+  return model_dir, line, console.getvalue()
+
+
+def chosen(line) -> list[str]:
+  """The bindings that plan the fixture's run without a search."""
+  return [f"MICROBATCH_SIZE = {line['microbatch_size']}", *GHOST_REMAT,
+          f"train.ghost_summation = '{line['ghost_summation']}'"]
 
 
 def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
-  model_dir, line = v5e
+  model_dir, line, _ = v5e
   assert (line["backend"], line["device_kind"], line["devices"]) == (
       "tpu", "TPU v5 lite", 4)
   assert line["mesh"] == {"data": 4} and line["chips"] == 4
@@ -93,9 +108,9 @@ def test_the_peak_is_xlas_memory_analysis_for_the_same_devices(v5e, tmp_path):
   jax's cache; any other (another microbatch, layout or step) compiles
   here."""
   from jax.experimental import topologies
-  _, line = v5e
+  _, line, _ = v5e
   m = line["microbatch_size"]
-  configure(tmp_path / "run", f"MICROBATCH_SIZE = {m}")
+  configure(tmp_path / "run", *chosen(line))
   devices = topologies.get_topology_desc(
       platform="tpu", topology_name="v5e:2x2").devices
   with targets.without_persistent_cache():
@@ -148,14 +163,31 @@ def _refused(capsys, argv) -> str:
   return err
 
 
+def test_on_a_tpu_the_sizing_takes_the_least_estimated_step(v5e):
+  """Where the compiler estimates time, the sizing costs each variant's
+  largest fitting microbatch (under remat: book-keeping, the second pass)
+  and plans the least estimate, which is the planned step's own."""
+  _, line, console = v5e
+  costed = {summation or "auto": float(seconds)
+            for summation, seconds in re.findall(
+                r"auto sizing: microbatch \d+, remat 'layer'(?:, ghost "
+                r"summation '(\w+)')?: estimated (\S+) s a step", console)}
+  assert set(costed) == {"book_keeping", "auto"}
+  least = min(costed, key=costed.get)
+  assert line["ghost_summation"] == (
+      "second_pass" if least == "auto" else "book_keeping")
+  assert line["step_time_estimate_s"] == pytest.approx(costed[least],
+                                                       rel=1e-3)
+
+
 def test_a_run_that_does_not_fit_the_slice_is_refused_with_the_numbers(
-    tmp_path, capsys):
+    v5e, tmp_path, capsys):
   gin.clear_config()
   argv = ["--gin_file=quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
           *(f"--gin.{b.replace(' = ', '=', 1)}" for b in TINY),
-          # BATCH_SIZE's padded batch: one call, so one accumulate compiled
-          # (the v5e fixture's choice: its programs, `one_target_per_spec`)
-          "--gin.MICROBATCH_SIZE=16", "--gin.train.memory_headroom=1e-5",
+          # The v5e fixture's choice: its programs (`one_target_per_spec`)
+          *(f"--gin.{b.replace(' = ', '=', 1)}" for b in chosen(v5e[1])),
+          "--gin.train.memory_headroom=1e-5",
           "--dry_run", "--target=tpu:v5e:2x2"]
   with one_target_per_spec():
     err = _refused(capsys, argv)

@@ -124,8 +124,8 @@ def largest_batch(run: Callable[[Sequence[str]], dict], argv_at:
     top *= 2
   tried = {k["batch_per_device"] * devices: k for k in known}
 
-  def peak_bytes(batch: int, remat: str = "none") -> int:
-    del remat  # the model's own, fixed by the row's flags
+  def peak_bytes(batch: int, variant: sizing.Variant | None = None) -> int:
+    del variant  # the model's own, fixed by the row's flags
     if batch == first["batch"]:
       return p1
     if batch not in tried:
@@ -137,7 +137,8 @@ def largest_batch(run: Callable[[Sequence[str]], dict], argv_at:
 
   sizes = [top * devices >> i for i in range(top.bit_length())]
   choice = sizing.choose(peak_bytes, sizes=sizes, max_batch=sizes[0],
-                         remats=("none",), limit_bytes=limit,
+                         variants=[sizing.Variant("none")],
+                         limit_bytes=limit,
                          memory_source="target", floor_bytes=floor)
   best = choice.microbatch_size if choice.fits else None
   while best == top * devices and top < max_per_device:

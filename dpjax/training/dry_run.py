@@ -52,7 +52,6 @@ import jax
 from dpjax.training import (distributed, partitioning, reporting, run_config, sizing, step_cost, targets, trainer)
 from dpjax import errors
 from dpjax.models import common
-from dpjax.privacy import clipping_method as clipping_lib
 
 RunConfig = run_config.RunConfig
 MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
@@ -64,25 +63,6 @@ def use_memory_scheduler() -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}".strip()
-
-
-def clipping_method(built: trainer.Built) -> tuple[str, str | None]:
-  """The clipping the run's step uses ('auto' resolved), and with ghost
-  clipping how it forms the sum ('book_keeping' | 'second_pass')."""
-  config, model = built.config, built.model
-  if config.clipping_method == "auto" and model.example_losses is not None:
-    return "vmap", None  # several losses: by vmap only (multi_loss.clipped_grad)
-  example = dict(built.batch_rows)
-  if model.example_rng:
-    example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  abstract = model.abstract_params()[0]
-  on = dict(trainable=model.trainable_mask and model.trainable_mask(abstract))
-  method = clipping_lib.resolved(model.example_loss, abstract, example,
-                                 config.clipping_method, **on)
-  if method != "ghost":
-    return method, None
-  return method, clipping_lib.resolved_summation(
-      model.example_loss, abstract, example, config.ghost_summation, **on)
 
 
 def dry_run(config: RunConfig, steps: int = 0,
@@ -112,8 +92,12 @@ def _dry_run(config: RunConfig, steps: int,
   shardings = dict(batch_sharding=batch_sh, mask_sharding=mask_sh)
   layers = common.scanned_layers(config.model_config)
   # A scanned model's own analysis counts its layer loop once.
-  per_microbatch = (_per_layer_cost(built, layers, m, shardings) if layers
-                    else None)
+  per_microbatch = (step_cost.scanned_accumulate_cost(
+      lambda counts: built.place_model(
+          common.loop_unrolled(built.model.config, counts)),
+      layers, built.batch_rows, m=m,
+      multiple=partitioning.data_parallel_size(mesh, built.rules),
+      **shardings) if layers else None)
   try:
     cost = step_cost.step_cost(built.placed, built.batch_rows, m=m, k=k,
                                with_flops=not layers or per_microbatch is not None,
@@ -134,7 +118,9 @@ def _dry_run(config: RunConfig, steps: int,
   start = built.resume.step if built.resume else 0
   abstract = built.placed.abstract_state.params
   device = mesh.devices.flat[0]
-  method, summation = clipping_method(built)
+  method, summation = trainer.clipping_of(
+      built.model, built.batch_rows, config.clipping_method,
+      choice.ghost_summation or config.ghost_summation)
   record = {
       "n": plan.privacy.dataset_size,
       "q": plan.privacy.batch_size / plan.privacy.dataset_size,
@@ -164,7 +150,7 @@ def _dry_run(config: RunConfig, steps: int,
       "flops_per_step": cost.flops,
       "bytes_accessed_per_step": cost.bytes_accessed,
       # A scanned model's cost programs refused at m: costed at this
-      # microbatch and scaled (`_per_layer_cost`).
+      # microbatch and scaled (`step_cost.scanned_accumulate_cost`).
       "cost_scaled_from_microbatch": (per_microbatch or {}).get(
           "scaled_from_microbatch"),
       # Which layer's addition each stack's cost was extrapolated from
@@ -192,66 +178,6 @@ def _dry_run(config: RunConfig, steps: int,
         f"({record['remat']} remat), {limit / 2**30:.2f} GiB usable "
         f"({source} x train.memory_headroom {config.memory_headroom})")
   return record
-
-
-def _per_layer_cost(built: trainer.Built, layers: dict[str, int], m: int,
-                    shardings: dict) -> dict | None:
-  """A scanned model's microbatch cost from its loop unrolled at one and two
-  layers per stack (`step_cost.per_layer_extrapolation`).
-
-  Those straight-line programs are compiled for their cost only, and keep
-  more alive than the loop the run compiles. Where a target's compiler
-  refuses them for its memory at m, they are costed at the largest of
-  m / 2, m / 4, ... it compiles (each rounded down to a multiple of the
-  data-parallel devices: 160 on 32 devices is followed by 64, then 32)
-  and scaled by m over it (`scaled_from_microbatch`; said on the console):
-  the FLOPs are per example, so they scale exactly but for the sums'
-  accumulation; bytes and time scale the weights' reads too, so they are
-  an upper side. None, said, where no such microbatch compiles."""
-  model_config = built.config.model_config
-  data_parallel = partitioning.data_parallel_size(built.mesh, built.rules)
-  for costed in cost_microbatches(m, data_parallel):
-    try:
-      cost = step_cost.per_layer_extrapolation(
-          lambda counts: step_cost.accumulate_cost(
-              built.place_model(common.loop_unrolled(model_config, counts)),
-              built.batch_rows, m=costed, **shardings), layers)
-      break
-    except jax.errors.JaxRuntimeError as e:
-      refused = step_cost.refusal(e)
-      if refused is None:
-        raise
-      # An HBM refusal, or the TPU compiler out of a fusion's scoped
-      # on-chip memory (T5-XL's on v4-32 at 160 a call once): both
-      # programs are costed at a smaller microbatch.
-      reporting.say(
-          f"dry run: the loop-unrolled programs that cost a scanned model's "
-          f"layers need {refused.temporaries / 2**30:.2f} GiB of temporaries "
-          f"at microbatch {costed}, over the target's memory"
-          if refused.temporaries else
-          f"dry run: the target's compiler could not compile the "
-          f"loop-unrolled programs that cost a scanned model's layers at "
-          f"microbatch {costed}: {refused.message}")
-  else:
-    reporting.say("dry run: no FLOPs or time estimate")
-    return None
-  if costed == m:
-    return cost
-  reporting.say(f"dry run: FLOPs, bytes and time costed at microbatch "
-                f"{costed} and scaled by {m / costed:g}")
-  return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
-                     for f in ("flops", "bytes_accessed", "seconds")},
-          "scaled_from_microbatch": costed}
-
-
-def cost_microbatches(m: int, multiple: int) -> list[int]:
-  """m, then m / 2, m / 4, ..., each rounded down to a multiple of
-  `multiple` (the data-parallel devices), while positive: the microbatches
-  at which `_per_layer_cost` tries the cost programs."""
-  sizes = [m]
-  while sizes[-1] // 2 // multiple:
-    sizes.append(sizes[-1] // 2 // multiple * multiple)
-  return sizes
 
 
 def _target_estimates(target: targets.Target, cost: step_cost.StepCost,

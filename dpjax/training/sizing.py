@@ -1,27 +1,36 @@
-"""Automatic sizing: the fastest microbatch and remat whose step fits.
+"""Automatic sizing: the fastest microbatch and layout whose step fits.
 
 `MICROBATCH_SIZE = 'auto'` and a model config's `remat = 'auto'` leave the
 trade of memory for time to `choose`: it measures candidate steps by their
 compiled peak bytes per device (`dpjax.training.step_cost`, abstract shapes: nothing
 is allocated) and takes the fastest that fits `headroom` x the device
-memory. Faster means fewer accumulation calls (larger microbatches) first,
-then no remat before layer remat: the order is (calls, remat).
+memory. A candidate is a microbatch and a `Variant`: the remat, and for a
+ghost step whose `train.ghost_summation` is 'auto', how the clipped sum is
+formed under remat (book-keeping, which keeps the sites' factors, before
+the second backward pass, which keeps nothing; `variants`). Faster means
+fewer accumulation calls (larger microbatches), then the earlier variant;
+where the compiler estimates a step's time (a TPU's, or a TPU target's),
+each variant's largest fitting microbatch is costed and the least estimate
+wins (`step_cost.step_estimate`; a scanned model's layers through its loop
+unrolled at one and two layers per stack).
 
-A step's peak grows with its microbatch, so for each remat the whole
+A step's peak grows with its microbatch, so for each variant the whole
 padded batch is tried first (one compile where memory is ample), then the
 largest fitting microbatch is searched over the rest (m halving down to one
 example per data-parallel device) by interpolation on the near-affine
 peak, safeguarded by bisection (`choose`): two or three more compiles
-where the peak is affine in m; remat is tried only if it could beat the
-best without it. Device memory: `train.device_memory` (e.g. '80GiB') when
-set, else the backend's `bytes_limit`, else (a CPU) the host's RAM.
+where the peak is affine in m. Without a time estimate a variant is tried
+only if it could take fewer calls than the best before it. Device memory:
+`train.device_memory` (e.g. '80GiB') when set, else the backend's
+`bytes_limit`, else (a CPU) the host's RAM.
 
 The choice and its figures are printed and written to
 MODEL_DIR/auto_sizing.json with a fingerprint of everything it depends on
 (backend, devices, mesh, model, lengths, batch, clipping, memory, jax
 version); a rerun with the same fingerprint takes it without compiling.
 Nothing here touches privacy: the sampled batch, its noise and its
-accounting are the same whatever the microbatch (tested: same result).
+accounting are the same whatever the microbatch, remat or summation
+(tested: same result).
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ import json
 import os
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 
@@ -96,6 +105,13 @@ def microbatch_candidates(max_batch: int, multiple: int) -> list[int]:
     calls *= 2
 
 
+class Variant(NamedTuple):
+  """A step's layout for memory, apart from its microbatch: the model's
+  remat and ghost clipping's summation (`train.ghost_summation`)."""
+  remat: str
+  summation: str = "auto"
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """The sizing a run uses, and how it was found."""
@@ -107,7 +123,11 @@ class Choice:
   limit_bytes: int | None
   memory_source: str | None
   fits: bool = True
-  tried: tuple[dict, ...] = ()  # {'microbatch_size', 'remat', 'peak_bytes'}
+  # {'microbatch_size', 'remat', 'ghost_summation', 'peak_bytes'}, and
+  # 'seconds' for the candidates whose step time was estimated
+  tried: tuple[dict, ...] = ()
+  ghost_summation: str | None = None  # None: not searched (the setting's)
+  seconds: float | None = None  # the compiler's step estimate, if compared
 
   def to_json(self) -> dict:
     """A plain dict of the fields (JSON-serializable)."""
@@ -116,25 +136,38 @@ class Choice:
   def summary(self) -> str:
     """The choice in one console line."""
     remat = "" if self.remat is None else f", remat {self.remat!r}"
+    if self.ghost_summation not in (None, AUTO):
+      remat += f", ghost summation {self.ghost_summation!r}"
     if self.peak_bytes is None and not self.tried:
       return f"microbatch {self.microbatch_size}{remat}"
     peak = ("refused by the compiler" if self.peak_bytes is None
             else f"peak {self.peak_bytes / 2**30:.2f} GiB")
+    timed = ("" if self.seconds is None
+             else f", estimated {self.seconds:.4g} s a step")
     return (f"microbatch {self.microbatch_size} x {self.accumulation_steps} "
             f"calls{remat}: {peak} of "
             f"{self.limit_bytes / 2**30:.2f} GiB usable ({self.memory_source})"
-            f"{'' if self.fits else ' -- DOES NOT FIT'}; "
+            f"{timed}{'' if self.fits else ' -- DOES NOT FIT'}; "
             f"{len(self.tried)} candidates compiled")
 
 
-def choose(peak_bytes: Callable[[int, str], int | None], *, sizes: Sequence[int],
-           max_batch: int, remats: Sequence[str], limit_bytes: int,
-           memory_source: str, floor_bytes: int = 0) -> Choice:
-  """The fastest (fewest calls, then cheapest remat) candidate whose
-  `peak_bytes(m, remat)` is at most `limit_bytes`, over microbatch `sizes`
-  (largest first, e.g. `microbatch_candidates`) for a padded batch of
-  `max_batch`. If none fits, the smallest candidate, marked `fits=False`
-  (the trainer refuses it).
+def choose(peak_bytes: Callable[[int, Variant], int | None], *,
+           sizes: Sequence[int], max_batch: int, variants: Sequence[Variant],
+           limit_bytes: int, memory_source: str, floor_bytes: int = 0,
+           seconds: Callable[[int, Variant], float | None] | None = None
+           ) -> Choice:
+  """The fastest candidate (microbatch m, variant) whose `peak_bytes(m,
+  variant)` is at most `limit_bytes`, over microbatch `sizes` (largest
+  first, e.g. `microbatch_candidates`) for a padded batch of `max_batch`
+  and `variants` (the faster at equal calls first, e.g. no remat before
+  layer remat). If none fits, the smallest candidate of the last variant,
+  marked `fits=False` (the trainer refuses it).
+
+  Fastest is fewest calls, then the earlier variant; with `seconds` (the
+  compiler's estimate of a candidate's step time), the least estimate
+  among each variant's largest fitting microbatch (its fewest calls),
+  where every one of them has an estimate. Without `seconds` a variant is
+  searched only below the calls of the best so far; with it, each in full.
 
   The search is a safeguarded interpolation: a step's peak is close to
   affine in m, so the next size measured is the largest that the line
@@ -146,58 +179,72 @@ def choose(peak_bytes: Callable[[int, str], int | None], *, sizes: Sequence[int]
   candidate the compiler refused without a figure) does not fit and
   draws no line."""
   tried: list[dict] = []
-  measured: dict[tuple[int, str], int | None] = {}
+  measured: dict[tuple[int, Variant], int | None] = {}
 
-  def fits(i: int, remat: str) -> bool:
-    peak = peak_bytes(sizes[i], remat)
+  def fits(i: int, variant: Variant) -> bool:
+    peak = peak_bytes(sizes[i], variant)
     peak = None if peak is None else int(peak)
-    tried.append({"microbatch_size": sizes[i], "remat": remat,
-                  "peak_bytes": peak})
-    measured[i, remat] = peak
+    tried.append({"microbatch_size": sizes[i], "remat": variant.remat,
+                  "ghost_summation": variant.summation, "peak_bytes": peak})
+    measured[i, variant] = peak
     return peak is not None and peak <= limit_bytes
 
-  def predicted(lo: int, hi: int, remat: str) -> tuple[int, bool] | None:
+  def predicted(lo: int, hi: int, variant: Variant) -> tuple[int, bool] | None:
     """(the index in sizes[lo:hi] the line picks, whether the line says it
     fits); None where there is no usable line."""
-    m_up, p_up = sizes[lo - 1], measured[lo - 1, remat]
-    m_low, p_low = ((sizes[hi], measured[hi, remat])
-                    if (hi, remat) in measured else (0, floor_bytes))
+    m_up, p_up = sizes[lo - 1], measured[lo - 1, variant]
+    m_low, p_low = ((sizes[hi], measured[hi, variant])
+                    if (hi, variant) in measured else (0, floor_bytes))
     if p_up is None or p_up <= p_low or m_up <= m_low:
       return None
     m_fit = m_low + (limit_bytes - p_low) * (m_up - m_low) / (p_up - p_low)
     i = next((i for i in range(lo, hi) if sizes[i] <= m_fit), hi - 1)
     return i, sizes[i] <= m_fit
 
-  best = None  # (index into sizes, remat)
-  for remat in sorted(remats, key=REMAT_ORDER.index):
-    hi = len(sizes) if best is None else best[0]  # must beat the best
-    if hi == 0:
-      break
-    if fits(0, remat):  # the whole batch: the common case, one compile
-      best = (0, remat)
-      break
+  def largest_fitting(variant: Variant, hi: int) -> int | None:
+    """The index of the largest size in sizes[:hi] that fits."""
+    if fits(0, variant):  # the whole batch: the common case, one compile
+      return 0
     lo, found, interpolate = 1, None, True
-    while lo < hi:  # the first (largest) size that fits, in sizes[1:hi]
-      guess = predicted(lo, hi, remat) if interpolate else None
+    while lo < hi:
+      guess = predicted(lo, hi, variant) if interpolate else None
       i, expected = ((lo + hi) // 2, None) if guess is None else guess
-      ok = fits(i, remat)
+      ok = fits(i, variant)
       if ok:
         found, hi = i, i
       else:
         lo = i + 1
       interpolate = interpolate and ok == expected  # bisect once it misses
+    return found
+
+  frontier = []  # (index into sizes, variant): each variant's fewest calls
+  for variant in variants:
+    hi = len(sizes) if seconds or not frontier else frontier[0][0]
+    if hi == 0:
+      break  # the whole batch fits: nothing takes fewer calls
+    found = largest_fitting(variant, hi)
     if found is not None:
-      best = (found, remat)
-  fit = best is not None
-  if not fit:
-    best = (len(sizes) - 1, sorted(remats, key=REMAT_ORDER.index)[-1])
-  peak = next((t["peak_bytes"] for t in reversed(tried)
-               if (t["microbatch_size"], t["remat"]) == (sizes[best[0]],
-                                                         best[1])), None)
-  return Choice(microbatch_size=sizes[best[0]], remat=best[1],
+      frontier.append((found, variant))
+      frontier.sort(key=lambda f: f[0])  # stable: earlier variants first
+  fit, estimate = bool(frontier), None
+  best = frontier[0] if fit else (len(sizes) - 1, variants[-1])
+  if seconds and len(frontier) > 1:
+    timed = []
+    for i, variant in frontier:
+      estimate = seconds(sizes[i], variant)
+      next(t for t in reversed(tried) if (t["microbatch_size"], t["remat"],
+           t["ghost_summation"]) == (sizes[i], *variant))["seconds"] = estimate
+      timed.append((estimate, i, variant))
+    if all(t[0] is not None for t in timed):
+      estimate, *best = min(timed, key=lambda t: t[0])
+    else:
+      estimate = None
+  peak = measured.get(tuple(best))
+  return Choice(microbatch_size=sizes[best[0]], remat=best[1].remat,
                 accumulation_steps=-(-max_batch // sizes[best[0]]),
                 peak_bytes=peak, limit_bytes=limit_bytes,
-                memory_source=memory_source, fits=fit, tried=tuple(tried))
+                memory_source=memory_source, fits=fit, tried=tuple(tried),
+                ghost_summation=best[1].summation, seconds=estimate)
 
 
 def config_values(model_config, name: str) -> list:
@@ -239,16 +286,37 @@ def peak_or_refusal(compiled_peak: Callable[[], int], floor: int
             else floor + refused.temporaries), refused
 
 
+def variants(remat: str | None, summation: str, ghost: bool
+             ) -> list[Variant]:
+  """The layouts the sizing compares, the faster at equal calls first:
+  for `remat` 'auto' no remat, then layer remat (else `remat` alone), each
+  with the `summation` set; and where a ghost step (`ghost`) leaves it to
+  'auto', under remat book-keeping before 'auto''s second pass (one
+  backward pass, fewer FLOPs and bytes; it keeps the sites' factors, so
+  more memory)."""
+  out = []
+  for r in (REMAT_ORDER if remat == AUTO else (remat,)):
+    if ghost and summation == AUTO and r not in (None, "none"):
+      out.append(Variant(r, "book_keeping"))
+    out.append(Variant(r, summation))
+  return out
+
+
 def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
-               place: Callable[[str], Any], model_dir: str, dry_run: bool,
-               target: targets.Target | None = None
+               place: Callable[..., Any], model_dir: str, dry_run: bool,
+               target: targets.Target | None = None, ghost: bool = False
                ) -> tuple[Choice, str | None]:
-  """(the microbatch and remat a run uses, the fingerprint of an automatic
-  choice): `config`'s (a `RunConfig`) as given, or `choose`'s over the
-  steps `place(remat)` (`step.place_steps` of the model with that remat)
-  on batches of `rows` (one example's abstract features), taken from
-  MODEL_DIR when recorded there under the same fingerprint. A choice that
-  does not fit is refused unless `dry_run` (which reports it)."""
+  """(the microbatch, remat and ghost summation a run uses, the fingerprint
+  of an automatic choice): `config`'s (a `RunConfig`) as given, or
+  `choose`'s over the steps `place(variant)` (`step.place_steps` of the
+  model with that remat and summation; `place(variant, model_config)` for
+  another config: a scanned model's layers unrolled to cost them) on
+  batches of `rows` (one example's abstract features), over `variants`
+  (`ghost`: whether the step clips by ghost with every site's factors
+  recordable under remat), taken from MODEL_DIR when recorded there under
+  the same fingerprint. Where the compiler estimates time (a TPU, or a TPU
+  target), the fitting variants are compared by that estimate. A choice
+  that does not fit is refused unless `dry_run` (which reports it)."""
   data_devices = partitioning.data_parallel_size(mesh, rules)
   auto_m = config.microbatch_size == AUTO
   remat = model_remat(config.model_config)
@@ -267,17 +335,19 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
       lengths=config.task_feature_lengths, max_batch=max_batch,
       microbatch=config.microbatch_size, mesh=dict(mesh.shape), rules=rules,
       clipping=config.clipping_method, summation=config.ghost_summation,
-      optimizer=config.optimizer,
-      limit=limit)
+      ghost=ghost, optimizer=config.optimizer, limit=limit)
   choice = load(model_dir, key)
   if choice is not None:
     reporting.say(f"auto sizing (recorded in {model_dir}): "
                   f"{choice.summary()}")
     return choice, key
-  batch_sh = partitioning.batch_sharding(mesh, 3, batch_dim=1, rules=rules)
-  mask_sh = partitioning.batch_sharding(mesh, 2, batch_dim=1, rules=rules)
-  remats = (REMAT_ORDER if remat == AUTO else (remat,))
-  placed = place(remats[-1])
+  shardings = dict(
+      batch_sharding=partitioning.batch_sharding(mesh, 3, batch_dim=1,
+                                                 rules=rules),
+      mask_sharding=partitioning.batch_sharding(mesh, 2, batch_dim=1,
+                                                rules=rules))
+  candidates = variants(remat, config.ghost_summation, ghost)
+  placed = place(candidates[-1])
   # The state and one clipped sum per loss stay resident whatever the
   # microbatch: if they alone overflow, no candidate is worth compiling.
   floor = step_cost.device_bytes(placed.abstract_state) + (
@@ -285,31 +355,70 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
           jax.eval_shape(placed.zero_sums, placed.abstract_state.params),
           placed.sums_shardings)))
 
-  def peak(m: int, remat_choice: str) -> int:
+  # Only a TPU's compiler estimates a step's time (`step_cost`).
+  timed = mesh.devices.flat[0].platform == "tpu"
+  layers = common.scanned_layers(config.model_config)
+  estimates = {}  # (m, variant) -> seconds, from a compile for the peak
+
+  def compiled_peak(m: int, variant: Variant) -> int:
+    k = -(-max_batch // m)
+    # One call of an unrolled model: its compile for the peak costs it too.
+    with_cost = timed and k == 1 and not layers
+    cost = step_cost.step_cost(place(variant), rows, m=m, k=k,
+                               with_flops=with_cost, **shardings)
+    if with_cost:
+      estimates[m, variant] = cost.seconds
+    return cost.peak_bytes
+
+  def peak(m: int, variant: Variant) -> int:
     # A large model's compile takes minutes on a CPU: say what is compiling.
     start = time.perf_counter()
-    bytes_, refused = peak_or_refusal(
-        lambda: step_cost.step_cost(
-            place(remat_choice), rows, m=m, k=-(-max_batch // m),
-            batch_sharding=batch_sh, mask_sharding=mask_sh).peak_bytes,
-        floor)
+    bytes_, refused = peak_or_refusal(lambda: compiled_peak(m, variant),
+                                      floor)
     what = (f"refused by the compiler: {refused.message}" if bytes_ is None
             else f"{'refused by the compiler, peak at least' if refused else 'peak'} "
                  f"{bytes_ / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB")
-    reporting.say(
-        f"auto sizing: microbatch {m}, remat {remat_choice!r}: {what} "
-        f"(compiled in {time.perf_counter() - start:.0f} s)")
+    reporting.say(f"auto sizing: microbatch {m}, {_described(variant)}: "
+                  f"{what} (compiled in {time.perf_counter() - start:.0f} s)")
     return bytes_
+
+  def estimate(m: int, variant: Variant) -> float | None:
+    if (m, variant) in estimates:
+      return estimates[m, variant]
+    model_config = with_remat(config.model_config, variant.remat)
+    per_microbatch = step_cost.scanned_accumulate_cost(
+        lambda counts: place(variant,
+                             common.loop_unrolled(model_config, counts)),
+        layers, rows, m=m, multiple=data_devices,
+        **shardings) if layers else None
+    if layers and per_microbatch is None:
+      return None
+    return step_cost.step_estimate(place(variant), rows, m=m,
+                                   k=-(-max_batch // m),
+                                   accumulate=per_microbatch,
+                                   **shardings)["seconds"]
+
+  def seconds(m: int, variant: Variant) -> float | None:
+    start = time.perf_counter()
+    estimate_s = estimate(m, variant)
+    reporting.say(
+        f"auto sizing: microbatch {m}, {_described(variant)}: "
+        + ("no time estimate" if estimate_s is None else
+           f"estimated {estimate_s:.4g} s a step")
+        + f" (costed in {time.perf_counter() - start:.0f} s)")
+    return estimate_s
 
   if floor > limit:
     choice = Choice(
-        microbatch_size=sizes[-1], remat=remats[-1],
+        microbatch_size=sizes[-1], remat=candidates[-1].remat,
         accumulation_steps=-(-max_batch // sizes[-1]), peak_bytes=floor,
-        limit_bytes=limit, memory_source=source, fits=False)
+        limit_bytes=limit, memory_source=source, fits=False,
+        ghost_summation=candidates[-1].summation)
   else:
-    choice = choose(peak, sizes=sizes, max_batch=max_batch, remats=remats,
-                    limit_bytes=limit, memory_source=source,
-                    floor_bytes=floor)
+    choice = choose(peak, sizes=sizes, max_batch=max_batch,
+                    variants=candidates, limit_bytes=limit,
+                    memory_source=source, floor_bytes=floor,
+                    seconds=seconds if timed else None)
   reporting.say(f"auto sizing: {choice.summary()}")
   if not choice.fits and not dry_run:
     raise errors.UsageError(
@@ -323,6 +432,13 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
         "(gin/performance/fsdp.gin: logical_axis_rules.name = 'fsdp' on an 'fsdp' "
         "mesh), use more devices, or set train.device_memory")
   return choice, key
+
+
+def _described(variant: Variant) -> str:
+  """The variant on the console; a summation only where it is set."""
+  return f"remat {variant.remat!r}" + (
+      "" if variant.summation == AUTO
+      else f", ghost summation {variant.summation!r}")
 
 
 def fingerprint(device_mesh, **facts: Any) -> str:

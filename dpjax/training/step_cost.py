@@ -33,6 +33,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from dpjax.training import reporting
+
 PyTree = Any
 
 
@@ -270,19 +272,36 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   apply_peak = memory_analysis(apply)["peak_estimate_bytes"]
   flops = bytes_accessed = seconds = None
   if with_flops:
-    if accumulate_cost is None:
-      accumulate_cost = (
-          loop_free_cost(accumulate_program, mesh, accumulate) if k == 1 else
-          loop_free_cost(_lower_accumulate(placed, batch_rows, m=m, k=1,
-                                           **shardings), mesh))
-    total = combine(accumulate_cost,
-                    loop_free_cost(apply_program, mesh, apply), k)
+    if accumulate_cost is None and k == 1:
+      accumulate_cost = loop_free_cost(accumulate_program, mesh, accumulate)
+    total = step_estimate(
+        placed, batch_rows, m=m, k=k, accumulate=accumulate_cost,
+        apply=loop_free_cost(apply_program, mesh, apply), **shardings)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
     seconds = total["seconds"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),
                   accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
                   state_bytes=state_bytes, flops=flops,
                   bytes_accessed=bytes_accessed, seconds=seconds)
+
+
+def step_estimate(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
+                  m: int, k: int, batch_sharding, mask_sharding,
+                  accumulate: Mapping | None = None,
+                  apply: Mapping | None = None) -> dict:
+  """`flops`, `bytes_accessed` and `seconds` (`combine`d) of one logical
+  step of `placed`, k calls of m, from programs compiled for their cost
+  alone (`loop_free_cost`: accumulate over one microbatch, and apply),
+  unless their costs are given (`accumulate`: for a scanned model,
+  `scanned_accumulate_cost`'s). No memory figure: `step_cost` gives both."""
+  if accumulate is None:
+    accumulate = accumulate_cost(placed, batch_rows, m=m,
+                                 batch_sharding=batch_sharding,
+                                 mask_sharding=mask_sharding)
+  if apply is None:
+    apply = loop_free_cost(_lower_apply(placed, batch_sharding),
+                           batch_sharding.mesh)
+  return combine(accumulate, apply, k)
 
 
 def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
@@ -337,3 +356,67 @@ def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
   return loop_free_cost(_lower_accumulate(
       placed, batch_rows, m=m, k=1, batch_sharding=batch_sharding,
       mask_sharding=mask_sharding), batch_sharding.mesh)
+
+
+def scanned_accumulate_cost(place_unrolled: Callable[[Mapping[str, int]], Any],
+                            layers: Mapping[str, int],
+                            batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
+                            m: int, multiple: int, batch_sharding,
+                            mask_sharding) -> dict | None:
+  """A scanned model's accumulate cost over one microbatch of m, from its
+  loop unrolled at one and two layers per stack (`per_layer_extrapolation`;
+  `place_unrolled(counts)`: the run's steps for the model with `counts`
+  layers per stack, unrolled).
+
+  Those straight-line programs are compiled for their cost only, and keep
+  more alive than the loop the run compiles. Where a target's compiler
+  refuses them for its memory at m, they are costed at the largest of
+  m / 2, m / 4, ... it compiles (each rounded down to a multiple of the
+  data-parallel devices, `multiple`: 160 on 32 devices is followed by 64,
+  then 32) and scaled by m over it (`scaled_from_microbatch`; said on the
+  console): the FLOPs are per example, so they scale exactly but for the
+  sums' accumulation; bytes and time scale the weights' reads too, so they
+  are an upper side. None, said, where no such microbatch compiles."""
+  for costed in cost_microbatches(m, multiple):
+    try:
+      cost = per_layer_extrapolation(
+          lambda counts: accumulate_cost(
+              place_unrolled(counts), batch_rows, m=costed,
+              batch_sharding=batch_sharding, mask_sharding=mask_sharding),
+          layers)
+      break
+    except jax.errors.JaxRuntimeError as e:
+      refused = refusal(e)
+      if refused is None:
+        raise
+      # An HBM refusal, or the TPU compiler out of a fusion's scoped
+      # on-chip memory (T5-XL's on v4-32 at 160 a call once): both
+      # programs are costed at a smaller microbatch.
+      reporting.say(
+          f"cost: the loop-unrolled programs that cost a scanned model's "
+          f"layers need {refused.temporaries / 2**30:.2f} GiB of temporaries "
+          f"at microbatch {costed}, over the target's memory"
+          if refused.temporaries else
+          f"cost: the target's compiler could not compile the "
+          f"loop-unrolled programs that cost a scanned model's layers at "
+          f"microbatch {costed}: {refused.message}")
+  else:
+    reporting.say("cost: no FLOPs or time estimate")
+    return None
+  if costed == m:
+    return cost
+  reporting.say(f"cost: FLOPs, bytes and time costed at microbatch "
+                f"{costed} and scaled by {m / costed:g}")
+  return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
+                     for f in ("flops", "bytes_accessed", "seconds")},
+          "scaled_from_microbatch": costed}
+
+
+def cost_microbatches(m: int, multiple: int) -> list[int]:
+  """m, then m / 2, m / 4, ..., each rounded down to a multiple of
+  `multiple` (the data-parallel devices), while positive: the microbatches
+  at which `scanned_accumulate_cost` tries the cost programs."""
+  sizes = [m]
+  while sizes[-1] // 2 // multiple:
+    sizes.append(sizes[-1] // 2 // multiple * multiple)
+  return sizes

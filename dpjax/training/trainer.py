@@ -59,6 +59,7 @@ from dpjax.training import optimizer as optimizer_lib
 from dpjax.training.state import TrainState
 from dpjax import errors, fileio, pretrained, verify
 from dpjax.models import trainable as trainable_lib
+from dpjax.privacy import clipping_method as clipping_lib
 from dpjax.privacy import ledger as ledger_lib
 from dpjax.privacy import mechanisms, sampling, secret as secret_lib
 from dpjax.privacy.mechanisms import multi_loss, redaction_schedule
@@ -181,32 +182,73 @@ def build(config: RunConfig, *, dry_run: bool = False,
 
   audit_canaries = canaries and canaries(model, plan)
 
-  def place(remat: str, model_config=model_config
+  def place(variant: sizing_lib.Variant, model_config=model_config
             ) -> tuple[trainable_lib.Trainable, step_lib.PlacedSteps]:
     sized = trainable_lib.trainable(
-        sizing_lib.with_remat(model_config, remat), lengths)
+        sizing_lib.with_remat(model_config, variant.remat), lengths)
     return sized, step_lib.place_steps(
         sized, plan.mechanism, mesh=mesh, rules=rules,
         optimizer=config.optimizer, learning_rate=schedule,
         clip_norm=plan.privacy.clip_norm, clip_norms=bounds,
         normalizer=plan.normalizer, seed=config.seed,
         clipping_method=config.clipping_method,
-        ghost_summation=config.ghost_summation, canaries=audit_canaries)
+        ghost_summation=variant.summation, canaries=audit_canaries)
 
   rows = {f: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
           for f, x in splits.train.items()}
   choice, key = sizing_lib.size_steps(
       config, plan.sampler.max_batch_size, mesh=mesh, rules=rules, rows=rows,
-      place=lambda remat: place(remat)[1], model_dir=model_dir,
-      dry_run=dry_run, target=target)
-  model, placed = place(choice.remat or "none")
+      place=lambda *args: place(*args)[1], model_dir=model_dir,
+      dry_run=dry_run, target=target,
+      ghost=_book_keeps_under_remat(config, lengths, rows))
+  chosen = sizing_lib.Variant(choice.remat or "none",
+                              choice.ghost_summation or config.ghost_summation)
+  model, placed = place(chosen)
   return Built(
       config=config, model_dir=model_dir, target_epsilon=target_epsilon,
       model=model, lengths=lengths, splits=splits, tokenizer=tokenizer,
       init_run=init_run, mngr=mngr, resume=resume, run_secret=run_secret,
       plan=plan, plan_for=plan_for, mesh=mesh, rules=rules, sizing=choice,
       sizing_key=key, placed=placed, schedule=schedule, batch_rows=rows,
-      place_model=lambda other: place(choice.remat or "none", other)[1])
+      place_model=lambda other: place(chosen, other)[1])
+
+
+def clipping_of(model: trainable_lib.Trainable, rows: dict, method: str,
+                summation: str) -> tuple[str, str | None]:
+  """The clipping `model`'s step uses by `train.clipping_method` `method`
+  ('auto' resolved), and with ghost clipping how it forms the sum from
+  `train.ghost_summation` `summation` ('book_keeping' | 'second_pass');
+  `rows`: one example's abstract features. A ValueError where
+  'book_keeping' cannot record a site's factors."""
+  if method == "auto" and model.example_losses is not None:
+    return "vmap", None  # several losses: by vmap only (multi_loss.clipped_grad)
+  example = dict(rows)
+  if model.example_rng:
+    example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  abstract = model.abstract_params()[0]
+  on = dict(trainable=model.trainable_mask and model.trainable_mask(abstract))
+  method = clipping_lib.resolved(model.example_loss, abstract, example,
+                                 method, **on)
+  if method != "ghost":
+    return method, None
+  return method, clipping_lib.resolved_summation(
+      model.example_loss, abstract, example, summation, **on)
+
+
+def _book_keeps_under_remat(config: RunConfig, lengths, rows) -> bool:
+  """Whether the run clips by ghost with its summation left to 'auto' and
+  every site's factors recordable under layer remat: then the sizing
+  compares book-keeping with the second pass there."""
+  if (config.ghost_summation != "auto" or sizing_lib.model_remat(
+      config.model_config) not in (sizing_lib.AUTO, "layer")):
+    return False
+  model = trainable_lib.trainable(
+      sizing_lib.with_remat(config.model_config, "layer"), lengths)
+  try:
+    return clipping_of(model, rows, config.clipping_method,
+                       "book_keeping")[0] == "ghost"
+  except ValueError:  # a site book-keeping cannot record
+    return False
 
 
 def train(config: RunConfig, *,
