@@ -236,11 +236,14 @@ def clipping_of(model: trainable_lib.Trainable, rows: dict, method: str,
 
 
 def _book_keeps_under_remat(config: RunConfig, lengths, rows) -> bool:
-  """Whether the run clips by ghost with its summation left to 'auto' and
-  every site's factors recordable under layer remat: then the sizing
-  compares book-keeping with the second pass there."""
-  if (config.ghost_summation != "auto" or sizing_lib.model_remat(
-      config.model_config) not in (sizing_lib.AUTO, "layer")):
+  """Whether the run is sized (microbatch or remat 'auto') and clips by
+  ghost with its summation left to 'auto' and every site's factors
+  recordable under layer remat: then the sizing compares book-keeping with
+  the second pass there."""
+  remat = sizing_lib.model_remat(config.model_config)
+  if (config.ghost_summation != "auto" or remat not in (sizing_lib.AUTO,
+                                                        "layer")
+      or sizing_lib.AUTO not in (config.microbatch_size, remat)):
     return False
   model = trainable_lib.trainable(
       sizing_lib.with_remat(config.model_config, "layer"), lengths)
