@@ -98,19 +98,22 @@ def resolved(loss_fn: clipping.LossFn, params, example,
   """'vmap' or 'ghost': the method `make_clipped_grad(method=method,
   trainable=trainable)` clips `loss_fn` by, for `params` and one `example`
   (abstract shapes do)."""
-  if method != "auto":
-    return method
-  return "ghost" if _trained_sites(loss_fn, params, example,
-                                   trainable) else "vmap"
+  return resolution(loss_fn, params, example, method, trainable=trainable)[0]
 
 
-def resolved_summation(loss_fn: clipping.LossFn, params, example,
-                       summation: str = "auto", trainable=None) -> str:
-  """'book_keeping' or 'second_pass': how ghost clipping forms the sum of
-  `loss_fn`'s sites for `summation` (`ghost.ghost_clipped_grad`'s)."""
+def resolution(loss_fn: clipping.LossFn, params, example,
+               method: str = "auto", summation: str = "auto",
+               trainable=None) -> tuple[str, str | None]:
+  """(`resolved`'s method, and with ghost how it forms the sum for
+  `summation`: 'book_keeping' or 'second_pass'; None for vmap), the sites
+  found once. A ValueError where 'book_keeping' cannot record a site."""
+  if method == "vmap":
+    return "vmap", None
   sites = _trained_sites(loss_fn, params, example, trainable)
+  if method == "auto" and not sites:
+    return "vmap", None
   second = ghost.uses_second_pass(summation, tuple(sites))
-  return "second_pass" if second else "book_keeping"
+  return "ghost", "second_pass" if second else "book_keeping"
 
 
 def _trained_sites(loss_fn, params, example, trainable) -> list:

@@ -179,21 +179,23 @@ def choose(peak_bytes: Callable[[int, Variant], int | None], *,
   candidate the compiler refused without a figure) does not fit and
   draws no line."""
   tried: list[dict] = []
-  measured: dict[tuple[int, Variant], int | None] = {}
+  measured: dict[tuple[int, Variant], dict] = {}  # its entry in `tried`
 
   def fits(i: int, variant: Variant) -> bool:
     peak = peak_bytes(sizes[i], variant)
     peak = None if peak is None else int(peak)
-    tried.append({"microbatch_size": sizes[i], "remat": variant.remat,
-                  "ghost_summation": variant.summation, "peak_bytes": peak})
-    measured[i, variant] = peak
+    measured[i, variant] = {"microbatch_size": sizes[i],
+                            "remat": variant.remat,
+                            "ghost_summation": variant.summation,
+                            "peak_bytes": peak}
+    tried.append(measured[i, variant])
     return peak is not None and peak <= limit_bytes
 
   def predicted(lo: int, hi: int, variant: Variant) -> tuple[int, bool] | None:
     """(the index in sizes[lo:hi] the line picks, whether the line says it
     fits); None where there is no usable line."""
-    m_up, p_up = sizes[lo - 1], measured[lo - 1, variant]
-    m_low, p_low = ((sizes[hi], measured[hi, variant])
+    m_up, p_up = sizes[lo - 1], measured[lo - 1, variant]["peak_bytes"]
+    m_low, p_low = ((sizes[hi], measured[hi, variant]["peak_bytes"])
                     if (hi, variant) in measured else (0, floor_bytes))
     if p_up is None or p_up <= p_low or m_up <= m_low:
       return None
@@ -232,14 +234,13 @@ def choose(peak_bytes: Callable[[int, Variant], int | None], *,
     timed = []
     for i, variant in frontier:
       estimate = seconds(sizes[i], variant)
-      next(t for t in reversed(tried) if (t["microbatch_size"], t["remat"],
-           t["ghost_summation"]) == (sizes[i], *variant))["seconds"] = estimate
+      measured[i, variant]["seconds"] = estimate
       timed.append((estimate, i, variant))
     if all(t[0] is not None for t in timed):
       estimate, *best = min(timed, key=lambda t: t[0])
     else:
       estimate = None
-  peak = measured.get(tuple(best))
+  peak = measured.get(tuple(best), {}).get("peak_bytes")
   return Choice(microbatch_size=sizes[best[0]], remat=best[1].remat,
                 accumulation_steps=-(-max_batch // sizes[best[0]]),
                 peak_bytes=peak, limit_bytes=limit_bytes,

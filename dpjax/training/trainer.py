@@ -226,13 +226,9 @@ def clipping_of(model: trainable_lib.Trainable, rows: dict, method: str,
   if model.example_rng:
     example["dropout_rng"] = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   abstract = model.abstract_params()[0]
-  on = dict(trainable=model.trainable_mask and model.trainable_mask(abstract))
-  method = clipping_lib.resolved(model.example_loss, abstract, example,
-                                 method, **on)
-  if method != "ghost":
-    return method, None
-  return method, clipping_lib.resolved_summation(
-      model.example_loss, abstract, example, summation, **on)
+  return clipping_lib.resolution(
+      model.example_loss, abstract, example, method, summation,
+      trainable=model.trainable_mask and model.trainable_mask(abstract))
 
 
 def _book_keeps_under_remat(config: RunConfig, lengths, rows) -> bool:
