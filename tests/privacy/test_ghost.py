@@ -11,6 +11,7 @@ import math
 
 import flax.linen as nn
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -547,3 +548,61 @@ def test_a_sites_own_norm_equals_the_float64_gradient_norm(length, kind):
                     norm="ghost", remat=False)
   got = float(jax.jit(ghost_algebra.ghost_sq_norm, static_argnums=0)(site, (a, b)))
   np.testing.assert_allclose(got, np.sum(grad ** 2), rtol=1e-5)
+
+
+def test_bfloat16_parts_sum_exactly_to_the_float32():
+  rng = np.random.RandomState(0)
+  x = (rng.standard_normal((3, 50)) * np.exp(rng.uniform(-60, 60, (3, 50)))
+       ).astype(np.float32)
+  x[0, :3] = [1 / 3, -np.pi, np.float32(1) + np.float32(2.0 ** -23)]
+  parts = jax.jit(ghost_algebra.bfloat16_parts)(x)
+  assert parts.dtype == jnp.bfloat16 and parts.shape == (3, 150)
+  hi, mid, lo = np.split(np.asarray(parts, np.float64), 3, axis=-1)
+  np.testing.assert_array_equal(hi + mid + lo, x.astype(np.float64))
+  # Rounding to bf16 alone would not do: most of these need all three.
+  assert np.mean(mid != 0) > 0.9 and np.mean(lo != 0) > 0.5
+
+
+def _dot_operand_dtypes(fn, *args):
+  dtypes = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        dtypes.append(tuple(v.aval.dtype for v in eqn.invars))
+      for sub in jax_core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return dtypes
+
+
+def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
+  """bf16 factors and float32 clip weights: the sum is the float32 one
+  (the weights are not rounded to bf16, which could round one above
+  min(1, C / norm)), yet every matmul takes bf16 operands (a float32 one
+  runs at a fraction of the rate on accelerators)."""
+  rng = np.random.RandomState(1)
+  m, length, rows, cols = 5, 16, 24, 40
+  a = jnp.asarray(rng.standard_normal((m, length, rows)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((m, length, cols)), jnp.bfloat16)
+  weights = rng.uniform(0.01, 1.0, m).astype(np.float32)
+  keep = np.array([True, True, False, True, True])
+  site = ghost.Site(key=((), "x", 0), kind="dense", param="p", leaf=0,
+                    shape=(rows, cols), length=length,
+                    output=jax.ShapeDtypeStruct((length, cols), jnp.bfloat16),
+                    norm="ghost", remat=False)
+  got = jax.jit(ghost_algebra.book_keeping, static_argnums=0)(
+      site, a, b, weights, keep)
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  want = sum(weights[i].astype(np.float64) * a64[i].T @ b64[i]
+             for i in range(m) if keep[i])
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * abs(want).max())
+  # The weights rounded to bf16 would be off by ~1e-3.
+  rounded = sum(np.float64(jnp.asarray(weights[i], jnp.bfloat16))
+                * a64[i].T @ b64[i] for i in range(m) if keep[i])
+  assert abs(rounded - want).max() > 1e-4 * abs(want).max()
+  assert set(_dot_operand_dtypes(
+      functools.partial(ghost_algebra.book_keeping, site),
+      a, b, weights, keep)) == {(jnp.dtype(jnp.bfloat16),) * 2}
