@@ -49,6 +49,10 @@ def check_result(result, mode):
   assert result["tokens_per_s"] == pytest.approx(
       64 / result["step_time_s"], rel=1e-3)
   assert result["peak_memory_bytes"] > 0
+  # On a CPU the peak is the compiled step's memory analysis, reported too.
+  assert result["peak_memory_source"] == "memory_analysis"
+  assert result["memory_analysis"]["peak_estimate_bytes"] == (
+      result["peak_memory_bytes"])
   assert result["mfu"] is None  # no known peak for a CPU
   assert result["flops"] > 0 and result["bytes_accessed"] > 0
 

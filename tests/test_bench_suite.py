@@ -31,6 +31,8 @@ def test_the_gpu_suite_holds_the_comparison_set():
   [xl] = [r for r in rows if r["model"] == "t5_xl"]
   assert (xl["batch"], xl["seq"], xl["mode"], xl["remat"]) == (
       "32", "512", "ghost", "layer") and xl["memory_only"]
+  # Compile-only, so last: the rows before it need the device.
+  assert _args(suite.rows(suite.SUITES["gpu"])[-1]) == xl
 
 
 def fake_results(step_time, oom_from=None, unavailable=()):
@@ -117,17 +119,22 @@ def test_the_table_has_a_line_per_row_and_the_step_ratio():
 def test_a_real_row_and_the_cli(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   row = suite.rows(suite.SUITES["smoke"])[0]
-  result = suite.run_row(row.argv, 300)
+  result = suite.run_row(row.argv, 300, autotune_dir=str(tmp_path))
   assert result["mode"] == "nodp" and result["step_time_s"] > 0
+  # Its process was told where to write the GPU autotuner's results.
+  dump = suite.autotune_file(str(tmp_path), row.argv)
+  assert f"--xla_gpu_dump_autotune_results_to={dump}" in result["xla_flags"]
+  assert os.path.dirname(dump) == str(tmp_path)
   # The CLI dispatches --suite; a one-second budget stops the first row.
   out = tmp_path / "rows.jsonl"
   proc = subprocess.run(
       [sys.executable, "-m", "dpjax.bench", "--suite=smoke", "--budget_s=1",
-       f"--json_out={out}"], cwd=REPO, env=env, capture_output=True,
-      text=True, timeout=300)
+       "--no_cost", f"--json_out={out}"], cwd=REPO, env=env,
+      capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [json.loads(l) for l in out.read_text().splitlines()]
   assert len(rows) == len(suite.rows(suite.SUITES["smoke"]))
+  assert all("--no_cost" in r["argv"] for r in rows)
   assert "stopped at the budget" in rows[0]["error"]
   assert all(r.get("skipped") == "time budget spent" for r in rows[1:])
   assert "| target | measured | met |" in proc.stdout

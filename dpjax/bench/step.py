@@ -22,7 +22,9 @@ A step is one logical batch of `--batch` examples in microbatches of
 `--microbatch`; the batch already sits on the devices, so host input is not
 timed. Reported: the median step time over `--steps` steps after `--warmup`
 untimed ones, tokens/s, peak device memory (the allocator's peak where the
-backend has one, else XLA's memory analysis of the compiled step), and
+backend has one, else XLA's memory analysis of the compiled step; the
+compiled step's memory analysis is in the line too, to set beside a
+`--target` compile of the same step), and
 MFU = 6 N tokens/s / (devices x peak dense bf16 FLOP/s per device), with N
 the parameter count and tokens all input and target tokens (the usual
 estimate: attention is ignored and, for T5, every parameter is counted for
@@ -520,6 +522,7 @@ def run(args: argparse.Namespace) -> dict:
       tokens_per_s=round(tokens_per_s, 1),
       examples_per_s=round(args.batch / step_s, 2),
       peak_memory_bytes=int(peak_memory), peak_memory_source=memory_source,
+      memory_analysis=step_cost.memory_analysis(compiled),
       mfu=mfu(num_params, tokens_per_s, peak, jax.device_count()),
       peak_flops_per_device=peak)
   return result

@@ -1,18 +1,21 @@
 """`python -m dpjax.bench --suite=gpu`: the comparison set as one table, with
 the targets it is measured against.
 
-  python -m dpjax.bench --suite=gpu [--budget_s=540] [--json_out=rows.jsonl]
+  python -m dpjax.bench --suite=gpu [--budget_s=540] [--json_out=rows.jsonl] \\
+      [--no_cost] [--autotune_dir=DIR]
 
 Rows, in the order they run (the most telling first, so a tight budget
 still answers the main question):
   1. GPT-2 small, 32 x 256, bf16: nodp, vmap, ghost, jax_privacy;
   2. GPT-2 small at batch 64: nodp and ghost;
   3. T5-Base, 32 x (384 + 128): nodp and ghost;
-  4. T5-XL, 32 x 512, ghost with layer remat, `--memory_only` (compiled,
-     nothing allocated: does it fit one device?);
-  5. the largest batch that fits: ghost, then jax_privacy, at growing
+  4. the largest batch that fits: ghost, then jax_privacy, at growing
      batches (no microbatching), each ladder stopping at its first row that
-     runs out of device memory.
+     runs out of device memory;
+  5. T5-XL, 32 x 512, ghost with layer remat, `--memory_only` (compiled,
+     nothing allocated: does it fit one device?). Last, since a `--target`
+     compile from any host answers that too, and the rows above need the
+     device.
 Every row is one `python -m dpjax.bench` in its own process, so each peak
 memory is that row's alone and an out-of-memory row cannot disturb the next;
 this process never touches a device (it would hold the memory the rows
@@ -32,7 +35,10 @@ jax-privacy not installed). `--suite=smoke` is the same set on tiny models
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -90,20 +96,37 @@ def rows(spec: Spec) -> list[Row]:
       *(row(spec.gpt2, spec.big_batch, mode, *gpt2)
         for mode in ("nodp", "ghost")),
       *(row(spec.t5, spec.batch, mode, *t5) for mode in ("nodp", "ghost")),
-      row(spec.xl, spec.batch, "ghost", f"--seq={spec.xl_seq}",
-          "--remat=layer", "--memory_only"),
       *(row(spec.gpt2, b, "ghost", *gpt2, ladder="ghost")
         for b in spec.ghost_ladder),
       *(row(spec.gpt2, b, "jax_privacy", *gpt2, ladder="jax_privacy")
         for b in spec.jax_privacy_ladder),
+      row(spec.xl, spec.batch, "ghost", f"--seq={spec.xl_seq}",
+          "--remat=layer", "--memory_only"),
   ]
 
 
-def run_row(argv: Sequence[str], timeout_s: float) -> dict:
-  """One `python -m dpjax.bench` in a fresh process: its JSON line."""
+def autotune_file(directory: str, argv: Sequence[str]) -> str:
+  """Where the row of `argv` writes XLA's autotuning results: one file a
+  row (each process writes its own results over the file's)."""
+  name = re.sub(r"[^A-Za-z0-9.]+", "_", " ".join(argv)).strip("_")
+  return os.path.join(directory, f"{name}.textproto")
+
+
+def run_row(argv: Sequence[str], timeout_s: float,
+            autotune_dir: str | None = None) -> dict:
+  """One `python -m dpjax.bench` in a fresh process: its JSON line. With
+  `autotune_dir`, the GPU compiler also writes the results of its autotuning
+  there (`autotune_file`; text `AutotuneResults`, which
+  `--xla_gpu_load_autotune_results_from` reads back)."""
   command = [sys.executable, "-m", "dpjax.bench", *argv]
+  env = None
+  if autotune_dir:
+    flag = ("--xla_gpu_dump_autotune_results_to="
+            + autotune_file(autotune_dir, argv))
+    env = dict(os.environ,
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
   try:
-    proc = subprocess.run(command, capture_output=True, text=True,
+    proc = subprocess.run(command, capture_output=True, text=True, env=env,
                           timeout=max(timeout_s, 1))
   except subprocess.TimeoutExpired:
     return {"error": f"stopped at the budget after {timeout_s:.0f} s"}
@@ -245,6 +268,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--budget_s", type=float, default=540,
                  help="wall-clock budget of the whole suite (default 9 min)")
   p.add_argument("--json_out", help="also write every row's JSON line here")
+  p.add_argument("--no_cost", action="store_true",
+                 help="skip each row's cost analysis (two compiles fewer a "
+                 "row; a --target compile of the row gives its FLOPs)")
+  p.add_argument("--autotune_dir",
+                 help="GPU: write each row's XLA autotuning results here, "
+                 "one text file a row")
   return p.parse_args(argv)
 
 
@@ -252,7 +281,13 @@ def main(argv: Sequence[str]) -> int:
   """Runs `python -m dpjax.bench --suite=NAME`; returns the exit status."""
   args = parse_args(argv)
   spec = SUITES[args.suite]
+  if args.no_cost:
+    spec = spec._replace(common=(*spec.common, "--no_cost"))
+  if args.autotune_dir:
+    os.makedirs(args.autotune_dir, exist_ok=True)
   results = run_suite(spec, budget_s=args.budget_s,
+                      run=functools.partial(run_row,
+                                            autotune_dir=args.autotune_dir),
                       say=lambda s: print(f"dpjax.bench: {s}", file=sys.stderr,
                                           flush=True))
   if args.json_out:
