@@ -111,11 +111,12 @@ keeps what the model's own backward pass keeps (with remat, a layer's
 input), and costs one forward and backward pass more.
 Norms and book-kept sums run in float32 at HIGHEST matmul precision,
 whatever the compute dtype: the clip bound rests on them. Under bf16
-compute no product takes a float32 operand (on an H100 or H200 that runs
-on the CUDA cores, at about 1/15 of the bf16 rate): a Gram multiplies bf16
-factors, and the book-kept sum splits the float32-weighted factor exactly
-into three bf16 parts (`ghost_algebra.bfloat16_parts`), three bf16
-products in place of the backward pass's one weight-gradient product.
+compute a Gram multiplies bf16 factors; the book-kept sum multiplies the
+float32-weighted factor, which a TPU's compiler splits into bf16 passes
+itself. On a GPU, where a float32 operand runs on the CUDA cores (about
+1/15 of an H100's bf16 rate), it is split exactly into three bf16 parts
+(`ghost_algebra.bfloat16_parts_sum`): three bf16 products in place of the
+backward pass's one weight-gradient product.
 """
 
 from __future__ import annotations

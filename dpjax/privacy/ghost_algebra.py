@@ -11,8 +11,9 @@ as `ghost.Site`.
 
 Every product accumulates in float32 at HIGHEST matmul precision, whatever
 the compute dtype: the clip bound rests on these numbers. With bf16 factors
-every product's operands are bf16, exact in float32 (`book_keeping` splits
-its float32 operand into bf16 parts that sum to it exactly).
+on a GPU every product's operands are bf16, exact in float32
+(`book_keeping` splits its float32 operand into bf16 parts that sum to it
+exactly).
 """
 from __future__ import annotations
 
@@ -147,15 +148,28 @@ def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
                                num_segments=site.shape[0])
   a = jnp.where(keep, a, 0)
   if a.dtype != jnp.bfloat16:
-    return jnp.einsum("mta,mtb->ab", a, b, precision=HIGHEST,
-                      preferred_element_type=jnp.float32)
-  # A float32 product runs on a GPU's CUDA cores (about 1/15 of its bf16
-  # rate on an H100): instead the weighted B is split exactly into three bf16
-  # parts, and A^T [hi | mid | lo] is one bf16 product with float32
-  # accumulation (a bf16 x bf16 product is exact in float32), summed.
+    return float32_sum(a, b)
+  # A GPU runs a product with a float32 operand at HIGHEST precision on its
+  # CUDA cores (about 1/15 of its bf16 rate on an H100); a TPU splits it
+  # into bf16 passes itself, fused, which the explicit parts would not be.
+  return jax.lax.platform_dependent(a, b, cuda=bfloat16_parts_sum,
+                                    rocm=bfloat16_parts_sum,
+                                    default=float32_sum)
+
+
+def float32_sum(a: jax.Array, b: jax.Array) -> jax.Array:
+  """sum over m, t of a[m, t]^T b[m, t], float32 at HIGHEST precision."""
+  return jnp.einsum("mta,mtb->ab", a, b, precision=HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
+def bfloat16_parts_sum(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`float32_sum` of bf16 `a` and float32 `b` from bf16 products only: b
+  split exactly into three bf16 parts (`bfloat16_parts`), A^T [hi | mid |
+  lo] one bf16 product with float32 accumulation (a bf16 x bf16 product is
+  exact in float32), its three blocks summed."""
   cols = b.shape[-1]
-  parts = jnp.einsum("mta,mtb->ab", a, bfloat16_parts(b), precision=HIGHEST,
-                     preferred_element_type=jnp.float32)
+  parts = float32_sum(a, bfloat16_parts(b))
   return parts.reshape(parts.shape[0], 3, cols).sum(axis=1)
 
 

@@ -8,10 +8,10 @@ norm that clips some examples but not all.
 
 import functools
 import math
+import re
 
 import flax.linen as nn
 import jax
-from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -563,25 +563,18 @@ def test_bfloat16_parts_sum_exactly_to_the_float32():
   assert np.mean(mid != 0) > 0.9 and np.mean(lo != 0) > 0.5
 
 
-def _dot_operand_dtypes(fn, *args):
-  dtypes = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general":
-        dtypes.append(tuple(v.aval.dtype for v in eqn.invars))
-      for sub in jax_core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return dtypes
+def _dot_operands(lowered) -> list[tuple[str, str]]:
+  """The operand types of every dot_general of a lowered program."""
+  return re.findall(r"stablehlo.dot_general.*?: \((tensor<[^>]*>), "
+                    r"(tensor<[^>]*>)\)", lowered.as_text())
 
 
 def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
   """bf16 factors and float32 clip weights: the sum is the float32 one
   (the weights are not rounded to bf16, which could round one above
-  min(1, C / norm)), yet every matmul takes bf16 operands (a float32 one
-  runs at a fraction of the rate on accelerators)."""
+  min(1, C / norm)); on a GPU every product takes bf16 operands (a float32
+  one runs on its CUDA cores), elsewhere the compiler gets the float32
+  product and splits it itself (a TPU, in fused bf16 passes)."""
   rng = np.random.RandomState(1)
   m, length, rows, cols = 5, 16, 24, 40
   a = jnp.asarray(rng.standard_normal((m, length, rows)), jnp.bfloat16)
@@ -592,17 +585,26 @@ def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
                     shape=(rows, cols), length=length,
                     output=jax.ShapeDtypeStruct((length, cols), jnp.bfloat16),
                     norm="ghost", remat=False)
-  got = jax.jit(ghost_algebra.book_keeping, static_argnums=0)(
-      site, a, b, weights, keep)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   want = sum(weights[i].astype(np.float64) * a64[i].T @ b64[i]
              for i in range(m) if keep[i])
-  assert got.dtype == jnp.float32
-  np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * abs(want).max())
   # The weights rounded to bf16 would be off by ~1e-3.
   rounded = sum(np.float64(jnp.asarray(weights[i], jnp.bfloat16))
                 * a64[i].T @ b64[i] for i in range(m) if keep[i])
   assert abs(rounded - want).max() > 1e-4 * abs(want).max()
-  assert set(_dot_operand_dtypes(
-      functools.partial(ghost_algebra.book_keeping, site),
-      a, b, weights, keep)) == {(jnp.dtype(jnp.bfloat16),) * 2}
+  weighted = (np.where(keep[:, None, None], b64, 0)
+              * weights[:, None, None]).astype(np.float32)
+  masked = jnp.where(keep[:, None, None], a, 0)
+  for got in (jax.jit(ghost_algebra.book_keeping, static_argnums=0)(
+                  site, a, b, weights, keep),
+              jax.jit(ghost_algebra.bfloat16_parts_sum)(masked, weighted)):
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6,
+                               atol=2e-6 * abs(want).max())
+  traced = jax.jit(ghost_algebra.book_keeping, static_argnums=0).trace(
+      site, a, b, weights, keep)
+  bf16 = f"tensor<{m}x{length}x{rows}xbf16>"
+  assert _dot_operands(traced.lower(lowering_platforms=("cuda",))) == [
+      (bf16, f"tensor<{m}x{length}x{3 * cols}xbf16>")]
+  assert _dot_operands(traced.lower(lowering_platforms=("tpu",))) == [
+      (bf16, f"tensor<{m}x{length}x{cols}xf32>")]
