@@ -149,11 +149,11 @@ def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
   a = jnp.where(keep, a, 0)
   if a.dtype != jnp.bfloat16:
     return float32_sum(a, b)
-  # A GPU runs a product with a float32 operand at HIGHEST precision on its
-  # CUDA cores (about 1/15 of its bf16 rate on an H100); a TPU splits it
-  # into bf16 passes itself, fused, which the explicit parts would not be.
+  # An NVIDIA GPU runs a product with a float32 operand at HIGHEST
+  # precision on its CUDA cores (about 1/15 of its bf16 rate on an H100); a
+  # TPU splits it into bf16 passes itself, fused, which the explicit parts
+  # would not be.
   return jax.lax.platform_dependent(a, b, cuda=bfloat16_parts_sum,
-                                    rocm=bfloat16_parts_sum,
                                     default=float32_sum)
 
 
