@@ -507,12 +507,13 @@ def run(args: argparse.Namespace) -> dict:
 
   step_s = statistics.median(times)
   tokens_per_s = tokens_per_step / step_s
+  analysis = step_cost.memory_analysis(compiled)
   stats = [d.memory_stats() or {} for d in jax.local_devices()]
   if all("peak_bytes_in_use" in s for s in stats):
     peak_memory = max(s["peak_bytes_in_use"] for s in stats)
     memory_source = "memory_stats"
   else:
-    peak_memory = step_cost.memory_analysis(compiled)["peak_estimate_bytes"]
+    peak_memory = analysis["peak_estimate_bytes"]
     memory_source = "memory_analysis"
   peak = peak_flops(device.device_kind)
   result.update(
@@ -522,7 +523,7 @@ def run(args: argparse.Namespace) -> dict:
       tokens_per_s=round(tokens_per_s, 1),
       examples_per_s=round(args.batch / step_s, 2),
       peak_memory_bytes=int(peak_memory), peak_memory_source=memory_source,
-      memory_analysis=step_cost.memory_analysis(compiled),
+      memory_analysis=analysis,
       mfu=mfu(num_params, tokens_per_s, peak, jax.device_count()),
       peak_flops_per_device=peak)
   return result
