@@ -54,6 +54,35 @@ def test_mesh_axes(rules, mesh, logical, shape, expected):
   assert got == expected
 
 
+@pytest.mark.parametrize("rules, mesh, spec, shape, expected", [
+    # Data parallel: the first dimension the data axis divides.
+    ("data_parallel", FakeMesh(data=4), P(None, None), (50257, 768),
+     P(None, "data")),
+    ("data_parallel", FakeMesh(data=4), P(None, None), (768, 2304),
+     P("data", None)),
+    ("data_parallel", FakeMesh(data=4), P(), (768,), P("data")),
+    # No dimension it divides: as the parameter.
+    ("data_parallel", FakeMesh(data=4), P(None,), (50257,), P(None)),
+    ("data_parallel", FakeMesh(data=1), P(None,), (768,), P(None)),
+    # FSDP: the free batch axes join the dimension's own where they divide.
+    ("fsdp", FakeMesh(data=2, fsdp=4), P(None, "fsdp"), (50257, 768),
+     P(None, ("fsdp", "data"))),
+    ("fsdp", FakeMesh(data=2, fsdp=4), P(None, "fsdp"), (50257, 12),
+     P(None, "fsdp")),
+    ("fsdp", FakeMesh(fsdp=4), P(None, "fsdp"), (50257, 768),
+     P(None, "fsdp")),
+    # Tensor parallel: the batch's two axes together.
+    ("fsdp_tensor", FakeMesh(data=2, fsdp=2, tensor=2), P("tensor", None),
+     (12, 64), P("tensor", ("data", "fsdp"))),
+])
+def test_update_spec(rules, mesh, spec, shape, expected):
+  """The update's layout: the parameter's, with the batch's mesh axes that
+  it leaves free on the first dimension they divide."""
+  got = partitioning.update_spec(spec, shape, mesh,
+                                 partitioning.RULE_SETS[rules])
+  assert got == expected
+
+
 def test_unknown_rule_set_is_an_error():
   with pytest.raises(ValueError, match="unknown logical_axis_rules 'zero3'"):
     partitioning.logical_axis_rules("zero3")
@@ -188,15 +217,23 @@ def _sharded_run():
             name, shape)
       assert (int(state.step), int(state.noise_count)) == (
           int(reference.step), int(reference.noise_count)) == (2, 2)
-      # Stored sharded where the mesh has a parameter axis: every parameter
-      # with a d_model axis, and both its Adam moments.
+      # Params stored sharded where the mesh has a parameter axis: every
+      # parameter with a d_model axis. Its Adam moments on every mesh:
+      # each device keeps and updates its slice (weight-update sharding).
       adam = state.opt_state[0]
-      for tree in (state.params, adam.mu, adam.nu):
-        for x, logical in zip(jax.tree.leaves(tree), jax.tree.leaves(axes)):
+      for x, logical in zip(jax.tree.leaves(state.params),
+                            jax.tree.leaves(axes)):
+        local = x.addressable_shards[0].data.shape
+        if "embed" in logical:
+          assert (np.prod(local) < x.size) == (shape.keys() != {"data"}), (
+              name, shape, logical, local)
+      for moment in (adam.mu, adam.nu):
+        for x in jax.tree.leaves(moment):
           local = x.addressable_shards[0].data.shape
-          if "embed" in logical:
-            assert (np.prod(local) < x.size) == (shape.keys() != {"data"}), (
-                name, shape, logical, local)
+          if shape == {"data": 8} and any(n % 8 == 0 for n in x.shape):
+            assert np.prod(local) * 8 == x.size, (name, x.shape, local)
+          if any(n % 2 == 0 for n in x.shape):
+            assert np.prod(local) < x.size, (name, shape, x.shape, local)
       if name == "t5" and "tensor" in shape:
         emb = state.params["token_embedder"]["embedding"]
         assert emb.sharding.spec == P(None, "fsdp"), emb.sharding.spec

@@ -394,8 +394,15 @@ def run(args: argparse.Namespace) -> dict:
         clip_norm=args.clip_norm, noise_multiplier=args.noise_multiplier,
         learning_rate=args.learning_rate, seed=args.seed,
         ghost_norm=args.ghost_norm, ghost_summation=args.ghost_summation)
+    params, axes = model.abstract_params()
+    update = partitioning.update_shardings(mesh, axes, rules, params)
+    layout = update if mode == "nodp" else {multi_loss.LOSS: update}
+
+    def accumulate(*args):  # the sums laid out for the update, as trained
+      sums, metrics = step.accumulate(*args)
+      return jax.lax.with_sharding_constraint(sums, layout), metrics
     return dataclasses.replace(step, accumulate=partitioning.batch_laid_out(
-        step.accumulate, mesh, rules))
+        accumulate, mesh, rules))
   step = build(args.mode)
   tx = step.tx
   abstract_params, axes = model.abstract_params()

@@ -135,6 +135,53 @@ def param_shardings(mesh: Mesh, logical_axes: PyTree, rules: Rules | None = None
       logical_axes, shapes, is_leaf=is_spec)
 
 
+def update_spec(spec: P, shape: Sequence[int], mesh: Mesh,
+                rules: Rules | None = None) -> P:
+  """The layout of what a step computes once per logical batch for a
+  parameter laid out as `spec`: its clipped gradient sum, the noise, its
+  optimizer moments (weight-update sharding: Xu et al., "Automatic
+  Cross-Replica Sharding of Weight Update in Data-Parallel Training",
+  arXiv:2004.13336).
+
+  `spec` with the batch's mesh axes that it leaves free added to its first
+  dimension whose size they divide (with what that dimension already has);
+  `spec` itself where none does. A data-parallel step then sums its
+  devices' gradients by a reduce-scatter instead of an all-reduce, and each
+  device draws the noise and updates the moments of its own slice, where
+  every device did all of it: the parameters are gathered once, after the
+  update, which is the all-reduce's other half. So the bytes moved are the
+  same, the noise and the optimizer's work a device does are divided by
+  the data-parallel devices, and so is the moments' memory. Values are
+  unchanged: the noise is drawn by `jax.random`'s partitionable threefry,
+  the same bits on any layout.
+  """
+  rules = rules if rules is not None else logical_axis_rules()
+  batch_axes = mesh_axes(("batch",), mesh, rules)[0]
+  used = {a for entry in spec if entry is not None for a in _as_tuple(entry)}
+  free = tuple(a for a in (() if batch_axes is None else _as_tuple(batch_axes))
+               if a not in used and mesh.shape[a] > 1)
+  if not free:
+    return spec
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  for i, entry in enumerate(entries):
+    axes = () if entry is None else _as_tuple(entry)
+    if shape[i] % math.prod(mesh.shape[a] for a in axes + free) == 0:
+      entries[i] = axes + free if len(axes + free) > 1 else free[0]
+      return P(*entries)
+  return spec
+
+
+def update_shardings(mesh: Mesh, logical_axes: PyTree, rules: Rules | None,
+                     shapes: PyTree) -> PyTree:
+  """`param_shardings`, each spread over the batch's mesh axes by
+  `update_spec`: the layout of the gradient sums and the noise."""
+  rules = rules if rules is not None else logical_axis_rules()
+  return jax.tree.map(
+      lambda sh, x: NamedSharding(
+          mesh, update_spec(sh.spec, np.shape(x), mesh, rules)),
+      param_shardings(mesh, logical_axes, rules, shapes=shapes), shapes)
+
+
 def _moment_axes(param_axes: P, param_shape, shape) -> tuple:
   """Logical axes of an optimizer-state leaf that mirrors a parameter: its own
   if the shapes agree, minus the reduced axis for a factored moment
@@ -155,8 +202,10 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
 
   Optimizer states that mirror the params (Adam's moments, Adafactor's
   factored statistics, momentum; found structurally by
-  `optax.tree_map_params`) are laid out like their parameters; everything
-  else (step and update counters, the noise counter) is replicated.
+  `optax.tree_map_params`) are laid out like their parameters, spread over
+  the batch's devices (`update_spec`); so are a mechanism's params-shaped
+  noise buffers. Everything else (step and update counters, the noise
+  counter) is replicated.
   `params` may be arrays or ShapeDtypeStructs.
   """
   rules = rules if rules is not None else logical_axis_rules()
@@ -167,7 +216,8 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
     if isinstance(leaf, optax.MaskedNode):  # a frozen leaf keeps no state
       return leaf
     logical = _moment_axes(axes, np.shape(param), leaf.shape)
-    return NamedSharding(mesh, mesh_axes(logical, mesh, rules, leaf.shape))
+    return NamedSharding(mesh, update_spec(
+        mesh_axes(logical, mesh, rules, leaf.shape), leaf.shape, mesh, rules))
 
   base = (optimizer.base if isinstance(optimizer, optimizers.DPOptimizer)
           else optimizer)
@@ -179,7 +229,8 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
   noise_state = None
   if state.noise_state is not None:  # e.g. BandMF's buffers, like the params
     noise_state = optimizer.privatizer.noise_state_shardings(
-        state.noise_state, params_sh, everywhere)
+        state.noise_state, update_shardings(mesh, logical_axes, rules, params),
+        everywhere)
   return TrainState(
       step=everywhere, params=params_sh, opt_state=opt, noise_count=everywhere,
       clip_norms=jax.tree.map(lambda _: everywhere, state.clip_norms),

@@ -26,7 +26,8 @@ base optimizer on the same state; it makes no release and leaves
 `noise_count` alone.
 
 `place_steps` jits the steps for a mesh: params and optimizer state by their
-logical axes, batches split over the example axis, buffers donated. Nothing
+logical axes (the sums and moments also split over the batch's devices),
+batches split over the example axis, buffers donated. Nothing
 here reads data or imports TensorFlow.
 """
 from __future__ import annotations
@@ -289,8 +290,10 @@ def place_steps(model, mechanism: DPSGD, *, mesh, rules, optimizer: str,
                 ) -> PlacedSteps:
   """The DP, public and eval steps jitted on `mesh` (with `canaries`, an
   audit run's: `dp_optimizer`): params by their logical
-  axes (replicated, FSDP or tensor-parallel per `rules`), optimizer moments
-  like their params, counters and the mechanism's small sums replicated;
+  axes (replicated, FSDP or tensor-parallel per `rules`); gradient sums, noise
+  and optimizer moments like their params, spread over the batch's devices
+  (`partitioning.update_spec`); counters and the mechanism's small sums
+  replicated;
   the state and clipped sums are donated.
 
   Memoized on its arguments (the model by `trainable.trainable`'s own memo):
@@ -341,9 +344,8 @@ def _gradient_steps(model, mechanism, mesh, rules, clip_norm, clip_norms,
   abstract, axes = model.abstract_params()
   names = multi_loss.release_names(model)
   replicated = partitioning.replicated(mesh)
-  sums_sh = {k: partitioning.param_shardings(mesh, axes, rules,
-                                             shapes=abstract)
-             for k in names}  # one sum per loss, laid out like the params
+  sums_sh = {k: partitioning.update_shardings(mesh, axes, rules, abstract)
+             for k in names}  # one sum per loss, laid out for the update
   sums_sh.update(jax.tree.map(lambda _: replicated,
                               mechanism.extra_sums(names)))
   return _GradientSteps(
