@@ -17,7 +17,11 @@ t5x does; a rule set maps logical names onto the mesh axes 'data', 'fsdp' and
 
 In every set the example axis of a batch ('batch') is split over all
 data-like axes, 'data' and 'fsdp', so the per-example work of DP clipping
-stays on the devices that hold the examples.
+stays on the devices that hold the examples. What a step computes once per
+logical batch for a parameter (its clipped sum, the noise, its optimizer
+moments) is laid out like the parameter and also split over those axes
+where the parameter leaves them free (`update_spec`), so no device noises
+or updates what another one does.
 
 A rule's mesh axes that the mesh lacks are dropped, so one rule set works on
 any mesh ('fsdp' rules on a {'data': 8} mesh replicate), and a dimension its
@@ -227,7 +231,7 @@ def state_shardings(mesh: Mesh, optimizer: optax.GradientTransformation |
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   params_sh = param_shardings(mesh, logical_axes, rules, shapes=params)
   noise_state = None
-  if state.noise_state is not None:  # e.g. BandMF's buffers, like the params
+  if state.noise_state is not None:  # e.g. BandMF's buffers, like the sums
     noise_state = optimizer.privatizer.noise_state_shardings(
         state.noise_state, update_shardings(mesh, logical_axes, rules, params),
         everywhere)
