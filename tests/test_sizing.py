@@ -3,6 +3,7 @@ over every candidate, the byte sizes, the nested-config remat, the record."""
 from __future__ import annotations
 
 import itertools
+import types
 
 import jax
 import pytest
@@ -320,3 +321,24 @@ def test_candidates_refused_without_a_figure_do_not_fit(limit, refused_above):
   assert not nothing.fits and nothing.peak_bytes is None
   assert nothing.microbatch_size == sizes[-1]
   assert "refused by the compiler" in nothing.summary()
+
+
+@pytest.mark.parametrize("fixed, expected, said", [
+    (2048, 1085, True),   # above the padded batch: one call of it, said
+    (1085, 1085, False),
+    (500, 500, False),    # below: as given, three calls
+    (None, 1085, False),  # unset: the whole batch
+])
+def test_a_fixed_microbatch_is_capped_at_the_padded_batch(fixed, expected,
+                                                         said, capsys):
+  config = types.SimpleNamespace(microbatch_size=fixed,
+                                 model_config=t5.T5Config(remat="none"))
+  choice, key = sizing.size_steps(
+      config, 1085, mesh=partitioning.make_mesh(devices=jax.devices()[:1]),
+      rules=partitioning.DATA_PARALLEL_RULES, rows={}, place=None,
+      model_dir="", dry_run=True)
+  assert key is None
+  assert (choice.microbatch_size, choice.accumulation_steps) == (
+      expected, -(-1085 // expected))
+  line = "MICROBATCH_SIZE=2048 is above the padded batch of 1085 rows"
+  assert (line in capsys.readouterr().out) == said

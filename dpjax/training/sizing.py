@@ -321,9 +321,14 @@ def size_steps(config, max_batch: int, *, mesh, rules, rows: dict,
   data_devices = partitioning.data_parallel_size(mesh, rules)
   auto_m = config.microbatch_size == AUTO
   remat = model_remat(config.model_config)
-  sizes = (microbatch_candidates(max_batch, data_devices) if auto_m
-           else [-(-(config.microbatch_size or max_batch) // data_devices)
-                 * data_devices])
+  sizes = microbatch_candidates(max_batch, data_devices)
+  if not auto_m:
+    fixed = config.microbatch_size or max_batch
+    # Above the padded batch a call would only compute more padding rows.
+    sizes = [min(-(-fixed // data_devices) * data_devices, sizes[0])]
+    if fixed > sizes[0]:
+      reporting.say(f"MICROBATCH_SIZE={fixed} is above the padded batch of "
+                    f"{max_batch} rows: one call of {sizes[0]}")
   if not auto_m and remat != AUTO:
     return Choice(
         microbatch_size=sizes[0], remat=None,
