@@ -179,7 +179,6 @@ def update_shardings(mesh: Mesh, logical_axes: PyTree, rules: Rules | None,
                      shapes: PyTree) -> PyTree:
   """`param_shardings`, each spread over the batch's mesh axes by
   `update_spec`: the layout of the gradient sums and the noise."""
-  rules = rules if rules is not None else logical_axis_rules()
   return jax.tree.map(
       lambda sh, x: NamedSharding(
           mesh, update_spec(sh.spec, np.shape(x), mesh, rules)),
