@@ -236,7 +236,7 @@ def test_cost_analysis_of_a_list_or_a_dict():
   """Older jax returns a list of one dict per program, newer jax the dict."""
   analysis = {"flops": 6.0, "bytes accessed": 8.0, "transcendentals": 1.0}
   expected = {"flops": 6.0, "bytes_accessed": 8.0, "seconds": None,
-              "while_loops": 1, "windowed_einsum_loops": 0, "custom_calls": {}}
+              "cycles": None, "while_loops": 1, "windowed_einsum_loops": 0, "custom_calls": {}}
   assert step_cost.cost_analysis(_Compiled(analysis, WHILE)) == expected
   assert step_cost.cost_analysis(_Compiled([analysis], WHILE)) == expected
 
@@ -262,6 +262,23 @@ def test_the_tpu_estimate_with_what_it_leaves_out(text, estimate, seconds):
   assert cost["custom_calls"] == {
       name: text.count(f'"{name}"') for name in ("ConcatBitcast", "ZeroCrop")
       if name in text}
+
+
+FUSION = ('%f{i} = f32[8] fusion(%a), kind=kLoop, calls=%c{i}, backend_config='
+          '{{"window_config":{{"estimated_cycles":"{cycles}"}}}}\n')
+
+
+@pytest.mark.parametrize("text, cycles", [
+    ("", None),  # no per-op estimates (a GPU, a CPU)
+    (FUSION.format(i=0, cycles=1200) + FUSION.format(i=1, cycles=34), 1234.0),
+    (FUSION.format(i=0, cycles=1200) + WHILE, None),  # a body counted once
+])
+def test_the_cycles_are_the_sum_of_the_ops_estimates(text, cycles):
+  cost = step_cost.cost_analysis(_Compiled(
+      {"flops": 6.0, "bytes accessed": 8.0, "optimal_seconds": 1e-3}, text))
+  assert cost["cycles"] == cycles
+  total = step_cost.combine(cost, {**cost, "cycles": 7.0}, 3)
+  assert total["cycles"] == (None if cycles is None else 3 * cycles + 7)
 
 
 def test_residual_bytes_by_hand():

@@ -341,7 +341,7 @@ def logical_step_cost(step: BenchStep, state, batch, mask,
       accumulate_cost or step_cost.loop_free_cost(accumulate, mesh, compiled),
       step_cost.loop_free_cost(apply, mesh, apply.compile()), k)
   return {"flops": total["flops"], "bytes_accessed": total["bytes_accessed"],
-          "seconds": total["seconds"],
+          "seconds": total["seconds"], "cycles": total["cycles"],
           "cost_parts": {"sum": "microbatches x accumulate + apply",
                          "microbatches": k, **total["parts"]}}
 

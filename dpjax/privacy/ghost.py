@@ -78,10 +78,15 @@ Those of `clipping.clipped_grad`, for the same call contract: for ANY
 * every example with `mask[i] > 0` contributes `w_i g_i` with
   `w_i = min(mask[i], 1) min(1, C / ||g_i||)`, of L2 norm `<= C`, or zero
   if its loss or squared norm is non-finite; `g_i` is its gradient, whose large blocks are
-  `sum_k A_k^T B_k`. Up to float rounding: the identity's is relative to its
+  `sum_k A_k^T B_k`. Book-keeping bf16 factors, `w_i` is rounded down to
+  bf16's 8 significant bits (at most 2^-7 below, never above; 1 stays 1),
+  which makes its products exact in two bf16 parts. Up to float rounding:
+  the identity's is relative to its
   (possibly cancelling) terms rather than to the norm (a sum rounded below
   zero is taken as zero); book-keeping forms the sum from the very factors
-  the norm is computed from, in float32; the second pass forms it in the
+  the norm is computed from, with exact products accumulated in float32
+  (under bf16 compute, both of the factors' bf16 values, whatever a
+  compiler fused: `ghost_algebra.pinned`); the second pass forms it in the
   model's backward pass, in its compute dtype (bfloat16 under mixed
   precision, as any mixed-precision backward pass rounds its weight
   gradients);
@@ -109,14 +114,14 @@ gradient, rounded to the compute dtype (`Site.dtype`; the logits themselves
 are float32) and shared with the model's backward pass. The second pass
 keeps what the model's own backward pass keeps (with remat, a layer's
 input), and costs one forward and backward pass more.
-Norms and book-kept sums run in float32 at HIGHEST matmul precision,
+Norms and book-kept sums take exact products accumulated in float32,
 whatever the compute dtype: the clip bound rests on them. Under bf16
-compute a Gram multiplies bf16 factors; the book-kept sum multiplies the
-float32-weighted factor, which a TPU's compiler splits into bf16 passes
-itself. On a GPU, where a float32 operand runs on the CUDA cores (about
-1/15 of an H100's bf16 rate), it is split exactly into three bf16 parts
-(`ghost_algebra.bfloat16_parts_sum`): three bf16 products in place of the
-backward pass's one weight-gradient product.
+compute a Gram is one bf16 pass of the bf16 factors; the book-kept sum
+multiplies a factor weighted by the rounded-down weight, 16 significant
+bits, as two bf16 parts: the X3 algorithm on a TPU, written-out parts on a
+GPU (`ghost_algebra.book_keeping`). Two bf16 products, then, in place of
+the backward pass's one weight-gradient product (float32 at HIGHEST took
+three).
 """
 
 from __future__ import annotations
@@ -430,6 +435,11 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     scales, keep, stats = clipping.clip_scales(
         losses, sq_norms[:, None], mask, bounds)
     weights = scales[:, 0]
+    if not second_pass and any(b.dtype == jnp.bfloat16 for _, b in factors):
+      # Book-kept bf16 sums take the weights rounded down to bf16
+      # (`ghost_algebra.book_keeping`); so do the small leaves, so that
+      # each example adds one multiple of its gradient.
+      weights = algebra.rounded_down(weights)
 
     summed = [None if g is None else clipping.weighted_sum(g, weights, keep)
               for g in small_grads]

@@ -9,11 +9,11 @@ over a batch is book-kept from the same factors. A site here is anything
 with `kind`, `shape` (rows, cols), `leaf` and `norm` ('ghost' | 'direct'),
 as `ghost.Site`.
 
-Every product accumulates in float32 at HIGHEST matmul precision, whatever
-the compute dtype: the clip bound rests on these numbers. With bf16 factors
-on a GPU every product's operands are bf16, exact in float32
-(`book_keeping` splits its float32 operand into bf16 parts that sum to it
-exactly).
+Every product accumulates in float32 and is exact but for that
+accumulation, whatever the compute dtype: the clip bound rests on these
+numbers. Under bf16 compute a product of two factors is one exact bf16
+pass; `book_keeping` rounds the clip weights down to bf16, so a weighted
+factor has 16 significant bits: two exact bf16 parts.
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ import jax.numpy as jnp
 
 Factors = tuple[jax.Array, jax.Array]
 HIGHEST = jax.lax.Precision.HIGHEST
+BF16_PASS = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+# A float32 operand as two bf16 parts (a bf16 operand's low part is zero):
+# exact where that operand has at most 16 significant bits.
+BF16_TWO_PARTS = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
 def factors(site, x: jax.Array, g: jax.Array) -> Factors:
@@ -34,10 +38,14 @@ def factors(site, x: jax.Array, g: jax.Array) -> Factors:
   if site.kind == "dense":
     return x.reshape(-1, rows), g.reshape(-1, cols)
   if site.kind == "attend":
-    # The logits are float32, their gradient is rounded to the compute
-    # dtype as the model's backward pass rounds the rest: it is the largest
-    # factor kept, and the norm and the sum are both of the rounded one.
-    return g.reshape(-1, rows).astype(site.dtype), x.reshape(-1, cols)
+    # The logits are float32 (`Embed.attend`); their gradient and the input
+    # are rounded to the compute dtype, as the model's backward pass rounds
+    # the rest (and a TPU's default-precision product rounds them anyway):
+    # the gradient is the largest factor kept, and bf16 factors make the
+    # norm's and the sum's products bf16 passes. Both are of the rounded
+    # factors.
+    return (g.reshape(-1, rows).astype(site.dtype),
+            x.reshape(-1, cols).astype(site.dtype))
   # Negative ids wrap, as in jnp.take; a row of an id still out of range
   # reaches no parameter row, so its B row is zeroed (and the id made safe).
   ids = x.reshape(-1)
@@ -45,6 +53,25 @@ def factors(site, x: jax.Array, g: jax.Array) -> Factors:
   valid = (ids >= 0) & (ids < rows)
   return (jnp.where(valid, ids, 0),
           jnp.where(valid[:, None], g.reshape(-1, cols), 0))
+
+
+def pinned(x: jax.Array) -> jax.Array:
+  """`x`, a bf16 array, as exactly its bf16 values, whatever fused it.
+
+  XLA (`xla_allow_excess_precision`, on by default) may drop a float32 ->
+  bf16 -> float32 round trip, so a fused consumer of a bf16 factor can see
+  the float32 value it was rounded from. The norm's products take bf16
+  operands (`exact_precision`: the algorithm rounds them to nearest, ties
+  to even); a book-kept sum takes a float32 weighted factor, so its
+  operands are rounded here alike, by integer ops, which no compiler
+  drops (NaN kept NaN). Fused into the sum's operands, it moves no bytes.
+  """
+  wide = x.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(wide, jnp.uint32)
+  bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & 1)) & jnp.uint32(
+      0xFFFF0000)
+  rounded = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  return jnp.where(jnp.isnan(wide), wide, rounded).astype(x.dtype)
 
 
 def large_sq_norm(sites, factors) -> jax.Array:
@@ -126,35 +153,59 @@ def ghost_sq_norm(site, factors: Factors) -> jax.Array:
 
 def block_dot(x: jax.Array, y: jax.Array) -> jax.Array:
   """x[i] @ y[i]^T for each block i: [n, t, k] x [n, s, k] -> [n, t, s]."""
-  return jnp.einsum("ntk,nsk->nts", x, y, precision=HIGHEST,
+  return jnp.einsum("ntk,nsk->nts", x, y, precision=exact_precision(x, y),
                     preferred_element_type=jnp.float32)
 
 
 def dot(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a @ b with float32 accumulation at full precision (not TF32/bf16
-  passes): the clip bound rests on these products."""
-  return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
+  """a @ b with float32 accumulation, exact products: the clip bound rests
+  on these products."""
+  return jnp.dot(a, b, precision=exact_precision(a, b),
+                 preferred_element_type=jnp.float32)
+
+
+def exact_precision(a: jax.Array, b: jax.Array):
+  """A precision whose products of `a` and `b` are exact: one bf16 pass
+  where both are bf16 (the algorithm takes bf16 operands: where a
+  compiler fused in the float32 value a factor was rounded from, HIGHEST
+  would take it and split it into up to six bf16 passes), full float32
+  (not TF32 or bf16 passes) otherwise."""
+  if a.dtype == b.dtype == jnp.bfloat16:
+    return BF16_PASS
+  return HIGHEST
 
 
 def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
                   keep: jax.Array) -> jax.Array:
   """sum_i weights[i] A_i^T B_i over kept examples (a: [m, T, rows] or ids
-  [m, T]; b: [m, T, cols])."""
+  [m, T]; b: [m, T, cols]), with bf16 factors at the weights `rounded_down`.
+  """
   keep = keep[:, None, None]
-  # Weighted in float32: a bf16 weight could round above min(1, C/norm).
+  if b.dtype == jnp.bfloat16:
+    weights, b = rounded_down(weights), pinned(b)
   b = jnp.where(keep, b, 0).astype(jnp.float32) * weights[:, None, None]
   if site.kind == "lookup":
     return jax.ops.segment_sum(b.reshape(-1, b.shape[-1]), a.reshape(-1),
                                num_segments=site.shape[0])
-  a = jnp.where(keep, a, 0)
   if a.dtype != jnp.bfloat16:
-    return float32_sum(a, b)
-  # An NVIDIA GPU runs a product with a float32 operand at HIGHEST
-  # precision on its CUDA cores (about 1/15 of its bf16 rate on an H100); a
-  # TPU splits it into bf16 passes itself, fused, which the explicit parts
-  # would not be.
+    return float32_sum(jnp.where(keep, a, 0), b)
+  a = jnp.where(keep, pinned(a), 0)
+  # b = w B is a product of two bf16 values: 16 significant bits, so two
+  # bf16 parts hold it exactly. A TPU takes them as the X3 algorithm (two
+  # bf16 passes, fused; HIGHEST would take three). An NVIDIA GPU would run
+  # that algorithm's third product too, or a float32 operand on its CUDA
+  # cores (1/15 of an H100's bf16 rate): the parts are written out there.
   return jax.lax.platform_dependent(a, b, cuda=bfloat16_parts_sum,
-                                    default=float32_sum)
+                                    tpu=two_part_sum, default=float32_sum)
+
+
+def rounded_down(weights: jax.Array) -> jax.Array:
+  """float32 `weights >= 0` rounded toward zero to bf16's 8 significant bits
+  (kept float32): never above the weight, so never above min(1, C / norm),
+  and at most 2^-7 of it below; 1 stays 1."""
+  return jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(weights, jnp.uint32)
+      & jnp.uint32(0xFFFF0000), jnp.float32)
 
 
 def float32_sum(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -163,31 +214,35 @@ def float32_sum(a: jax.Array, b: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+def two_part_sum(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`float32_sum` of bf16 `a` and float32 `b` of at most 16 significant
+  bits, by the X3 algorithm: exact, a bf16 product per part of b."""
+  return jnp.einsum("mta,mtb->ab", a, b, precision=BF16_TWO_PARTS,
+                    preferred_element_type=jnp.float32)
+
+
 def bfloat16_parts_sum(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`float32_sum` of bf16 `a` and float32 `b` from bf16 products only: b
-  split exactly into three bf16 parts (`bfloat16_parts`), A^T [hi | mid |
-  lo] one bf16 product with float32 accumulation (a bf16 x bf16 product is
-  exact in float32), its three blocks summed."""
+  """`two_part_sum` from written-out bf16 products: b split exactly into
+  two bf16 parts (`bfloat16_parts`), A^T [hi | lo] one bf16 product with
+  float32 accumulation (a bf16 x bf16 product is exact in float32), its two
+  blocks summed."""
   cols = b.shape[-1]
   parts = float32_sum(a, bfloat16_parts(b))
-  return parts.reshape(parts.shape[0], 3, cols).sum(axis=1)
+  return parts.reshape(parts.shape[0], 2, cols).sum(axis=1)
 
 
 def bfloat16_parts(x: jax.Array) -> jax.Array:
-  """float32 `x [..., n]` as bf16 `[..., 3n]`: [hi | mid | lo] with
-  hi + mid + lo == x exactly (subnormals aside).
+  """float32 `x [..., n]` of at most 16 significant bits (a product of two
+  bf16 values) as bf16 `[..., 2n]`: [hi | lo] with hi + lo == x exactly
+  (subnormals aside).
 
-  Each part is its remainder's leading 8 significant bits, cut by a bit
-  mask rather than by rounding (a compiler that allows excess precision
-  may drop a float32 -> bf16 -> float32 round trip; it cannot drop a
-  mask), so each remainder is exact in float32 and the 24 bits of a float32
-  significand end in the third part. The conversions to bf16 are then
-  exact too."""
-  parts = []
-  for _ in range(3):
-    head = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000),
-        jnp.float32)
-    parts.append(head.astype(jnp.bfloat16))
-    x = x - head
-  return jnp.concatenate(parts, axis=-1)
+  hi is x's leading 8 significant bits, cut by a bit mask rather than by
+  rounding (a compiler that allows excess precision may drop a float32 ->
+  bf16 -> float32 round trip; it cannot drop a mask), so lo = x - hi is
+  exact in float32 and holds the other 8 bits. The conversions to bf16 are
+  then exact too."""
+  hi = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000),
+      jnp.float32)
+  return jnp.concatenate([hi.astype(jnp.bfloat16),
+                          (x - hi).astype(jnp.bfloat16)], axis=-1)

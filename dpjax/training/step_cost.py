@@ -53,11 +53,23 @@ def memory_analysis(compiled) -> dict:
   return out
 
 
+# The figures a cost adds up (`combine`, `per_layer_extrapolation`).
+FIELDS = ("flops", "bytes_accessed", "seconds", "cycles")
+
+
 def cost_analysis(compiled) -> dict:
   """XLA's `flops` and `bytes_accessed` of a compiled program, the while
   loops left in it (`while_loops`: XLA counts a loop's body once, whatever
   its trip count) and, where the compiler estimates it (TPU), the program's
-  time (`seconds`: None where it does not, or cannot: a `while` loop)."""
+  time (`seconds`: None where it does not, or cannot: a `while` loop) and
+  its ops' cycles (`cycles`, else None).
+
+  The two TPU estimates differ: `seconds` (the compiler's
+  `optimal_seconds`) prices a matmul at its FLOPs over the chip's bf16
+  rate whatever its precision, while `cycles` (the sum of each op's
+  `estimated_cycles`, the code generator's own model) counts the bf16
+  passes a float32 or X3 product takes, and no overlap between ops.
+  """
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
     (analysis,) = analysis
@@ -75,11 +87,13 @@ def cost_analysis(compiled) -> dict:
     # other unknown op leaves the sum at or below zero (these programs
     # take well under a second per unknown op), reported as None.
     seconds = float(seconds) + sum(calls.get(c, 0) for c in FREE_CUSTOM_CALLS)
+  cycles = [int(c) for c in re.findall(r'"estimated_cycles":"(\d+)"', text)]
   while_loops = len(re.findall(r"\swhile\(", text))
   return {"flops": float(analysis["flops"]),
           "bytes_accessed": float(analysis["bytes accessed"]),
           "seconds": (seconds if seconds and seconds > 0 and not while_loops
                       else None),  # a loop's body is counted once
+          "cycles": float(sum(cycles)) if cycles and not while_loops else None,
           "while_loops": while_loops,
           "windowed_einsum_loops": len(re.findall(
               r"\swhile\([^\n]*body=%?[\w.]*windowed_dot_general_body", text)),
@@ -203,8 +217,8 @@ def combine(accumulate: Mapping, apply: Mapping, k: int) -> dict:
   either has none (e.g. an extrapolation that could not be made)."""
   parts = {"accumulate": dict(accumulate), "apply": dict(apply)}
   total = {}
-  for f in ("flops", "bytes_accessed", "seconds"):
-    one, other = parts["accumulate"][f], parts["apply"][f]
+  for f in FIELDS:
+    one, other = parts["accumulate"].get(f), parts["apply"].get(f)
     total[f] = None if one is None or other is None else k * one + other
   return {**total, "parts": parts}
 
@@ -324,10 +338,9 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
   extrapolated below zero. `per_layer_from` says which layer's addition
   each stack took.
   """
-  fields = ("flops", "bytes_accessed", "seconds")
   one = {name: 1 for name in layers}
   base = cost_of(one)
-  total = {f: base[f] for f in fields}
+  total = {f: base.get(f) for f in FIELDS}
   taken = {}
   for name, count in layers.items():
     if count == 1:
@@ -336,7 +349,7 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
     added, taken[name] = _added(base, second), 2
     if count > 2 and any(a is not None and a < 0 for a in added.values()):
       added, taken[name] = _added(second, cost_of({**one, name: 3})), 3
-    for f in fields:
+    for f in FIELDS:
       total[f] = (None if total[f] is None or added[f] is None
                   or added[f] < 0 else total[f] + (count - 1) * added[f])
   return {**total, "extrapolated_to": dict(layers), "per_layer_from": taken}
@@ -344,9 +357,8 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
 
 def _added(before: Mapping, after: Mapping) -> dict:
   """`after - before` for each cost field (None where either is None)."""
-  return {f: None if after[f] is None or before[f] is None
-          else after[f] - before[f]
-          for f in ("flops", "bytes_accessed", "seconds")}
+  return {f: None if after.get(f) is None or before.get(f) is None
+          else after[f] - before[f] for f in FIELDS}
 
 
 def accumulate_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct],
@@ -407,8 +419,8 @@ def scanned_accumulate_cost(place_unrolled: Callable[[Mapping[str, int]], Any],
     return cost
   reporting.say(f"cost: FLOPs, bytes and time costed at microbatch "
                 f"{costed} and scaled by {m / costed:g}")
-  return {**cost, **{f: None if cost[f] is None else cost[f] * m / costed
-                     for f in ("flops", "bytes_accessed", "seconds")},
+  return {**cost, **{f: None if cost.get(f) is None else cost[f] * m / costed
+                     for f in FIELDS},
           "scaled_from_microbatch": costed}
 
 

@@ -267,11 +267,20 @@ def test_bfloat16_compute_close_to_vmap():
       assert_close(np.asarray(g, np.float64), w, rtol=1e-2)
 
 
+def bfloat16_rounded_down(x) -> np.ndarray:
+  """float32 `x >= 0` cut to its leading 8 significant bits."""
+  bits = np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+  return bits.view(np.float32)
+
+
 @pytest.mark.parametrize("model", ["gpt2", "t5"])
 def test_bfloat16_contributions_have_the_clipped_norm(model):
   """Under bf16 compute the tied projection's factor is its logits'
   gradient rounded to bf16; the norm and the sum must both be of that
-  rounded gradient, so each example adds exactly min(C, its norm)."""
+  rounded gradient. The clip weight min(1, C / norm) is rounded down to
+  bf16 (book-keeping's exact two-part products need it), so each example
+  adds exactly that weight times its norm: at most C, at most 2^-7 below
+  min(C, norm)."""
   loss, params, batch = (gpt2_problem if model == "gpt2" else t5_problem)(
       dtype="bfloat16")
   example = jax.tree.map(lambda x: x[0], batch)
@@ -280,15 +289,23 @@ def test_bfloat16_contributions_have_the_clipped_norm(model):
   assert [s.dtype for s in attend] == [jnp.dtype(jnp.bfloat16)]
   assert attend[0].output.dtype == jnp.float32  # the logits
   clip = jit(ghost.ghost_clipped_grad(loss, clip_norm=1.0))
+  clipped = 0
   for i in np.flatnonzero(MASK):
     alone = np.where(np.arange(N) == i, 1.0, 0.0).astype(np.float32)
     got, stats = clip(params, batch, alone)
     if not np.isfinite(stats.norms[i]) or stats.norms[i] == 0:
       continue  # dropped (non-finite): adds zero, tested elsewhere
     norm = np.sqrt(sum(np.sum(g ** 2) for g in leaves64(got)))
+    weight = bfloat16_rounded_down(
+        np.float32(1) / np.maximum(stats.norms[i], np.float32(1)))
+    clipped += weight < 1
     # Float32 sums: within 2e-7 here; a sum of the unrounded gradient
     # under the rounded one's norm is off by 1.5e-6 to 9e-6.
-    np.testing.assert_allclose(norm, min(1.0, stats.norms[i]), rtol=5e-7)
+    np.testing.assert_allclose(norm, weight * np.float64(stats.norms[i]),
+                               rtol=5e-7)
+    assert (1 - 2.0 ** -7) * min(1.0, stats.norms[i]) <= norm * (1 + 5e-7)
+    assert norm <= min(1.0, stats.norms[i]) * (1 + 5e-7)
+  assert clipped  # the rounding was exercised
 
 
 class TiedToy(nn.Module):
@@ -550,17 +567,44 @@ def test_a_sites_own_norm_equals_the_float64_gradient_norm(length, kind):
   np.testing.assert_allclose(got, np.sum(grad ** 2), rtol=1e-5)
 
 
-def test_bfloat16_parts_sum_exactly_to_the_float32():
+def test_bfloat16_parts_hold_a_product_of_two_bfloat16_exactly():
   rng = np.random.RandomState(0)
-  x = (rng.standard_normal((3, 50)) * np.exp(rng.uniform(-60, 60, (3, 50)))
-       ).astype(np.float32)
-  x[0, :3] = [1 / 3, -np.pi, np.float32(1) + np.float32(2.0 ** -23)]
+  def bf16(x):
+    return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+  u = bf16(rng.standard_normal((3, 50)) * np.exp(rng.uniform(-30, 30, (3, 50))))
+  v = bf16(rng.uniform(0.01, 1.0, (3, 1)))  # clip weights
+  x = (u * v).astype(np.float32)
+  np.testing.assert_array_equal(x, u * v)  # 16 bits: exact in float32
   parts = jax.jit(ghost_algebra.bfloat16_parts)(x)
-  assert parts.dtype == jnp.bfloat16 and parts.shape == (3, 150)
-  hi, mid, lo = np.split(np.asarray(parts, np.float64), 3, axis=-1)
-  np.testing.assert_array_equal(hi + mid + lo, x.astype(np.float64))
-  # Rounding to bf16 alone would not do: most of these need all three.
-  assert np.mean(mid != 0) > 0.9 and np.mean(lo != 0) > 0.5
+  assert parts.dtype == jnp.bfloat16 and parts.shape == (3, 100)
+  hi, lo = np.split(np.asarray(parts, np.float64), 2, axis=-1)
+  np.testing.assert_array_equal(hi + lo, u * v)
+  # Rounding to bf16 alone would not do: most need both parts.
+  assert np.mean(lo != 0) > 0.9
+  # 24 significant bits do not fit in two parts: that is what the rounded
+  # weights are for.
+  third = np.float32(1 / 3)
+  hi, lo = np.asarray(ghost_algebra.bfloat16_parts(
+      jnp.asarray([third])), np.float64)
+  assert hi + lo != third
+
+
+def test_pinned_is_the_bfloat16_conversion_by_integer_ops():
+  """`pinned` rounds as the conversion does (to nearest, ties to even);
+  NaN and inf stay; from the float32 value a compiler may fuse in place of
+  a bf16 one, it gives that bf16 value."""
+  rng = np.random.RandomState(2)
+  wide = (rng.standard_normal(4000) * np.exp(rng.uniform(-40, 40, 4000))
+          ).astype(np.float32)
+  wide[:7] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1 + 2.0 ** -8,  # a tie
+              -np.float32(3.4e38)]
+  want = np.asarray(jnp.asarray(wide).astype(jnp.bfloat16), np.float32)
+  got = jax.jit(ghost_algebra.pinned)(jnp.asarray(wide).astype(jnp.bfloat16))
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+  # Its integer ops on the float32 values themselves: the same rounding.
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(ghost_algebra.pinned)(wide)), want)
 
 
 def _dot_operands(lowered) -> list[tuple[str, str]]:
@@ -570,34 +614,36 @@ def _dot_operands(lowered) -> list[tuple[str, str]]:
 
 
 def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
-  """bf16 factors and float32 clip weights: the sum is the float32 one
-  (the weights are not rounded to bf16, which could round one above
-  min(1, C / norm)); on a GPU every product takes bf16 operands (a float32
-  one runs on its CUDA cores), elsewhere the compiler gets the float32
-  product and splits it itself (a TPU, in fused bf16 passes)."""
+  """bf16 factors: the clip weights are rounded down to bf16 (never above
+  min(1, C / norm), at most 2^-7 below), and the sum is then exact: on a
+  GPU from written-out bf16 parts (a float32 operand runs on its CUDA
+  cores), on a TPU by the two-part X3 algorithm, elsewhere in float32."""
   rng = np.random.RandomState(1)
   m, length, rows, cols = 5, 16, 24, 40
   a = jnp.asarray(rng.standard_normal((m, length, rows)), jnp.bfloat16)
   b = jnp.asarray(rng.standard_normal((m, length, cols)), jnp.bfloat16)
   weights = rng.uniform(0.01, 1.0, m).astype(np.float32)
+  weights[0] = 1.0  # an example not clipped keeps its weight
   keep = np.array([True, True, False, True, True])
   site = ghost.Site(key=((), "x", 0), kind="dense", param="p", leaf=0,
                     shape=(rows, cols), length=length,
                     output=jax.ShapeDtypeStruct((length, cols), jnp.bfloat16),
                     norm="ghost", remat=False)
+  rounded = bfloat16_rounded_down(weights)
+  assert np.all(rounded <= weights) and rounded[0] == 1.0
+  assert np.all(rounded > weights * (1 - 2.0 ** -7))
+  np.testing.assert_array_equal(
+      np.asarray(ghost_algebra.rounded_down(jnp.asarray(weights))), rounded)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  want = sum(weights[i].astype(np.float64) * a64[i].T @ b64[i]
+  want = sum(np.float64(rounded[i]) * a64[i].T @ b64[i]
              for i in range(m) if keep[i])
-  # The weights rounded to bf16 would be off by ~1e-3.
-  rounded = sum(np.float64(jnp.asarray(weights[i], jnp.bfloat16))
-                * a64[i].T @ b64[i] for i in range(m) if keep[i])
-  assert abs(rounded - want).max() > 1e-4 * abs(want).max()
   weighted = (np.where(keep[:, None, None], b64, 0)
-              * weights[:, None, None]).astype(np.float32)
+              * rounded[:, None, None]).astype(np.float32)
   masked = jnp.where(keep[:, None, None], a, 0)
   for got in (jax.jit(ghost_algebra.book_keeping, static_argnums=0)(
                   site, a, b, weights, keep),
-              jax.jit(ghost_algebra.bfloat16_parts_sum)(masked, weighted)):
+              jax.jit(ghost_algebra.bfloat16_parts_sum)(masked, weighted),
+              jax.jit(ghost_algebra.two_part_sum)(masked, weighted)):
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=2e-6,
                                atol=2e-6 * abs(want).max())
@@ -605,6 +651,10 @@ def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
       site, a, b, weights, keep)
   bf16 = f"tensor<{m}x{length}x{rows}xbf16>"
   assert _dot_operands(traced.lower(lowering_platforms=("cuda",))) == [
-      (bf16, f"tensor<{m}x{length}x{3 * cols}xbf16>")]
-  assert _dot_operands(traced.lower(lowering_platforms=("tpu",))) == [
-      (bf16, f"tensor<{m}x{length}x{cols}xf32>")]
+      (bf16, f"tensor<{m}x{length}x{2 * cols}xbf16>")]
+  tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+  assert re.findall(r"dot_general.*?algorithm = <([^>]*)>", tpu) == [
+      "lhs_precision_type = bf16, rhs_precision_type = bf16, "
+      "accumulation_type = f32, lhs_component_count = 1, "
+      "rhs_component_count = 1, num_primitive_operations = 3, "
+      "allow_imprecise_accumulation = false"]
