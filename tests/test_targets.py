@@ -94,6 +94,7 @@ def test_the_plan_is_for_the_slices_devices_and_memory(v5e):
   assert 0 < line["peak_bytes_per_device"] <= line["device_memory_bytes"]
   # The compiler's own time estimate of k x accumulate + apply, and the run.
   assert line["step_time_estimate_s"] > 0
+  assert line["step_cycles_estimate"] > 0  # its code generator's, per op
   assert line["projected_wall_s"] == pytest.approx(
       4 * line["step_time_estimate_s"])
   assert 0 < line["mfu"] < 1
@@ -209,6 +210,7 @@ def test_a_gpu_plan_is_for_the_gpus_and_their_memory(tmp_path):
   assert line["fits"] and line["peak_bytes_per_device"] > 0
   assert line["flops_per_step"] > 0  # the optimized module's, generically
   assert line["step_time_estimate_s"] is None  # the GPU compiler gives none
+  assert line["step_cycles_estimate"] is None
   assert not (tmp_path / "run").exists()
 
 

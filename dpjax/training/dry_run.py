@@ -23,8 +23,12 @@ CPU) and prints one JSON line:
 with a compile target (`--target=tpu:v4:2x2x4`, `dpjax.training.targets`) all of it
 for the target's devices and memory, compiled by its compiler on this host,
 plus target, chips, step_time_estimate_s (the TPU compiler's estimate of
-k x accumulate + apply), projected_wall_s (that times the steps left) and
-mfu (the step's FLOPs per device over that time at the chip's peak); a
+k x accumulate + apply, `optimal_seconds`: a matmul at its FLOPs over the
+chip's bf16 rate, whatever its precision), step_cycles_estimate (the same
+programs' per-op cycles by the TPU code generator, which count a float32
+product's bf16 passes; `step_cost.cost_analysis`), projected_wall_s (the
+time estimate times the steps left) and mfu (the step's FLOPs per device
+over that time at the chip's peak); a
 run that does not fit the target's memory is then refused (exit 2, the
 figures in one line), so that the dry run is a launch's preflight;
 
@@ -188,6 +192,7 @@ def _target_estimates(target: targets.Target, cost: step_cost.StepCost,
   return {"target": target.spec, "chips": target.chips,
           "peak_flops_per_device": target.peak_flops,
           "step_time_estimate_s": seconds,
+          "step_cycles_estimate": cost.cycles,
           "projected_wall_s": None if seconds is None else seconds * steps_left,
           "mfu": (None if not seconds else
                   cost.flops / (seconds * target.peak_flops))}

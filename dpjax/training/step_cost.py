@@ -203,6 +203,7 @@ class StepCost:
   flops: float | None = None  # None unless asked for (`with_flops`)
   bytes_accessed: float | None = None
   seconds: float | None = None  # the compiler's estimate (TPU), if any
+  cycles: float | None = None  # its code generator's (TPU), if any
 
 
 def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
@@ -284,7 +285,7 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   resident = state_bytes - device_bytes(state.params)  # not accumulate's args
   acc_peak = memory_analysis(accumulate)["peak_estimate_bytes"] + resident
   apply_peak = memory_analysis(apply)["peak_estimate_bytes"]
-  flops = bytes_accessed = seconds = None
+  flops = bytes_accessed = seconds = cycles = None
   if with_flops:
     if accumulate_cost is None and k == 1:
       accumulate_cost = loop_free_cost(accumulate_program, mesh, accumulate)
@@ -292,11 +293,12 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
         placed, batch_rows, m=m, k=k, accumulate=accumulate_cost,
         apply=loop_free_cost(apply_program, mesh, apply), **shardings)
     flops, bytes_accessed = total["flops"], total["bytes_accessed"]
-    seconds = total["seconds"]
+    seconds, cycles = total["seconds"], total["cycles"]
   return StepCost(peak_bytes=max(acc_peak, apply_peak),
                   accumulate_peak_bytes=acc_peak, apply_peak_bytes=apply_peak,
                   state_bytes=state_bytes, flops=flops,
-                  bytes_accessed=bytes_accessed, seconds=seconds)
+                  bytes_accessed=bytes_accessed, seconds=seconds,
+                  cycles=cycles)
 
 
 def step_estimate(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
