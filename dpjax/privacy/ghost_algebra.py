@@ -181,13 +181,14 @@ def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
   [m, T]; b: [m, T, cols]), with bf16 factors at the weights `rounded_down`.
   """
   keep = keep[:, None, None]
-  if b.dtype == jnp.bfloat16:
+  narrow = b.dtype == jnp.bfloat16
+  if narrow:
     weights, b = rounded_down(weights), pinned(b)
   b = jnp.where(keep, b, 0).astype(jnp.float32) * weights[:, None, None]
   if site.kind == "lookup":
     return jax.ops.segment_sum(b.reshape(-1, b.shape[-1]), a.reshape(-1),
                                num_segments=site.shape[0])
-  if a.dtype != jnp.bfloat16:
+  if not (narrow and a.dtype == jnp.bfloat16):
     return float32_sum(jnp.where(keep, a, 0), b)
   a = jnp.where(keep, pinned(a), 0)
   # b = w B is a product of two bf16 values: 16 significant bits, so two

@@ -658,3 +658,17 @@ def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
       "accumulation_type = f32, lhs_component_count = 1, "
       "rhs_component_count = 1, num_primitive_operations = 3, "
       "allow_imprecise_accumulation = false"]
+  # A float32 output gradient keeps its float32 weights and HIGHEST sum:
+  # two bf16 parts would not hold its 24 bits.
+  wide = jnp.asarray(b, jnp.float32) + 2.0 ** -12
+  np.testing.assert_allclose(
+      jax.jit(ghost_algebra.book_keeping, static_argnums=0)(
+          site, a, wide, weights, keep),
+      sum(np.float64(weights[i]) * a64[i].T @ np.asarray(wide[i], np.float64)
+          for i in range(m) if keep[i]),
+      rtol=2e-6, atol=2e-6 * abs(want).max())
+  lowered = jax.jit(ghost_algebra.book_keeping, static_argnums=0).trace(
+      site, a, wide, weights, keep).lower(lowering_platforms=("tpu",))
+  assert _dot_operands(lowered) == [
+      (bf16, f"tensor<{m}x{length}x{cols}xf32>")]
+  assert "algorithm" not in lowered.as_text()
