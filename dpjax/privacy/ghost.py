@@ -77,14 +77,14 @@ Those of `clipping.clipped_grad`, for the same call contract: for ANY
 * every example with `mask[i] <= 0` contributes exactly zero to the sum;
 * every example with `mask[i] > 0` contributes `w_i g_i` with
   `w_i = min(mask[i], 1) min(1, C / ||g_i||)`, of L2 norm `<= C`, or zero
-  if its loss or squared norm is non-finite; `g_i` is its gradient, whose large blocks are
-  `sum_k A_k^T B_k`. Book-keeping bf16 factors, `w_i` is rounded down to
-  bf16's 8 significant bits (at most 2^-7 below, never above; 1 stays 1),
-  which makes its products exact in two bf16 parts. Up to float rounding:
-  the identity's is relative to its
-  (possibly cancelling) terms rather than to the norm (a sum rounded below
-  zero is taken as zero); book-keeping forms the sum from the very factors
-  the norm is computed from, with exact products accumulated in float32
+  if its loss or squared norm is non-finite; `g_i` is its gradient, whose
+  large blocks are `sum_k A_k^T B_k`. Book-keeping bf16 factors, `w_i` is
+  rounded down to bf16's 8 significant bits (at most 2^-7 below, never
+  above; 1 stays 1), which makes its products exact in two bf16 parts.
+  Up to float rounding: the identity's is relative to its (possibly
+  cancelling) terms rather than to the norm (a sum rounded below zero is
+  taken as zero); book-keeping forms the sum from the very factors the
+  norm is computed from, with exact products accumulated in float32
   (under bf16 compute, both of the factors' bf16 values, whatever a
   compiler fused: `ghost_algebra.pinned`); the second pass forms it in the
   model's backward pass, in its compute dtype (bfloat16 under mixed
