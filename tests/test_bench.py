@@ -236,7 +236,8 @@ def test_cost_analysis_of_a_list_or_a_dict():
   """Older jax returns a list of one dict per program, newer jax the dict."""
   analysis = {"flops": 6.0, "bytes accessed": 8.0, "transcendentals": 1.0}
   expected = {"flops": 6.0, "bytes_accessed": 8.0, "seconds": None,
-              "cycles": None, "while_loops": 1, "windowed_einsum_loops": 0, "custom_calls": {}}
+              "cycles": None, "while_loops": 1, "windowed_einsum_loops": 0,
+              "custom_calls": {}}
   assert step_cost.cost_analysis(_Compiled(analysis, WHILE)) == expected
   assert step_cost.cost_analysis(_Compiled([analysis], WHILE)) == expected
 

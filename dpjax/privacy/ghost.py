@@ -439,7 +439,7 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
       # Book-kept bf16 sums take the weights rounded down to bf16
       # (`ghost_algebra.book_keeping`); so do the small leaves, so that
       # each example adds one multiple of its gradient.
-      weights = algebra.rounded_down(weights)
+      weights = algebra.truncated(weights)
 
     summed = [None if g is None else clipping.weighted_sum(g, weights, keep)
               for g in small_grads]

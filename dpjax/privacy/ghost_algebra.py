@@ -178,12 +178,13 @@ def exact_precision(a: jax.Array, b: jax.Array):
 def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
                   keep: jax.Array) -> jax.Array:
   """sum_i weights[i] A_i^T B_i over kept examples (a: [m, T, rows] or ids
-  [m, T]; b: [m, T, cols]), with bf16 factors at the weights `rounded_down`.
-  """
+  [m, T]; b: [m, T, cols]), with bf16 factors at the weights `truncated`
+  to bf16 (never above them, so never above min(1, C / norm); at most 2^-7
+  below; 1 stays 1)."""
   keep = keep[:, None, None]
   narrow = b.dtype == jnp.bfloat16
   if narrow:
-    weights, b = rounded_down(weights), pinned(b)
+    weights, b = truncated(weights), pinned(b)
   b = jnp.where(keep, b, 0).astype(jnp.float32) * weights[:, None, None]
   if site.kind == "lookup":
     return jax.ops.segment_sum(b.reshape(-1, b.shape[-1]), a.reshape(-1),
@@ -200,13 +201,13 @@ def book_keeping(site, a: jax.Array, b: jax.Array, weights: jax.Array,
                                     tpu=two_part_sum, default=float32_sum)
 
 
-def rounded_down(weights: jax.Array) -> jax.Array:
-  """float32 `weights >= 0` rounded toward zero to bf16's 8 significant bits
-  (kept float32): never above the weight, so never above min(1, C / norm),
-  and at most 2^-7 of it below; 1 stays 1."""
+def truncated(x: jax.Array) -> jax.Array:
+  """float32 `x` cut toward zero to its leading 8 significant bits (kept
+  float32), by a bit mask: a compiler that allows excess precision may
+  drop a float32 -> bf16 -> float32 round trip; it cannot drop a mask."""
   return jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(weights, jnp.uint32)
-      & jnp.uint32(0xFFFF0000), jnp.float32)
+      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000),
+      jnp.float32)
 
 
 def float32_sum(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -237,13 +238,9 @@ def bfloat16_parts(x: jax.Array) -> jax.Array:
   bf16 values) as bf16 `[..., 2n]`: [hi | lo] with hi + lo == x exactly
   (subnormals aside).
 
-  hi is x's leading 8 significant bits, cut by a bit mask rather than by
-  rounding (a compiler that allows excess precision may drop a float32 ->
-  bf16 -> float32 round trip; it cannot drop a mask), so lo = x - hi is
+  hi is x's leading 8 significant bits (`truncated`), so lo = x - hi is
   exact in float32 and holds the other 8 bits. The conversions to bf16 are
   then exact too."""
-  hi = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000),
-      jnp.float32)
+  hi = truncated(x)
   return jnp.concatenate([hi.astype(jnp.bfloat16),
                           (x - hi).astype(jnp.bfloat16)], axis=-1)

@@ -633,7 +633,7 @@ def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
   assert np.all(rounded <= weights) and rounded[0] == 1.0
   assert np.all(rounded > weights * (1 - 2.0 ** -7))
   np.testing.assert_array_equal(
-      np.asarray(ghost_algebra.rounded_down(jnp.asarray(weights))), rounded)
+      np.asarray(ghost_algebra.truncated(jnp.asarray(weights))), rounded)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   want = sum(np.float64(rounded[i]) * a64[i].T @ b64[i]
              for i in range(m) if keep[i])
