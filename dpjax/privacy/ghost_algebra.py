@@ -64,7 +64,9 @@ def pinned(x: jax.Array) -> jax.Array:
   operands (`exact_precision`: the algorithm rounds them to nearest, ties
   to even); a book-kept sum takes a float32 weighted factor, so its
   operands are rounded here alike, by integer ops, which no compiler
-  drops (NaN kept NaN). Fused into the sum's operands, it moves no bytes.
+  drops (NaN kept NaN), and so is any bf16 factor that meets float32
+  arithmetic (`as_stored`, `exact_operands`). Fused into the sum's
+  operands, it moves no bytes.
   """
   wide = x.astype(jnp.float32)
   bits = jax.lax.bitcast_convert_type(wide, jnp.uint32)
@@ -104,7 +106,7 @@ def site_grad(site, factors: Factors) -> jax.Array:
   a, b = factors
   if site.kind == "lookup":
     return jnp.zeros(site.shape, jnp.float32).at[a].add(
-        b.astype(jnp.float32))
+        as_stored(b).astype(jnp.float32))
   return dot(a.T, b)
 
 
@@ -112,7 +114,7 @@ def inner(grad: jax.Array, site, factors: Factors) -> jax.Array:
   """<grad, A^T B> without forming A^T B."""
   a, b = factors
   rows_of_grad = grad[a] if site.kind == "lookup" else dot(a, grad)
-  return jnp.sum(rows_of_grad * b.astype(jnp.float32))
+  return jnp.sum(rows_of_grad * as_stored(b).astype(jnp.float32))
 
 
 def ghost_inner(s, f: Factors, r, h: Factors) -> jax.Array:
@@ -153,6 +155,7 @@ def ghost_sq_norm(site, factors: Factors) -> jax.Array:
 
 def block_dot(x: jax.Array, y: jax.Array) -> jax.Array:
   """x[i] @ y[i]^T for each block i: [n, t, k] x [n, s, k] -> [n, t, s]."""
+  x, y = exact_operands(x, y)
   return jnp.einsum("ntk,nsk->nts", x, y, precision=exact_precision(x, y),
                     preferred_element_type=jnp.float32)
 
@@ -160,8 +163,26 @@ def block_dot(x: jax.Array, y: jax.Array) -> jax.Array:
 def dot(a: jax.Array, b: jax.Array) -> jax.Array:
   """a @ b with float32 accumulation, exact products: the clip bound rests
   on these products."""
+  a, b = exact_operands(a, b)
   return jnp.dot(a, b, precision=exact_precision(a, b),
                  preferred_element_type=jnp.float32)
+
+
+def as_stored(x: jax.Array) -> jax.Array:
+  """A factor as the values it holds: a bf16 one `pinned` (a fused float32
+  consumer may otherwise see the float32 value it was rounded from, where
+  the book-kept sum sees the bf16 one); any other unchanged."""
+  return pinned(x) if x.dtype == jnp.bfloat16 else x
+
+
+def exact_operands(a: jax.Array, b: jax.Array) -> Factors:
+  """A product's operands as the values they hold: a bf16 operand beside a
+  wider one is widened for a float32 product, so it is `as_stored`. Two
+  bf16 operands need nothing: their algorithm (`exact_precision`) takes
+  bf16 operands."""
+  if a.dtype == b.dtype:
+    return a, b
+  return as_stored(a), as_stored(b)
 
 
 def exact_precision(a: jax.Array, b: jax.Array):
@@ -212,6 +233,7 @@ def truncated(x: jax.Array) -> jax.Array:
 
 def float32_sum(a: jax.Array, b: jax.Array) -> jax.Array:
   """sum over m, t of a[m, t]^T b[m, t], float32 at HIGHEST precision."""
+  a, b = exact_operands(a, b)
   return jnp.einsum("mta,mtb->ab", a, b, precision=HIGHEST,
                     preferred_element_type=jnp.float32)
 

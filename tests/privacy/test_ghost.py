@@ -6,6 +6,7 @@ out-of-range ids), a real example forced non-finite, dropout keys, and a clip
 norm that clips some examples but not all.
 """
 
+import dataclasses
 import functools
 import math
 import re
@@ -605,6 +606,56 @@ def test_pinned_is_the_bfloat16_conversion_by_integer_ops():
   # Its integer ops on the float32 values themselves: the same rounding.
   np.testing.assert_array_equal(
       np.asarray(jax.jit(ghost_algebra.pinned)(wide)), want)
+
+
+def _pins(fn, *args) -> int:
+  """How many bf16 roundings by integer ops (`ghost_algebra.pinned`: a mask
+  of the high 16 bits) `fn` lowers to for a TPU."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+  return len(re.findall(r"stablehlo.and .*tensor<[^>]*xui32>", text))
+
+
+def test_a_bfloat16_factor_beside_a_float32_operand_is_pinned():
+  """Where a bf16 factor meets float32 arithmetic (a direct site's gradient,
+  a float32 output gradient), a compiler allowed excess precision could
+  hand the product the float32 value the factor was rounded from, while
+  the book-kept sum (pinned) sees the bf16 one: the norm would not be the
+  contribution's. Such operands are pinned to their bf16 values; two bf16
+  operands need not be (their algorithm takes bf16), nor float32 ones."""
+  rng = np.random.RandomState(3)
+  t, rows, cols = 16, 24, 40
+  a = jnp.asarray(rng.standard_normal((t, rows)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((t, cols)), jnp.bfloat16)
+  grad = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
+  ids = jnp.asarray(rng.randint(0, rows, t))
+  dense = ghost.Site(key=((), "x", 0), kind="dense", param="p", leaf=0,
+                     shape=(rows, cols), length=t,
+                     output=jax.ShapeDtypeStruct((t, cols), jnp.bfloat16),
+                     norm="ghost", remat=False)
+  lookup = dataclasses.replace(dense, kind="lookup")
+  a64, b64, g64 = (np.asarray(x, np.float64) for x in (a, b, grad))
+  mixed = {
+      "dot": (lambda x, y: ghost_algebra.dot(x.T, y), (a, grad[:, :t].T),
+              a64.T @ g64[:, :t].T),
+      "float32_sum": (ghost_algebra.float32_sum, (a[None], grad[None, :t]),
+                      a64.T @ g64[:t]),
+      "inner": (lambda g, x, y: ghost_algebra.inner(g, dense, (x, y)),
+                (grad, a, b), np.sum(g64 * (a64.T @ b64))),
+      "inner of a lookup": (
+          lambda g, i, y: ghost_algebra.inner(g, lookup, (i, y)),
+          (grad, ids, b), np.sum(g64[np.asarray(ids)] * b64)),
+      "site_grad of a lookup": (
+          lambda i, y: ghost_algebra.site_grad(lookup, (i, y)), (ids, b),
+          np.stack([b64[np.asarray(ids) == r].sum(0) for r in range(rows)])),
+  }
+  for name, (fn, args, want) in mixed.items():
+    assert _pins(fn, *args) >= 1, name
+    np.testing.assert_allclose(jax.jit(fn)(*args), want, rtol=2e-6,
+                               atol=2e-6 * np.abs(want).max(), err_msg=name)
+  # Two bf16 operands, or two float32 ones: nothing to pin.
+  assert _pins(lambda x, y: ghost_algebra.dot(x.T, y), a, b) == 0
+  assert _pins(lambda x, y: ghost_algebra.dot(x.T, y),
+               a.astype(jnp.float32), grad[:, :t].T) == 0
 
 
 def _dot_operands(lowered) -> list[tuple[str, str]]:
