@@ -173,7 +173,16 @@ class RelativePositionBias(nn.Module):
         np.arange(-d, d + 1), bidirectional=self.bidirectional,
         num_buckets=self.num_buckets, max_distance=d), jnp.int32)
     rel = jnp.clip(key_positions[None, :] - query_positions[:, None], -d, d)
-    return jnp.take(table, bucket_of[rel + d], axis=1)[None]
+    # A product with the one-hot buckets, not a gather: a gather's gradient
+    # is a scatter, which a TPU runs row by row, and per-example gradients
+    # (ghost clipping's small parameters) first copy each example's
+    # [q, k, heads] gradient into a layout to scatter from. The product is
+    # one contraction each way, and exact: each bias is one table entry
+    # times 1, at full float32 precision.
+    onehot = (bucket_of[rel + d][..., None]
+              == jnp.arange(self.num_buckets)).astype(table.dtype)
+    return jnp.einsum("hb,qkb->hqk", table, onehot,
+                      precision=jax.lax.Precision.HIGHEST)[None]
 
 
 class MultiHeadAttention(nn.Module):

@@ -1,6 +1,7 @@
 """Tests of the T5 model: shapes, masking, caching, axes, configs."""
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +179,40 @@ def test_relative_position_buckets():
   expected_causal = {5: 0, 0: 0, -1: 1, -15: 15, -16: 16, -32: 21, -127: 31, -1000: 31}
   for rel, b in expected_causal.items():
     assert bucket(rel, False) == b, rel
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_bias_is_the_table_entry_and_its_gradient_a_bucket_sum(
+    bidirectional):
+  """The bias is exactly the table entry of each (query, key) bucket, and its
+  gradient the sum over the positions of each bucket (numpy, float64); the
+  gradient is a product, not a scatter, so per-example gradients need no
+  scatter's copy either."""
+  heads, buckets, distance, q, k = 3, 8, 16, 24, 24
+  module = t5.RelativePositionBias(num_heads=heads, num_buckets=buckets,
+                                   max_distance=distance,
+                                   bidirectional=bidirectional, stddev=1.0)
+  positions = jnp.arange(q)
+  params = nn.meta.unbox(module.init(jax.random.key(0), positions, positions))
+  table = np.asarray(params["params"]["rel_embedding"])
+  rel = np.clip(np.arange(k)[None, :] - np.arange(q)[:, None], -distance, distance)
+  bucket = t5.relative_position_bucket(rel, bidirectional=bidirectional,
+                                       num_buckets=buckets, max_distance=distance)
+  bias = module.apply(params, positions, positions)
+  np.testing.assert_array_equal(np.asarray(bias)[0], table[:, bucket])
+  cotangent = np.random.RandomState(0).standard_normal((1, heads, q, k))
+
+  def loss(p):
+    return jnp.sum(module.apply(p, positions, positions) * cotangent)
+
+  grad = jax.jit(jax.grad(loss))(params)["params"]["rel_embedding"]
+  want = np.stack([[cotangent[0, h][bucket == b].sum() for b in range(buckets)]
+                   for h in range(heads)])
+  np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+  per_example = jax.vmap(jax.grad(lambda p, c: jnp.sum(
+      module.apply(p, positions, positions) * c)), in_axes=(None, 0))
+  lowered = jax.jit(per_example).lower(params, jnp.stack([cotangent[0]] * 2)[:, None])
+  assert "scatter" not in lowered.as_text()
 
 
 def test_config_json_roundtrip():
