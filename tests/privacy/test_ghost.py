@@ -6,7 +6,6 @@ out-of-range ids), a real example forced non-finite, dropout keys, and a clip
 norm that clips some examples but not all.
 """
 
-import dataclasses
 import functools
 import math
 import re
@@ -546,6 +545,15 @@ def test_invalid_arguments():
     ghost.ghost_clipped_grad(toy_loss, clip_norm=1.0, summation="twice")
 
 
+def _site(kind, rows, cols, length, dtype):
+  """A site of one parameter `[rows, cols]` over `length` positions, whose
+  output (gradient) has `dtype`: the algebra's functions read no more."""
+  return ghost.Site(key=((), "x", 0), kind=kind, param="p", leaf=0,
+                    shape=(rows, cols), length=length,
+                    output=jax.ShapeDtypeStruct((length, cols), dtype),
+                    norm="ghost", remat=False)
+
+
 @pytest.mark.parametrize("length", [12, 64, 130, 256])
 @pytest.mark.parametrize("kind", ["dense", "lookup", "attend"])
 def test_a_sites_own_norm_equals_the_float64_gradient_norm(length, kind):
@@ -560,10 +568,7 @@ def test_a_sites_own_norm_equals_the_float64_gradient_norm(length, kind):
   else:
     a = rng.standard_normal((length, rows)).astype(np.float32)
     grad = a.astype(np.float64).T @ b.astype(np.float64)
-  site = ghost.Site(key=((), "x", 0), kind=kind, param="p", leaf=0,
-                    shape=(rows, cols), length=length,
-                    output=jax.ShapeDtypeStruct((length, cols), jnp.float32),
-                    norm="ghost", remat=False)
+  site = _site(kind, rows, cols, length, jnp.float32)
   got = float(jax.jit(ghost_algebra.ghost_sq_norm, static_argnums=0)(site, (a, b)))
   np.testing.assert_allclose(got, np.sum(grad ** 2), rtol=1e-5)
 
@@ -628,11 +633,8 @@ def test_a_bfloat16_factor_beside_a_float32_operand_is_pinned():
   b = jnp.asarray(rng.standard_normal((t, cols)), jnp.bfloat16)
   grad = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
   ids = jnp.asarray(rng.randint(0, rows, t))
-  dense = ghost.Site(key=((), "x", 0), kind="dense", param="p", leaf=0,
-                     shape=(rows, cols), length=t,
-                     output=jax.ShapeDtypeStruct((t, cols), jnp.bfloat16),
-                     norm="ghost", remat=False)
-  lookup = dataclasses.replace(dense, kind="lookup")
+  dense = _site("dense", rows, cols, t, jnp.bfloat16)
+  lookup = _site("lookup", rows, cols, t, jnp.bfloat16)
   a64, b64, g64 = (np.asarray(x, np.float64) for x in (a, b, grad))
   mixed = {
       "dot": (lambda x, y: ghost_algebra.dot(x.T, y), (a, grad[:, :t].T),
@@ -676,10 +678,7 @@ def test_bfloat16_book_keeping_is_the_exact_weighted_sum_in_bfloat16_products():
   weights = rng.uniform(0.01, 1.0, m).astype(np.float32)
   weights[0] = 1.0  # an example not clipped keeps its weight
   keep = np.array([True, True, False, True, True])
-  site = ghost.Site(key=((), "x", 0), kind="dense", param="p", leaf=0,
-                    shape=(rows, cols), length=length,
-                    output=jax.ShapeDtypeStruct((length, cols), jnp.bfloat16),
-                    norm="ghost", remat=False)
+  site = _site("dense", rows, cols, length, jnp.bfloat16)
   rounded = bfloat16_rounded_down(weights)
   assert np.all(rounded <= weights) and rounded[0] == 1.0
   assert np.all(rounded > weights * (1 - 2.0 ** -7))
