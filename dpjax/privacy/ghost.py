@@ -54,7 +54,8 @@ zero stacked like the factors, `[layers, T, rows]` and `[layers, T, cols]`,
 is placed beside the parameter in the params tree (a flax scan loops over
 it as over the parameter, `_with_sinks`), and the site returns its factors
 as that slice's cotangent: the loop's backward pass stacks them per layer,
-and book-keeping proceeds from them. A site whose module does not see the
+and book-keeping proceeds from them (from each layer's own, where the loop
+is unrolled into straight-line code: `Site.unrolled`). A site whose module does not see the
 stacked zero (a loss that rebuilds the params tree; a lookup, whose int
 ids have no cotangent) can only be tapped, as is every scanned site when
 the second pass sums, with the tap's per-example zero closed over by the
@@ -181,6 +182,12 @@ class Site:
   norm: str  # 'ghost' (Gram identity) or 'direct' (A^T B, then its norm)
   remat: bool  # inside a jax.checkpoint: its factors only through a tap
   scanned: bool = False  # a slice of a leaf a scan loops over
+  # Scanned, by a loop unrolled into straight-line code (`unroll` covering
+  # its length: a cost program's `T5Config.scan_unrolled`). XLA then
+  # stacks the layers' factors by copying them into one buffer, where the
+  # loop writes each layer's in place: they are taken apart per layer
+  # (`_per_layer`), which XLA forwards from each layer's own instead.
+  unrolled: bool = False
   # The module's compute dtype: an `attend`'s output gradient (its float32
   # logits' gradient, `[T, vocab]`) is kept as a factor in it.
   dtype: Any = jnp.float32
@@ -260,7 +267,7 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   leaves_with_path = jax.tree_util.tree_flatten_with_path(params)[0]
   leaf_vars = jaxpr.invars[:len(leaves_with_path)]
   origins = _marked_leaves(jaxpr, {v: i for i, v in enumerate(leaf_vars)})
-  candidates = {calls[i][0] for i, (leaf, _, _) in origins.items()
+  candidates = {calls[i][0] for i, (leaf, *_) in origins.items()
                 if leaf is not None}
 
   outputs = {key: out for key, _, _, out, _ in calls}
@@ -276,7 +283,8 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
 
   sites = []
   for i, (key, kind, x, out, dtype) in enumerate(calls):
-    leaf, remat, scanned = origins.get(i, (None, False, False))
+    leaf, remat, scanned, unrolled = origins.get(i, (None, False, False,
+                                                     False))
     if leaf is None or used[leaf]:
       continue
     path, value = leaves_with_path[leaf]
@@ -290,7 +298,8 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
         key=key, kind=kind, param=jax.tree_util.keystr(path), leaf=leaf,
         shape=tuple(shape), length=length, output=out,
         norm=_cheaper(length, *shape) if norm == "auto" else norm,
-        remat=remat, scanned=scanned, dtype=jnp.dtype(dtype), input=x))
+        remat=remat, scanned=scanned, unrolled=unrolled,
+        dtype=jnp.dtype(dtype), input=x))
   per_param = collections.Counter(s.leaf for s in sites)
   for s in sites:
     if (s.remat or s.scanned) and per_param[s.leaf] > 1:
@@ -435,7 +444,8 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     scales, keep, stats = clipping.clip_scales(
         losses, sq_norms[:, None], mask, bounds)
     weights = scales[:, 0]
-    if not second_pass and any(b.dtype == jnp.bfloat16 for _, b in factors):
+    if not second_pass and any(s.factor_shapes()[1].dtype == jnp.bfloat16
+                               for s in sites):
       # Book-kept bf16 sums take the weights rounded down to bf16
       # (`ghost_algebra.book_keeping`); so do the small leaves, so that
       # each example adds one multiple of its gradient.
@@ -448,10 +458,11 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
                              weights, keep)
       summed = [grads.get(i, g) for i, g in enumerate(summed)]
     else:
-      for site, (a, b) in zip(sites, factors):
-        term = (jax.vmap(algebra.book_keeping, in_axes=(None, 1, 1, None, None))
-                if site.scanned else algebra.book_keeping)(
-                    site, a, b, weights, keep)
+      for site, f in zip(sites, factors):
+        keep_sum = lambda f, site=site: algebra.book_keeping(
+            site, *f, weights, keep)
+        term = (_per_layer(site, keep_sum, f, axis=1) if site.scanned
+                else keep_sum(f))
         summed[site.leaf] = term if summed[site.leaf] is None else (
             summed[site.leaf] + term)
     return jax.tree.unflatten(treedef, summed), stats
@@ -507,25 +518,27 @@ def _run(example_loss, params, example, on_site):
 
 
 def _marked_leaves(jaxpr, leaf_of: dict, remat: bool = False,
-                   scanned: bool = False
-                   ) -> dict[int, tuple[int | None, bool, bool]]:
+                   scanned: bool = False, unrolled: bool = False
+                   ) -> dict[int, tuple[int | None, bool, bool, bool]]:
   """Call index -> (the params leaf its marked value is (or a slice of, if
   scanned), or None if it is computed; whether it is inside a
-  `jax.checkpoint`; whether it is a scan's slice), for the marks of
-  `find_sites` in `jaxpr`, whose variables `leaf_of` maps to leaves (or,
-  `scanned`, to the leaves they are slices of)."""
+  `jax.checkpoint`; whether it is a scan's slice; whether that scan is
+  unrolled into straight-line code), for the marks of `find_sites` in
+  `jaxpr`, whose variables `leaf_of` maps to leaves (or, `scanned`, to the
+  leaves they are slices of)."""
   found = {}
   for eqn in jaxpr.eqns:
     if (eqn.primitive is primitives.name_p
         and eqn.params["name"].startswith(_MARK)):
       found[int(eqn.params["name"][len(_MARK):])] = (
-          _leaf(leaf_of, eqn.invars[0]), remat, scanned)
+          _leaf(leaf_of, eqn.invars[0]), remat, scanned, unrolled)
     elif eqn.primitive in _TRANSPARENT:
       body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
       body = getattr(body, "jaxpr", body)  # a ClosedJaxpr under jit
       inner = {v: _leaf(leaf_of, x) for v, x in zip(body.invars, eqn.invars)}
       found.update(_marked_leaves(
-          body, inner, remat or eqn.primitive is primitives.remat_p, scanned))
+          body, inner, remat or eqn.primitive is primitives.remat_p, scanned,
+          unrolled))
     elif eqn.primitive is primitives.scan_p and not scanned:
       # The body's invars: consts, carry, then one slice of each looped-over
       # operand. Only those slices are a leaf's layers; a leaf the body
@@ -534,7 +547,12 @@ def _marked_leaves(jaxpr, leaf_of: dict, remat: bool = False,
       first = eqn.params["num_consts"] + eqn.params["num_carry"]
       inner = {v: _leaf(leaf_of, x) for v, x in zip(body.invars[first:],
                                                    eqn.invars[first:])}
-      found.update(_marked_leaves(body, inner, remat, scanned=True))
+      # jax lowers a scan whose `unroll` is 0 or covers its length with no
+      # loop (`_scan_impl`).
+      unroll = eqn.params["unroll"]
+      found.update(_marked_leaves(
+          body, inner, remat, scanned=True,
+          unrolled=unroll == 0 or unroll >= eqn.params["length"] > 1))
   return found
 
 
@@ -562,7 +580,7 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
   their cotangent; a scanned site's are stacked per layer beside its
   parameter, `_with_sinks`) and the sinks of the `tapped` ones; the large
   leaves are constants. The factors are those of the untapped sites, in
-  site order.
+  site order (a scanned site's as `_by_layer` gives them).
   """
   untapped = [s for s in sites if s.key not in tapped]
   recorded = [s for s in untapped if not (s.remat or s.scanned)]
@@ -611,6 +629,8 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
         grad_fn(small, zeros, sinks, carries, example))
     factors = [algebra.factors(s, x, g)
                for s, x, g in zip(recorded, inputs, out_grads)]
+    carried_factors = [_by_layer(s, f) if s.scanned else f
+                       for s, f in zip(carried, carried_factors)]
     by_key = dict(zip([s.key for s in recorded + carried],
                       factors + carried_factors))
     return (loss, small_grads,
@@ -625,7 +645,28 @@ def _own_sq_norm(site: Site, factors: algebra.Factors) -> jax.Array:
   """||A^T B||^2 of a site that is its parameter's only one; a scanned
   site's summed over its layers (their gradients are disjoint blocks)."""
   norm = lambda f: algebra.large_sq_norm((site,), (f,))
-  return jnp.sum(jax.vmap(norm)(factors)) if site.scanned else norm(factors)
+  return jnp.sum(_per_layer(site, norm, factors)) if site.scanned else norm(
+      factors)
+
+
+def _by_layer(site: Site, factors: algebra.Factors):
+  """A scanned site's factors, stacked by the loop `[layers, ...]`, as
+  `_per_layer` takes them: as they are, or, where the loop is unrolled
+  (`Site.unrolled`), a tuple of each layer's: XLA forwards each such slice
+  of the stack from that layer's factors themselves, where an op over the
+  whole stack would read a copy of them all."""
+  if not site.unrolled:
+    return factors
+  return tuple(tuple(jax.lax.index_in_dim(f, i, 0, keepdims=False)
+                     for f in factors) for i in range(factors[0].shape[0]))
+
+
+def _per_layer(site: Site, fn: Callable, factors, axis: int = 0) -> jax.Array:
+  """`fn` of each layer's factors of a scanned site (`_by_layer`'s:
+  stacked along `axis`, or a tuple per layer), stacked on a leading axis."""
+  if site.unrolled:
+    return jnp.stack([fn(f) for f in factors])
+  return jax.vmap(fn, in_axes=axis)(factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -452,19 +452,25 @@ def test_refuses_a_remat_module_called_twice():
     ghost.find_sites(loss, params, REMAT_BATCH[0])
 
 
-@pytest.mark.parametrize("remat, summation", [
-    ("none", "auto"), ("none", "second_pass"), ("layer", "auto"),
-    ("layer", "book_keeping")])
-def test_scanned_layers_match_the_unrolled_per_example_loop(remat, summation):
+@pytest.mark.parametrize("remat, summation, loop", [
+    ("none", "auto", "unrolled"), ("none", "second_pass", "loop"),
+    ("layer", "auto", "loop"), ("layer", "book_keeping", "loop")])
+def test_scanned_layers_match_the_unrolled_per_example_loop(remat, summation,
+                                                            loop):
   """`T5Config.scan_layers`: each layer kernel is one site on its stacked
   leaf, whose factors its sink can carry out of the loop, rematerialised
   or not (book-keeping; 'auto' takes the second pass under remat), and the
   clipped sum and norms equal the float64 loop over the unrolled model's
-  examples every way. (No dropout: the scan draws a layer's mask from its
-  split of the key, the unrolled model from its module path.)"""
+  examples every way. The loop unrolled into straight-line code (a cost
+  program's `scan_unrolled`) gives the same, and its program does not
+  copy the layers' factors into one stack (jax's unrolled scan stacks
+  them by concatenation, where the loop writes them in place). (No
+  dropout: the scan draws a layer's mask from its split of the key, the
+  unrolled model from its module path.)"""
   layers = dict(num_encoder_layers=2, num_decoder_layers=2)
   loss, params, batch = t5_problem(**layers)
-  scanned_loss = t5_problem(**layers, scan_layers=True, remat=remat)[0]
+  scanned_loss = t5_problem(**layers, scan_layers=True, remat=remat,
+                            scan_unrolled=loop == "unrolled")[0]
   grads, norms, finite = loop_reference(loss, params, batch)
   keep = (MASK > 0) & finite
   clip = float(np.median(norms[keep]))
@@ -478,10 +484,16 @@ def test_scanned_layers_match_the_unrolled_per_example_loop(remat, summation):
              and jax.tree_util.keystr(p).endswith("['kernel']")}
   assert {s.param for s in sites if s.scanned} == in_loop
   assert all(s.remat == (remat == "layer") for s in sites if s.scanned)
-  assert all(s.sink for s in sites if s.scanned)
+  assert all(s.sink and s.unrolled == (loop == "unrolled")
+             for s in sites if s.scanned)
   assert not any(s.scanned for s in sites if s.param not in in_loop)
-  got, stats = jit(ghost.ghost_clipped_grad(
-      scanned_loss, clip_norm=clip, summation=summation))(stacked, batch, MASK)
+  clipped = jit(ghost.ghost_clipped_grad(
+      scanned_loss, clip_norm=clip, summation=summation))
+  if loop == "unrolled":  # no [layers, examples, T, rows or cols] concatenate
+    stacks = re.findall(rf"f32\[2,{N},\d+,\d+\]\S* concatenate\(",
+                        clipped.lower(stacked, batch, MASK).compile().as_text())
+    assert not stacks
+  got, stats = clipped(stacked, batch, MASK)
   np.testing.assert_allclose(stats.norms, np.where(keep, norms, 0), rtol=1e-5)
   assert 0 < int(stats.num_clipped) < int(np.sum(keep))
   for g, e in zip(leaves64(t5.unscan_params(got)), expected):
