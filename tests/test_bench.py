@@ -269,12 +269,42 @@ FUSION = ('%f{i} = f32[8] fusion(%a), kind=kLoop, calls=%c{i}, backend_config='
           '{{"window_config":{{"estimated_cycles":"{cycles}"}}}}\n')
 
 
+
+
+def _loop(name: str, count: int, body: str) -> str:
+  """A jax loop's condition (counter < count) and `body`, as computations."""
+  return (f"%{name}_cond (p: (s32[])) -> pred[] {{\n"
+          f"  %{name}_n = s32[]{{:T(128)}} constant({count})\n"
+          f"  %{name}_i = s32[] get-tuple-element(%p), index=0\n"
+          f"  ROOT %{name}_lt = pred[] compare(%{name}_i, %{name}_n), "
+          f"direction=LT\n}}\n\n"
+          f"%{name}_body (p: (s32[])) -> (s32[]) {{\n{body}}}\n\n")
+
+
+def _while(name: str) -> str:
+  return (f"  %{name} = (s32[]) while(%t), condition=%{name}_cond, "
+          f"body=%{name}_body\n")
+
+
+# A loop of 12 (each iteration 1000 cycles and an inner loop of 3 x 10)
+# after an op of 100.
+NESTED = (_loop("inner", 3, "  " + FUSION.format(i=2, cycles=10))
+          + _loop("outer", 12, "  " + FUSION.format(i=1, cycles=1000)
+                  + _while("inner"))
+          + "ENTRY %main () -> f32[] {\n  " + FUSION.format(i=0, cycles=100)
+          + _while("outer") + "}\n")
+
+
 @pytest.mark.parametrize("text, cycles", [
     ("", None),  # no per-op estimates (a GPU, a CPU)
     (FUSION.format(i=0, cycles=1200) + FUSION.format(i=1, cycles=34), 1234.0),
-    (FUSION.format(i=0, cycles=1200) + WHILE, None),  # a body counted once
+    (FUSION.format(i=0, cycles=1200) + WHILE, None),  # a loop it cannot count
+    (NESTED, 100 + 12 * (1000 + 3 * 10)),  # each iteration counted
+    (NESTED.replace("constant(3)", "parameter(1)"), None),
 ])
 def test_the_cycles_are_the_sum_of_the_ops_estimates(text, cycles):
+  """Each op's estimate, a loop's body once per iteration where its trip
+  count reads as jax's loops write it (`step_cost.program_cycles`)."""
   cost = step_cost.cost_analysis(_Compiled(
       {"flops": 6.0, "bytes accessed": 8.0, "optimal_seconds": 1e-3}, text))
   assert cost["cycles"] == cycles

@@ -284,6 +284,34 @@ def test_cost_of_a_loop_free_program_carries_the_tpu_estimate():
   json.dumps(cost)  # plain numbers
 
 
+def test_a_loops_cycles_count_each_iteration():
+  """A layer loop (`lax.scan` over stacked weights) compiled for a v5e: its
+  cycles grow by the same amount with each added iteration (loops of 4, 6
+  and 8 layers; the compiler places a loop of 2's weights otherwise), and
+  exceed the ops' estimates summed over the text, which count the body
+  once whatever the trip count."""
+  from jax.experimental import topologies
+  devices = topologies.get_topology_desc(platform="tpu",
+                                         topology_name="v5e:2x2").devices
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+  layer = lambda x, w: (jax.numpy.tanh(x @ w), None)
+  x = jax.ShapeDtypeStruct((512, 512), jax.numpy.bfloat16, sharding=one)
+  cycles, summed = {}, {}
+  for layers in (4, 6, 8):
+    ws = jax.ShapeDtypeStruct((layers, 512, 512), jax.numpy.bfloat16,
+                              sharding=one)
+    with targets.without_persistent_cache():
+      compiled = jax.jit(lambda x, ws: jax.lax.scan(layer, x, ws)[0]).lower(
+          x, ws).compile()
+    cost = step_cost.cost_analysis(compiled)
+    assert cost["while_loops"] == 1 and cost["seconds"] is None
+    cycles[layers] = cost["cycles"]
+    summed[layers] = sum(int(c) for c in re.findall(
+        r'"estimated_cycles":"(\d+)"', compiled.as_text()))
+  assert cycles[8] - cycles[6] == cycles[6] - cycles[4] > 0
+  assert summed[4] == summed[8] < cycles[4] < cycles[8]
+
+
 def test_windowed_einsum_loops_are_compiled_out_of_a_tpu_cost():
   """The gradient of an FSDP matmul over 32 v4 chips: the TPU compiler
   splits it into windowed-einsum loops, whose bodies XLA counts once and

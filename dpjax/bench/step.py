@@ -328,7 +328,8 @@ def logical_step_cost(step: BenchStep, state, batch, mask,
   """XLA's cost of one logical step on abstract `state`, `batch[K,m,...]`,
   `mask[K,m]`, as it is executed (`step_cost.combine`); `cost_parts`
   holds the parts. `accumulate_cost`: one microbatch's figures from
-  elsewhere (a scanned model's, `step_cost.per_layer_extrapolation`)."""
+  elsewhere (a scanned model's, `step_cost.per_layer_extrapolation`; its
+  cycles then the loop program's own, `step_cost.with_loop_cycles`)."""
   k, mesh = mask.shape[0], mask.sharding.mesh
   accumulate, one = _one_microbatch_accumulate(step, state, batch, mask)
   compiled = accumulate.compile()
@@ -338,7 +339,8 @@ def logical_step_cost(step: BenchStep, state, batch, mask,
       compiled.output_shardings[0])
   apply = jax.jit(step.apply, donate_argnums=0).lower(state, sums)
   total = step_cost.combine(
-      accumulate_cost or step_cost.loop_free_cost(accumulate, mesh, compiled),
+      step_cost.with_loop_cycles(accumulate_cost, compiled) if accumulate_cost
+      else step_cost.loop_free_cost(accumulate, mesh, compiled),
       step_cost.loop_free_cost(apply, mesh, apply.compile()), k)
   return {"flops": total["flops"], "bytes_accessed": total["bytes_accessed"],
           "seconds": total["seconds"], "cycles": total["cycles"],

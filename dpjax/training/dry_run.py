@@ -26,7 +26,8 @@ plus target, chips, step_time_estimate_s (the TPU compiler's estimate of
 k x accumulate + apply, `optimal_seconds`: a matmul at its FLOPs over the
 chip's bf16 rate, whatever its precision), step_cycles_estimate (the same
 programs' per-op cycles by the TPU code generator, which count a float32
-product's bf16 passes; `step_cost.cost_analysis`), projected_wall_s (the
+product's bf16 passes; `step_cost.cost_analysis`; a scanned model's from
+its loop program, each iteration counted), projected_wall_s (the
 time estimate times the steps left) and mfu (the step's FLOPs per device
 over that time at the chip's peak); a
 run that does not fit the target's memory is then refused (exit 2, the

@@ -62,7 +62,8 @@ def cost_analysis(compiled) -> dict:
   loops left in it (`while_loops`: XLA counts a loop's body once, whatever
   its trip count) and, where the compiler estimates it (TPU), the program's
   time (`seconds`: None where it does not, or cannot: a `while` loop) and
-  its ops' cycles (`cycles`, else None).
+  its ops' cycles (`cycles`, loops counted per iteration: `program_cycles`;
+  else None).
 
   The two TPU estimates differ: `seconds` (the compiler's
   `optimal_seconds`) prices a matmul at its FLOPs over the chip's bf16
@@ -87,17 +88,80 @@ def cost_analysis(compiled) -> dict:
     # other unknown op leaves the sum at or below zero (these programs
     # take well under a second per unknown op), reported as None.
     seconds = float(seconds) + sum(calls.get(c, 0) for c in FREE_CUSTOM_CALLS)
-  cycles = [int(c) for c in re.findall(r'"estimated_cycles":"(\d+)"', text)]
   while_loops = len(re.findall(r"\swhile\(", text))
   return {"flops": float(analysis["flops"]),
           "bytes_accessed": float(analysis["bytes accessed"]),
           "seconds": (seconds if seconds and seconds > 0 and not while_loops
                       else None),  # a loop's body is counted once
-          "cycles": float(sum(cycles)) if cycles and not while_loops else None,
+          "cycles": program_cycles(text),
           "while_loops": while_loops,
           "windowed_einsum_loops": len(re.findall(
               r"\swhile\([^\n]*body=%?[\w.]*windowed_dot_general_body", text)),
           "custom_calls": calls}
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+# jax's loops count an int32 from 0 by 1 while it is below their length.
+_BELOW = re.compile(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
+_S32_CONSTANT = re.compile(r"%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+
+
+def program_cycles(hlo_text: str) -> float | None:
+  """The sum of a compiled TPU program's ops' `estimated_cycles` (its code
+  generator's own model), a `while` loop's body counted once per iteration:
+  the loop program a scanned model runs, costed as compiled. None where
+  the text has no such estimates (not a TPU program) or a loop's trip
+  count cannot be read: jax's loops run while a counter from 0 is below a
+  constant, the condition `compare(counter, N), direction=LT`."""
+  lines = {"": []}  # computation -> its instructions ("": outside any)
+  name = ""
+  for line in hlo_text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head:
+      name = head.group(1)
+      lines[name] = []
+    elif line == "}":
+      name = ""
+    else:
+      lines[name].append(line)
+  own = {c: sum(int(x) for l in ls for x in _CYCLES.findall(l))
+         for c, ls in lines.items()}
+  if not any(own.values()):
+    return None
+  loops = {c: [m.groups() for m in map(_WHILE.search, ls) if m]
+           for c, ls in lines.items()}
+
+  def trip_count(condition: str) -> int | None:
+    text = "\n".join(lines.get(condition, ()))
+    below, constants = _BELOW.findall(text), dict(_S32_CONSTANT.findall(text))
+    return (int(constants[below[0]]) if len(below) == 1
+            and below[0] in constants else None)
+
+  def once(c: str) -> float:  # as a sum over the text counts it
+    return own[c] + sum(once(body) for _, body in loops[c])
+
+  def each_iteration(c: str) -> float | None:
+    if c not in own:
+      return None
+    total = own[c]
+    for condition, body in loops[c]:
+      count, inner = trip_count(condition), each_iteration(body)
+      if count is None or inner is None:
+        return None
+      total += count * inner
+    return total
+
+  total = float(sum(own.values()))
+  bodies = {body for pairs in loops.values() for _, body in pairs}
+  for c in set(loops) - bodies:
+    for condition, body in loops[c]:
+      count, inner = trip_count(condition), each_iteration(body)
+      if count is None or inner is None:
+        return None  # a loop it cannot count
+      total += count * inner - once(body)
+  return total
 
 
 # The TPU compiler splits a matmul whose operand FSDP all-gathers (or whose
@@ -272,8 +336,10 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   and k > 1, `accumulate` of one microbatch for the per-step FLOPs), unless
   `accumulate_cost` gives one microbatch's figures (`cost_analysis`'s
   fields; for a model whose layers are a loop, which XLA's analysis counts
-  once: `per_layer_extrapolation`). The costs are `loop_free_cost`'s: on
-  TPU, a program with windowed-einsum loops is compiled again for them."""
+  once: `per_layer_extrapolation`; its `cycles` are then the loop
+  program's own, each iteration counted, `program_cycles`). The costs are
+  `loop_free_cost`'s: on TPU, a program with windowed-einsum loops is
+  compiled again for them."""
   shardings = dict(batch_sharding=batch_sharding, mask_sharding=mask_sharding)
   mesh = batch_sharding.mesh
   accumulate_program = _lower_accumulate(placed, batch_rows, m=m, k=k,
@@ -289,6 +355,8 @@ def step_cost(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
   if with_flops:
     if accumulate_cost is None and k == 1:
       accumulate_cost = loop_free_cost(accumulate_program, mesh, accumulate)
+    elif accumulate_cost is not None:
+      accumulate_cost = with_loop_cycles(accumulate_cost, accumulate)
     total = step_estimate(
         placed, batch_rows, m=m, k=k, accumulate=accumulate_cost,
         apply=loop_free_cost(apply_program, mesh, apply), **shardings)
@@ -318,6 +386,19 @@ def step_estimate(placed, batch_rows: Mapping[str, jax.ShapeDtypeStruct], *,
     apply = loop_free_cost(_lower_apply(placed, batch_sharding),
                            batch_sharding.mesh)
   return combine(accumulate, apply, k)
+
+
+def with_loop_cycles(extrapolated: Mapping, loop_program) -> dict:
+  """`extrapolated` (`per_layer_extrapolation`'s cost of a scanned model's
+  microbatch) with the cycles of the compiled loop program itself, each
+  layer as the loop runs it (`program_cycles`), where it has them; the
+  extrapolation's kept as `cycles_extrapolated`."""
+  loop = cost_analysis(loop_program)["cycles"]
+  if loop is None or "extrapolated_to" not in extrapolated:
+    return dict(extrapolated)
+  return {**extrapolated, "cycles": loop,
+          "cycles_extrapolated": extrapolated.get("cycles"),
+          "cycles_of": "loop program"}
 
 
 def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
