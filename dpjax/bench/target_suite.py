@@ -30,7 +30,8 @@ about 5 GB. Ghost book-keeps through the loop as it does unrolled
 Targets, each printed met, not met or n/a:
   * ghost's step at most 1.10 x nodp's at equal batch, by the TPU
     compiler's estimate (`optimal_seconds`, a roofline), and again by its
-    code generator's per-op cycles (which count a product's bf16 passes);
+    code generator's per-op cycles (which count a product's bf16 passes;
+    a scanned model's are its loop program's, each iteration counted);
   * DP (ghost) examples/s at its largest batch at least 3 x jax-privacy's at
     its own, beside its ceiling: nodp's examples/s over jax-privacy's.
 `--suite=targets_smoke` is the same on tiny models and one small slice:
