@@ -152,6 +152,21 @@ def test_suite_results_and_targets_recomputed_by_hand():
   assert table.count("| `tpu:v5e:2x2` | gpt2_small |") == 4
 
 
+def test_cycles_counted_two_ways_are_not_compared():
+  """A scanned row's cycles are its loop program's where the text gives
+  every loop's trip count, else extrapolated from the unrolled programs:
+  ghost's from its loop over nodp's extrapolated is no ratio (n/a)."""
+  loop = {"cost_parts": {"accumulate": {"cycles_of": "loop program"}}}
+  rows = [dict(suite_target="t", suite_model="m", suite_mode=mode,
+               cycles=cycles, **extra)
+          for mode, cycles, extra in (("nodp", 2.0, {}), ("ghost", 3.0, loop),
+                                      ("vmap", 5.0, {}))]
+  assert ts.ratio(rows, rows[1], "cycles") is None
+  assert ts.ratio(rows, rows[2], "cycles") == 2.5
+  rows[0].update(loop)
+  assert ts.ratio(rows, rows[1], "cycles") == 1.5
+
+
 def test_a_fitting_top_is_doubled_until_one_does_not_fit():
   """The line through row 1 can underestimate the largest batch (a
   compiler's peak may grow slower than linearly): the search goes on up."""

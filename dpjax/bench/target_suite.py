@@ -210,10 +210,22 @@ def _of(results: list[dict], target: str, model: str, mode: str) -> dict:
                                                            mode)), {})
 
 
+def _cycles_of(result: dict) -> str | None:
+  """Where a row's accumulate cycles come from: its loop program
+  (`step_cost.with_loop_cycles`), or None (its own loop-free program, or
+  a scanned model's extrapolation where its loops could not be counted)."""
+  return ((result.get("cost_parts") or {}).get("accumulate") or {}).get(
+      "cycles_of")
+
+
 def ratio(results: list[dict], r: dict, field: str) -> float | None:
-  """`field` of `r` over the nodp row's of the same target and model."""
+  """`field` of `r` over the nodp row's of the same target and model;
+  None for cycles counted two ways (one row's from its loop program, the
+  other's extrapolated: a loop whose trip count the text does not give)."""
   nodp = _of(results, r["suite_target"], r["suite_model"], "nodp")
   if r.get(field) is None or not nodp.get(field):
+    return None
+  if field == "cycles" and _cycles_of(r) != _cycles_of(nodp):
     return None
   return r[field] / nodp[field]
 

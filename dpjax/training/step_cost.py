@@ -114,7 +114,9 @@ def program_cycles(hlo_text: str) -> float | None:
   the loop program a scanned model runs, costed as compiled. None where
   the text has no such estimates (not a TPU program) or a loop's trip
   count cannot be read: jax's loops run while a counter from 0 is below a
-  constant, the condition `compare(counter, N), direction=LT`."""
+  constant, the condition `compare(counter, N), direction=LT`. (The TPU
+  compiler's own windowed-einsum loops count an unsigned counter, from
+  where and by how much the text does not say: they are not read.)"""
   lines = {"": []}  # computation -> its instructions ("": outside any)
   name = ""
   for line in hlo_text.splitlines():
