@@ -269,8 +269,6 @@ FUSION = ('%f{i} = f32[8] fusion(%a), kind=kLoop, calls=%c{i}, backend_config='
           '{{"window_config":{{"estimated_cycles":"{cycles}"}}}}\n')
 
 
-
-
 def _loop(name: str, count: int, body: str) -> str:
   """A jax loop's condition (counter < count) and `body`, as computations."""
   return (f"%{name}_cond (p: (s32[])) -> pred[] {{\n"

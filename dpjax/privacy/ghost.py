@@ -48,21 +48,21 @@ is formed one of two ways (`summation`):
 
 Scanned layers (`jax.lax.scan` over a stack of identical layers, e.g.
 `T5Config.scan_layers`) hold each large parameter once, stacked `[layers,
-rows, cols]`, and the loop body sees one layer's slice, where a site's
-factors cannot be kept: the body's values live for one iteration. So a
-zero stacked like the factors, `[layers, T, rows]` and `[layers, T, cols]`,
-is placed beside the parameter in the params tree (a flax scan loops over
-it as over the parameter, `_with_sinks`), and the site returns its factors
-as that slice's cotangent: the loop's backward pass stacks them per layer,
-and book-keeping proceeds from them (from each layer's own, where the loop
-is unrolled into straight-line code: `Site.unrolled`). A site whose module does not see the
-stacked zero (a loss that rebuilds the params tree; a lookup, whose int
-ids have no cotangent) can only be tapped, as is every scanned site when
-the second pass sums, with the tap's per-example zero closed over by the
-loop: a loop's backward pass sums the cotangents of what its body closes
-over, so the tap returns `sum_l ||A_l^T B_l||^2`, which is the stacked
-parameter's squared norm (the layers' gradients are disjoint blocks of
-it); the sum then comes from the second pass.
+rows, cols]`, and the loop body sees one layer's slice, where a site's factors
+cannot be kept: the body's values live for one iteration. So a zero stacked
+like the factors, `[layers, T, rows]` and `[layers, T, cols]`, is placed
+beside the parameter in the params tree (a flax scan loops over it as over the
+parameter, `_with_sinks`), and the site returns its factors as that slice's
+cotangent: the loop's backward pass stacks them per layer, and book-keeping
+proceeds from them (from each layer's own, where the loop is unrolled into
+straight-line code: `Site.unrolled`). A site whose module does not see the
+stacked zero (a loss that rebuilds the params tree; a lookup, whose int ids
+have no cotangent) can only be tapped, as is every scanned site when the
+second pass sums, with the tap's per-example zero closed over by the loop: a
+loop's backward pass sums the cotangents of what its body closes over, so the
+tap returns `sum_l ||A_l^T B_l||^2`, which is the stacked parameter's squared
+norm (the layers' gradients are disjoint blocks of it); the sum then comes
+from the second pass.
 
 A parameter with several sites (a tied embedding) needs the cross terms of
 the identity, so its factors are always recorded, which the second pass

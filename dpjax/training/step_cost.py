@@ -416,16 +416,15 @@ def per_layer_extrapolation(cost_of: Callable[[Mapping[str, int]], Mapping],
   (`scan_unrolled`, loop-free, so the TPU compiler estimates its time too).
   Exact for FLOPs; for bytes and time, as far as a layer's cost does not
   depend on its neighbours, and as far as the unrolled code moves what the
-  loop moves: jax stacks an unrolled loop's per-layer outputs by
-  concatenation where the loop writes each layer's in place, so ghost
-  clipping reads a scanned site's factors per layer there
-  (`ghost.Site.unrolled`) rather than from such a copy of them all. Where a stack's second layer adds less than
-  nothing to a field (the compiler laid the one-layer program out unlike
-  the others: T5-XL's on v4-32, whose two-layer program moved fewer bytes
-  in less time), its third layer's addition is taken for that stack
-  (`cost_of` at three); a field still below zero there is None rather than
-  extrapolated below zero. `per_layer_from` says which layer's addition
-  each stack took.
+  loop moves: jax stacks an unrolled loop's per-layer outputs by concatenation
+  where the loop writes each layer's in place, so ghost clipping reads a
+  scanned site's factors per layer there (`ghost.Site.unrolled`) rather than
+  from such a copy of them all. Where a stack's second layer adds less than
+  nothing to a field (the compiler laid the one-layer program out unlike the
+  others: T5-XL's on v4-32, whose two-layer program moved fewer bytes in less
+  time), its third layer's addition is taken for that stack (`cost_of` at
+  three); a field still below zero there is None rather than extrapolated
+  below zero. `per_layer_from` says which layer's addition each stack took.
   """
   one = {name: 1 for name in layers}
   base = cost_of(one)
