@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -412,54 +413,123 @@ def test_bfloat16_step_keeps_float32_params_grads_and_norms():
           } == {jnp.dtype("float32")}
 
 
-# --- Fused attention: the same math as the einsum path. --------------------
+# --- Attention: a float64 reference, and what its backward pass keeps. ------
 
 
-def _reference_attention(q, k, v, bias, scale):
-  """float64 numpy: softmax(scale q k^T + bias) v, heads joined."""
+def _reference_attention(q, k, v, bias, scale, keep=None, rate=0.0):
+  """float64 numpy: softmax(scale q k^T + bias) v, heads joined, and its
+  vjp for the cotangent `g` [b, q, h, d]: (out, vjp(g) -> dq, dk, dv).
+  `keep` [b, h, q, k]: the weights kept by dropout at `rate`."""
   q, k, v, bias = (np.asarray(x, np.float64) for x in (q, k, v, bias))
   logits = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + bias
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
-  out = np.einsum("bhqk,bkhd->bqhd", probs, v)
-  return out.reshape(*out.shape[:-2], -1)
+  drop = (lambda p: p) if keep is None else (
+      lambda p: np.where(keep, p / (1 - rate), 0.0))
+  out = np.einsum("bhqk,bkhd->bqhd", drop(probs), v)
+
+  def vjp(g):
+    g = np.asarray(g, np.float64)
+    dv = np.einsum("bhqk,bqhd->bkhd", drop(probs), g)
+    dprobs = drop(np.einsum("bqhd,bkhd->bhqk", g, v))
+    dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))
+    dq = np.einsum("bhqk,bkhd->bqhd", dlogits, k) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", dlogits, q) * scale
+    return dq, dk, dv
+
+  return out.reshape(*out.shape[:-2], -1), vjp
 
 
-@pytest.mark.parametrize("queries, keys, bias_shape, scale", [
-    (6, 6, (2, 1, 6, 6), None),     # GPT-2: 1/sqrt(d), causal bias
-    (1, 6, (1, 1, 1, 6), None),     # GPT-2 cached decoding: one query
-    (5, 7, (2, 3, 5, 7), 1.0),      # T5: relative-position + padding bias
-    (1, 7, (1, 3, 1, 7), 1.0),      # T5 cached decoding
-])
-def test_fused_attention_matches_einsum_and_reference(queries, keys,
-                                                      bias_shape, scale):
+def _attention_inputs(queries, keys, bias_shape):
   rng = np.random.default_rng(0)
   q = rng.normal(size=(2, queries, 3, 4)).astype(np.float32)
   k, v = (rng.normal(size=(2, keys, 3, 4)).astype(np.float32) for _ in "kv")
   bias = rng.normal(size=bias_shape).astype(np.float32)
   bias[..., -2:] = -1e10  # masked keys
-  expected = _reference_attention(q, k, v, bias, 0.5 if scale is None else scale)
-
-  @jax.jit
-  def both_paths(q, k, v, bias):
-    """[fused, einsum] in float32, then in bfloat16."""
-    return [common.scaled_attention(q, k, v, bias, dropout, dtype, scale=scale)
-            for dtype in (jnp.float32, jnp.bfloat16)
-            for dropout in (None, lambda p: p)]
-
-  fused, einsum, fused16, einsum16 = both_paths(q, k, v, bias)
-  np.testing.assert_allclose(fused, einsum, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(fused, expected, rtol=1e-5, atol=1e-6)
-  # bf16: both paths accumulate logits in float32, weighted sums in bf16.
-  assert fused16.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.float32(fused16), expected, rtol=3e-2, atol=3e-2)
-  np.testing.assert_allclose(np.float32(fused16), np.float32(einsum16),
-                             rtol=2e-2, atol=2e-2)
+  return q, k, v, bias
 
 
-def test_t5_fused_attention_matches_einsum_path_with_cache():
-  """Dropout rate 0 with dropout enabled takes the einsum path; disabled, the
-  fused one: logits agree, for the full forward and cached decoding."""
+_ATTENTION_CASES = [
+    (6, 6, (2, 1, 6, 6), None),     # GPT-2: 1/sqrt(d), causal bias
+    (1, 6, (1, 1, 1, 6), None),     # GPT-2 cached decoding: one query
+    (5, 7, (2, 3, 5, 7), 1.0),      # T5: relative-position + padding bias
+    (1, 7, (1, 3, 1, 7), 1.0),      # T5 cached decoding
+]
+
+
+@pytest.mark.parametrize("queries, keys, bias_shape, scale", _ATTENTION_CASES)
+def test_attention_and_its_gradients_match_a_float64_reference(
+    queries, keys, bias_shape, scale):
+  q, k, v, bias = _attention_inputs(queries, keys, bias_shape)
+  expected, reference_vjp = _reference_attention(
+      q, k, v, bias, 0.5 if scale is None else scale)
+  g = np.random.default_rng(1).normal(size=expected.shape).astype(np.float32)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def out_and_grads(dtype, q, k, v):
+    out, vjp = jax.vjp(lambda *qkv: common.scaled_attention(
+        *qkv, bias, dtype, scale=scale), q, k, v)
+    return out, vjp(g.astype(dtype))
+
+  out, grads = out_and_grads(jnp.float32, q, k, v)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  for got, want in zip(grads, reference_vjp(g.reshape(*g.shape[:2], 3, 4))):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  # bf16: logits and softmax accumulate in float32, weighted sums in bf16.
+  out16, grads16 = out_and_grads(jnp.bfloat16, q, k, v)
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.float32(out16), expected, rtol=3e-2, atol=3e-2)
+  for got, want in zip(grads16, reference_vjp(g.reshape(*g.shape[:2], 3, 4))):
+    np.testing.assert_allclose(np.float32(got), want, rtol=5e-2, atol=5e-2)
+
+
+def test_attention_dropout_drops_weights_like_flax_and_recomputes_its_mask():
+  """Dropout keeps each weight with probability 1 - rate, scaled up by
+  1 / (1 - rate), the mask drawn from the key as `flax.linen.Dropout` draws
+  it; the backward pass regenerates that same mask from the key."""
+  q, k, v, bias = _attention_inputs(5, 7, (2, 3, 5, 7))
+  key, rate = jax.random.PRNGKey(3), 0.25
+  logits_shape = (2, 3, 5, 7)
+  keep = np.asarray(jax.random.bernoulli(key, 1 - rate, logits_shape))
+  assert 0 < keep.mean() < 1
+  flax_dropped = nn.Dropout(rate).apply(
+      {}, np.ones(logits_shape, np.float32), deterministic=False, rng=key)
+  np.testing.assert_array_equal(np.asarray(flax_dropped) > 0, keep)
+
+  expected, reference_vjp = _reference_attention(q, k, v, bias, 1.0, keep, rate)
+  g = np.random.default_rng(1).normal(size=(2, 5, 12)).astype(np.float32)
+  out, vjp = jax.vjp(lambda *qkv: common.scaled_attention(
+      *qkv, bias, jnp.float32, scale=1.0, dropout_rate=rate, dropout_rng=key),
+                     q, k, v)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  for got, want in zip(vjp(g), reference_vjp(g.reshape(2, 5, 3, 4))):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_attention_backward_keeps_only_its_inputs(dropout):
+  """Rematerialised (the default), the backward pass keeps q, k, v and the
+  bias; differentiated as written (`remat=False`), it keeps the `[b, h, q,
+  k]` softmax twice (float32 and bf16) and the dropout mask."""
+  q, k, v, bias = (jnp.asarray(x, jnp.bfloat16 if i < 3 else jnp.float32)
+                   for i, x in enumerate(_attention_inputs(16, 16,
+                                                           (2, 3, 16, 16))))
+  rng = jax.random.PRNGKey(0) if dropout else None
+
+  def kept_bytes(remat):
+    _, vjp = jax.vjp(lambda q, k, v: common.scaled_attention(
+        q, k, v, bias, jnp.bfloat16, dropout_rate=0.1, dropout_rng=rng,
+        remat=remat), q, k, v)
+    return sum(x.nbytes for x in jax.tree.leaves(vjp))
+
+  qkv = sum(x.nbytes for x in (q, k, v))
+  assert kept_bytes(remat=True) <= qkv + bias.nbytes + 16  # + the key
+  assert kept_bytes(remat=False) >= qkv + 6 * bias.size
+
+
+def test_t5_cached_decoding_reproduces_the_full_forward_pass():
+  """Cached decoding (one query against the cache) gives the full forward
+  pass's logits position by position."""
   cfg = _tiny_t5("float32")
   params, _ = t5.init_params(cfg, jax.random.PRNGKey(1), input_length=8,
                              target_length=8)
@@ -467,19 +537,16 @@ def test_t5_fused_attention_matches_einsum_path_with_cache():
   batch = _t5_batch(2, seed=1)
   enc, dec = batch["encoder_input_tokens"], batch["decoder_input_tokens"]
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def forward(einsum, params):
-    return model.apply({"params": params}, enc, dec, enable_dropout=einsum)
+  @jax.jit
+  def forward(params):
+    return model.apply({"params": params}, enc, dec)
 
-  np.testing.assert_allclose(forward(True, params), forward(False, params),
-                             rtol=1e-5, atol=1e-5)
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def decode(einsum, params):
+  @jax.jit
+  def decode(params):
     encoded = model.apply({"params": params}, enc, method=model.encode)
     run = lambda tokens, cache: model.apply(
         {"params": params, **cache}, encoded, enc, tokens, decode=True,
-        enable_dropout=einsum, method=model.decode, mutable=["cache"])
+        method=model.decode, mutable=["cache"])
     _, cache = run(dec, {})  # creates the cache
     steps = []
     for i in range(3):
@@ -487,11 +554,7 @@ def test_t5_fused_attention_matches_einsum_path_with_cache():
       steps.append(logits)
     return jnp.concatenate(steps, axis=1)
 
-  cached = decode(False, params)
-  np.testing.assert_allclose(decode(True, params), cached, rtol=1e-5,
-                             atol=1e-5)
-  # Cached decoding reproduces the full forward pass position by position.
-  np.testing.assert_allclose(cached, forward(False, params)[:, :3],
+  np.testing.assert_allclose(decode(params), forward(params)[:, :3],
                              rtol=1e-4, atol=1e-5)
 
 

@@ -117,10 +117,10 @@ class SelfAttention(nn.Module):
       return y.reshape(*y.shape[:-1], h, dh)
 
     q, k, v = project("query"), project("key"), project("value")
-    # No attention dropout -> the fused attention path (common.scaled_attention).
-    dropout = None if deterministic else (
-        lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=False))
-    out = common.scaled_attention(q, k, v, bias, dropout, dtype)
+    drop = not deterministic and cfg.dropout_rate > 0
+    out = common.scaled_attention(
+        q, k, v, bias, dtype, dropout_rate=cfg.dropout_rate,
+        dropout_rng=self.make_rng("dropout") if drop else None)
     return Dense(cfg.d_model, ("joined_kv", "embed"), _INIT_STDDEV, dtype, name="out")(out)
 
 

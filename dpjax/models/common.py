@@ -160,30 +160,55 @@ def one_example_loss(batch_loss: BatchLoss
 
 
 def scaled_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     bias: jax.Array,
-                     dropout: Callable[[jax.Array], jax.Array] | None,
-                     dtype, *, scale: float | None = None) -> jax.Array:
+                     bias: jax.Array, dtype, *, scale: float | None = None,
+                     dropout_rate: float = 0.0,
+                     dropout_rng: jax.Array | None = None,
+                     remat: bool = True) -> jax.Array:
   """softmax(scale * q k^T + bias) v, heads joined: [b, q, h * d_head].
 
   q, k, v: [b, len, heads, d_head]; bias broadcasts to [b, heads, q, k];
   `scale` defaults to 1/sqrt(d_head) (T5 passes 1.0). Logits and softmax in
   float32 (f32 accumulation of bf16 inputs; scaling the f32 logits rather
   than a bf16 query keeps full precision), the weighted sum of values in
-  `dtype`.
+  `dtype`. With a `dropout_rng`, the attention weights are dropped at
+  `dropout_rate` as `flax.linen.Dropout` drops them (kept weights scaled by
+  1 / (1 - rate)).
 
-  `dropout` acts on the attention weights. Pass None when it is off: then
-  `jax.nn.dot_product_attention` computes the same thing as one op whose
-  implementation JAX picks (its XLA lowering as of jax 0.10, a fused kernel
-  where JAX selects one). Dropout needs the weights materialised, so it
-  keeps the einsums.
+  Memory (`remat`, the default): the backward pass keeps no `[b, heads, q,
+  k]` array. Autodiff of the expression as written keeps the softmax twice
+  (float32 for its own derivative, `dtype` for the weighted sum's) and the
+  dropout mask: for T5-Base at 384 tokens, 6 bytes x 12 heads x 384^2 =
+  10.6 MB an example a layer, its largest residual. Here the backward pass
+  recomputes the logits from q, k and the bias, which it keeps, and the
+  mask from its key, as FlashAttention does. Cost: one more `q k^T`
+  product and softmax (and the mask's random bits) a layer in the backward
+  pass; the values and gradients are the same. Pass `remat=False` inside a
+  layer that is rematerialised as a whole: its backward pass already
+  recomputes the attention, and holds one layer's weights at a time.
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-  if dropout is None:
-    out = jax.nn.dot_product_attention(q, k, v, bias, scale=scale)
-  else:
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k,
-                        preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(scores * scale + bias, axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", dropout(probs.astype(dtype)), v)
+  if dropout_rng is None or dropout_rate == 0.0:
+    dropout_rng, dropout_rate = None, 0.0
+  attend = _attend_remat if remat else _attend
+  out = attend(q, k, v, bias, dropout_rng, scale, dropout_rate)
   return out.reshape(*out.shape[:-2], -1)
+
+
+def _attend(q, k, v, bias, dropout_rng, scale, rate):
+  """[b, q, heads, d_head]."""
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                      preferred_element_type=jnp.float32)
+  probs = jax.nn.softmax(logits * scale + bias, axis=-1)
+  if dropout_rng is not None:
+    if rate == 1.0:
+      probs = jnp.zeros_like(probs)
+    else:
+      keep = jax.random.bernoulli(dropout_rng, 1.0 - rate, probs.shape)
+      probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+# Its residuals are its inputs.
+_attend_remat = jax.checkpoint(_attend, static_argnums=(5, 6),
+                               policy=jax.checkpoint_policies.nothing_saveable)

@@ -147,10 +147,11 @@ class CausalSelfAttention(nn.Module):
         cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, start)
         k, v = cached_k.value, cached_v.value
 
-    # No attention dropout -> the fused attention path (common.scaled_attention).
-    dropout = None if deterministic else (
-        lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=False))
-    out = common.scaled_attention(q, k, v, bias, dropout, dtype)
+    drop = not deterministic and cfg.dropout_rate > 0
+    out = common.scaled_attention(
+        q, k, v, bias, dtype, dropout_rate=cfg.dropout_rate,
+        dropout_rng=self.make_rng("dropout") if drop else None,
+        remat=cfg.remat != "layer")
     # GPT-2 scales the init of residual-branch outputs by 1/sqrt(2 * layers).
     out_stddev = _INIT_STDDEV / np.sqrt(2 * cfg.num_layers)
     return lora_lib.dense(cfg.lora, out, cfg.d_model, ("joined_kv", "embed"), out_stddev,

@@ -237,10 +237,12 @@ class MultiHeadAttention(nn.Module):
         cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, start)
         k, v = cached_k.value, cached_v.value
 
-    # No logit scaling (scale 1); fused attention unless dropout is on.
-    dropout = None if deterministic else (
-        lambda p: nn.Dropout(cfg.dropout_rate)(p, deterministic=False))
-    out = common.scaled_attention(q, k, v, bias, dropout, dtype, scale=1.0)
+    # No logit scaling (scale 1).
+    drop = not deterministic and cfg.dropout_rate > 0
+    out = common.scaled_attention(
+        q, k, v, bias, dtype, scale=1.0, dropout_rate=cfg.dropout_rate,
+        dropout_rng=self.make_rng("dropout") if drop else None,
+        remat=cfg.remat != "layer")
     return lora_lib.dense(cfg.lora, out, cfg.d_model, ("joined_kv", "embed"), joined ** -0.5,
                       dtype, name="out", deterministic=deterministic)
 
