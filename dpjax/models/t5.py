@@ -113,9 +113,18 @@ class LayerNorm(nn.Module):
     scale = self.param(
         "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
         (x.shape[-1],), jnp.float32)
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
-    return x.astype(self.dtype) * scale.astype(self.dtype)
+    return _rms_norm(x, scale, self.epsilon, self.dtype)
+
+
+# Rematerialised: the backward pass keeps `x` in the compute dtype rather than
+# the float32 copy its statistics are taken in (twice the bytes, a stack of
+# them per norm in a layer loop); recomputing the statistics is elementwise.
+@functools.partial(jax.checkpoint, static_argnums=(2, 3),
+                   policy=jax.checkpoint_policies.nothing_saveable)
+def _rms_norm(x: Array, scale: Array, epsilon: float, dtype) -> Array:
+  x = x.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
+  return x.astype(dtype) * scale.astype(dtype)
 
 
 def shared_embedding(cfg: T5Config) -> layers.Embed:

@@ -9,6 +9,7 @@ inputs; the plain model is the independent computation.
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,3 +229,46 @@ def test_runs_resume_and_initialise_across_remat_settings():
   wider = checkpoints.model_json(dataclasses.replace(gpt2_config("none"), d_model=64))
   with pytest.raises(checkpoints.CheckpointMismatchError, match="d_model"):
     checkpoints.check_compatible(checkpoints.architecture(wider), now, "model")
+
+
+@pytest.mark.parametrize("norm", [
+    t5.LayerNorm(dtype=jnp.bfloat16),
+    gpt2.LayerNorm(1e-5, jnp.bfloat16),
+])
+def test_norms_keep_their_input_not_its_float32_copy(norm):
+  """A norm takes its statistics in float32, but its backward pass keeps the
+  bf16 input (and the params), not the float32 copy autodiff of the
+  expression as written would keep; the gradients are that expression's."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 32)),
+                  jnp.bfloat16)
+  params = jax.tree.map(lambda p: p + 0.1,  # not all ones / zeros
+                        nn.unbox(norm.init(jax.random.PRNGKey(0), x)))
+
+  def as_written(params, x):  # the same expression, not rematerialised
+    p = params["params"]
+    x32 = x.astype(jnp.float32)
+    if "bias" in p:
+      centered = x32 - x32.mean(-1, keepdims=True)
+      y = centered * jax.lax.rsqrt(jnp.square(centered).mean(-1, keepdims=True)
+                                   + norm.epsilon) * p["scale"] + p["bias"]
+      return y.astype(jnp.bfloat16)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True)
+                            + norm.epsilon)
+    return y.astype(jnp.bfloat16) * p["scale"].astype(jnp.bfloat16)
+
+  g = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.bfloat16)
+  kept = {}
+  for name, f in (("norm", norm.apply), ("as_written", as_written)):
+    out, vjp = jax.vjp(f, params, x)
+    kept[name] = sum(a.nbytes for a in jax.tree.leaves(vjp))
+    kept[name + " grads"] = vjp(g)
+    kept[name + " out"] = out
+  params_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+  assert kept["norm"] <= x.nbytes + params_bytes
+  assert kept["as_written"] >= 2 * x.nbytes  # the float32 copy
+  np.testing.assert_array_equal(np.float32(kept["norm out"]),
+                                np.float32(kept["as_written out"]))
+  for a, b in zip(jax.tree.leaves(kept["norm grads"]),
+                  jax.tree.leaves(kept["as_written grads"])):
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-2,
+                               atol=1e-2)
