@@ -107,19 +107,10 @@ class LayerNorm(nn.Module):
   def __call__(self, x: Array) -> Array:
     scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",))
     bias = _param(self, "bias", nn.initializers.zeros, (x.shape[-1],), ("embed",))
-    return _layer_norm(x, scale, bias, self.epsilon, self.dtype)
-
-
-# Rematerialised, as `t5.LayerNorm`: the backward pass keeps `x` in the
-# compute dtype, not its float32 copy.
-@functools.partial(jax.checkpoint, static_argnums=(3, 4),
-                   policy=jax.checkpoint_policies.nothing_saveable)
-def _layer_norm(x: Array, scale: Array, bias: Array, epsilon: float,
-                dtype) -> Array:
-  x = x.astype(jnp.float32)
-  centered = x - jnp.mean(x, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
-  return (centered * jax.lax.rsqrt(var + epsilon) * scale + bias).astype(dtype)
+    x = x.astype(jnp.float32)
+    centered = x - jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    return (centered * jax.lax.rsqrt(var + self.epsilon) * scale + bias).astype(self.dtype)
 
 
 class CausalSelfAttention(nn.Module):
