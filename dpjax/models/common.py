@@ -184,7 +184,8 @@ def scaled_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   product and softmax (and the mask's random bits) a layer in the backward
   pass; the values and gradients are the same. Pass `remat=False` inside a
   layer that is rematerialised as a whole: its backward pass already
-  recomputes the attention, and holds one layer's weights at a time.
+  recomputes the attention, and holds one layer's attention weights at a
+  time.
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
