@@ -102,13 +102,11 @@ added or removed (`2 * C` for replacing one). `ClipStats` are not private.
 Cost
 ----
 Per example and site, ghost: `T^2 (rows + cols)` flops (`T^2 (1 + cols)`
-for a lookup) and two `[T, T]` Grams per pair of a parameter's sites, of
-which a dense site's own pair computes only the blocks on and above the
-diagonal (both its Grams are symmetric): 3/4 of that for T >= 64;
+for a lookup) and two `[T, T]` Grams per pair of a parameter's sites;
 direct: `T rows cols` flops and a `[rows, cols]` array. `norm='auto'` takes
 the direct path where `rows cols <= 2 T^2`, which then costs no more memory
-(nor flops than the full Grams), and the ghost path elsewhere (long sequences against small matrices
-go direct; embeddings and wide layers stay ghost). The book-keeping keeps
+(nor flops), and the ghost path elsewhere (long sequences against small
+matrices go direct; embeddings and wide layers stay ghost). The book-keeping keeps
 every site's input and output gradient for the whole batch: the activations
 backprop keeps anyway plus, for the tied projection, the `[T, vocab]` logits
 gradient, rounded to the compute dtype (`Site.dtype`; the logits themselves
@@ -435,12 +433,15 @@ def ghost_clipped_grad(example_loss: clipping.LossFn, *, clip_norm: float,
     leaves, treedef = jax.tree.flatten(params)
     large = sorted({s.leaf for s in sites})
     small = [None if i in large else p for i, p in enumerate(leaves)]
-    per_example = _per_example(example_loss, sites, leaves, treedef,
-                               tapped=_tapped(sites) if second_pass else ())
+    tapped = _tapped(sites) if second_pass else frozenset()
+    per_example = _per_example(example_loss, sites, leaves, treedef, tapped)
     losses, small_grads, large_sq, factors = clipping.vmap_examples(
         per_example, in_axes=(None, 0))(small, batch)
+    untapped = [s for s in sites if s.key not in tapped]
     sq_norms = large_sq + sum(clipping.sum_squares(g)
-                              for g in small_grads if g is not None)
+                              for g in small_grads if g is not None) + sum(
+        _stacked_sq_norms(s, f) for s, f in zip(untapped, factors)
+        if s.scanned)
     scales, keep, stats = clipping.clip_scales(
         losses, sq_norms[:, None], mask, bounds)
     weights = scales[:, 0]
@@ -565,8 +566,7 @@ def _cheaper(length: int, rows: int, cols: int) -> str:
 
   Then it also takes no more flops than the full Grams: `rows cols <= 2 T^2`
   implies `T rows cols <= T^2 (rows + cols)` (and `rows cols <= T^2 (1 +
-  cols)` for a lookup); near the boundary that is up to 4/3 of a dense
-  site's blocked Grams' (`ghost_algebra.ghost_sq_norm`). Memory decides, as it bounds the microbatch.
+  cols)` for a lookup). Memory decides, as it bounds the microbatch.
   """
   return "direct" if rows * cols <= 2 * length * length else "ghost"
 
@@ -633,20 +633,31 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
                        for s, f in zip(carried, carried_factors)]
     by_key = dict(zip([s.key for s in recorded + carried],
                       factors + carried_factors))
+    # A scanned site's norm is left to `_stacked_sq_norms`, after the pass.
+    own = [(s, f) for s, f in zip(carried, carried_factors) if not s.scanned]
     return (loss, small_grads,
             algebra.large_sq_norm(recorded, factors) + sum(tapped_sq)
-            + sum(_own_sq_norm(s, f) for s, f in zip(carried, carried_factors)),
+            + sum(algebra.large_sq_norm((s,), (f,)) for s, f in own),
             [by_key[s.key] for s in untapped])
 
   return per_example
 
 
-def _own_sq_norm(site: Site, factors: algebra.Factors) -> jax.Array:
-  """||A^T B||^2 of a site that is its parameter's only one; a scanned
-  site's summed over its layers (their gradients are disjoint blocks)."""
-  norm = lambda f: algebra.large_sq_norm((site,), (f,))
-  return jnp.sum(_per_layer(site, norm, factors)) if site.scanned else norm(
-      factors)
+def _stacked_sq_norms(site: Site, factors) -> jax.Array:
+  """`[examples]`: each example's ||A^T B||^2 of a scanned site (its
+  parameter's only one) summed over the layers, whose gradients are
+  disjoint blocks of the stacked parameter; from the batch's factors,
+  `[examples, layers, ...]` as `_by_layer` gives them.
+
+  Batched over the layers outside the examples: the products' batch
+  dimensions then come in the order the loop stacks the factors in,
+  layers outermost, so a TPU reads them where they are. Batched inside
+  the per-example pass (examples outermost), every Gram read a copy of
+  its stacked factors transposed to examples-outermost.
+  """
+  norm = clipping.vmap_examples(
+      lambda f: algebra.large_sq_norm((site,), (f,)), in_axes=0)
+  return jnp.sum(_per_layer(site, norm, factors, axis=1), axis=0)
 
 
 def _by_layer(site: Site, factors: algebra.Factors):
