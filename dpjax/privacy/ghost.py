@@ -106,13 +106,14 @@ for a lookup) and two `[T, T]` Grams per pair of a parameter's sites;
 direct: `T rows cols` flops and a `[rows, cols]` array. `norm='auto'` takes
 the direct path where `rows cols <= 2 T^2`, which then costs no more memory
 (nor flops), and the ghost path elsewhere (long sequences against small
-matrices go direct; embeddings and wide layers stay ghost). The book-keeping keeps
-every site's input and output gradient for the whole batch: the activations
-backprop keeps anyway plus, for the tied projection, the `[T, vocab]` logits
-gradient, rounded to the compute dtype (`Site.dtype`; the logits themselves
-are float32) and shared with the model's backward pass. The second pass
-keeps what the model's own backward pass keeps (with remat, a layer's
-input), and costs one forward and backward pass more.
+matrices go direct; embeddings and wide layers stay ghost). The
+book-keeping keeps every site's input and output gradient for the whole
+batch: the activations backprop keeps anyway plus, for the tied
+projection, the `[T, vocab]` logits gradient, rounded to the compute
+dtype (`Site.dtype`; the logits themselves are float32) and shared with
+the model's backward pass. The second pass keeps what the model's own
+backward pass keeps (with remat, a layer's input), and costs one forward
+and backward pass more.
 Norms and book-kept sums take exact products accumulated in float32,
 whatever the compute dtype: the clip bound rests on them. Under bf16
 compute a Gram is one bf16 pass of the bf16 factors; the book-kept sum
@@ -580,7 +581,8 @@ def _per_example(example_loss, sites, leaves, treedef, tapped):
   their cotangent; a scanned site's are stacked per layer beside its
   parameter, `_with_sinks`) and the sinks of the `tapped` ones; the large
   leaves are constants. The factors are those of the untapped sites, in
-  site order (a scanned site's as `_by_layer` gives them).
+  site order (a scanned site's as `_by_layer` gives them). The squared
+  norm leaves out the untapped scanned sites' (`_stacked_sq_norms`).
   """
   untapped = [s for s in sites if s.key not in tapped]
   recorded = [s for s in untapped if not (s.remat or s.scanned)]
