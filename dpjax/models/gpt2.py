@@ -326,12 +326,7 @@ def _lm_loss(model: GPT2, params, batch, rngs=None) -> Array:
   tokens = batch["tokens"]
   logits = model.apply({"params": params}, tokens, attention_mask=batch.get("attention_mask"),
                        enable_dropout=bool(rngs), rngs=rngs or {})
-  # Every position's logits, the last one's at weight 0, rather than the
-  # logits sliced: a slice between the output projection and the
-  # logsumexp keeps a TPU from fusing the max into the projection, and
-  # ghost clipping then reads the float32 logits once more an example.
-  shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
-  return losses.per_example_loss(logits, shift(tokens), shift(batch["loss_weights"]))
+  return losses.next_token_loss(logits, tokens, batch["loss_weights"])
 
 
 def make_batch_loss(config: GPT2Config) -> Callable[[PyTree, Mapping[str, Array]], Array]:

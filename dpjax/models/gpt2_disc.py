@@ -247,7 +247,7 @@ def _lm_loss(model: gpt2.GPT2, params, batch, rngs) -> Array:
   logits = model.apply({"params": lm_params(params)}, tokens,
                        attention_mask=batch["attention_mask"], enable_dropout=bool(rngs),
                        rngs=rngs or {})
-  return losses.per_example_loss(logits[:, :-1], tokens[:, 1:], batch["loss_weights"][:, 1:])
+  return losses.next_token_loss(logits, tokens, batch["loss_weights"])
 
 
 def _disc_loss(config: GPT2DiscConfig, params, batch, slot_keys, rngs) -> Array:

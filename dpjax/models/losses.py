@@ -47,3 +47,25 @@ def per_example_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) 
   xent = token_cross_entropy(logits, targets)
   total = jnp.sum(xent * weights, axis=-1)
   return total / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array, weights: jax.Array) -> jax.Array:
+  """`per_example_loss` of predicting `tokens[:, t+1]` from `logits[:, t]`,
+  weighted by `weights[:, t+1]` (a causal LM's; position 0 has no
+  prediction).
+
+  Takes every position's logits, the last one's at weight 0, rather than
+  the logits sliced: a slice between the output projection and the
+  logsumexp keeps a TPU from fusing the max into the projection, and ghost
+  clipping then reads the float32 logits once more an example.
+
+  Args:
+    logits: `[b, L, vocab]`.
+    tokens: `[b, L]` integer token ids.
+    weights: `[b, L]` loss weights of the tokens as targets.
+
+  Returns:
+    `[b]` float32 losses.
+  """
+  shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+  return per_example_loss(logits, shift(tokens), shift(weights))

@@ -163,13 +163,10 @@ def test_the_loss_reads_the_logits_unsliced(tiny):
   cfg, params, _ = tiny
 
   def sliced_logits(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "slice" and eqn.invars[0].aval.shape[-1] == VOCAB:
-        yield eqn
-      for param in eqn.params.values():
-        inner = getattr(param, "jaxpr", param)
-        if hasattr(inner, "eqns"):
-          yield from sliced_logits(inner)
+    yield from (e for e in jaxpr.eqns if e.primitive.name == "slice"
+                and e.invars[0].aval.shape[-1] == VOCAB)
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+      yield from sliced_logits(sub)
 
   batch = {"tokens": TOKENS, "loss_weights": WEIGHTS}
   for loss in (gpt2.make_batch_loss(cfg),
