@@ -47,7 +47,7 @@ Every line also carries XLA's cost analysis of one logical step as it runs:
 each part compiled alone for abstract inputs (XLA counts a loop's body once,
 so the whole step's own analysis would count one microbatch); `cost_parts`
 holds the parts, with the `while_loops` each kept (a part with loops left is
-undercounted: on CPU, jax's threefry keeps a rolled loop in the noise of
+undercounted: on CPU, the noise's threefry keeps a rolled loop in
 `apply`) and, where the whole step was compiled, its own analysis
 (`whole_step`). Bytes accessed are the compiled backend's, after its fusion.
 With `--scan_layers` (T5: its layers a loop over stacked params, one layer

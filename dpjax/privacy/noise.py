@@ -16,18 +16,27 @@ which sampled batches, is what `dpjax.privacy.accounting` composes.
 The noise comes from a counter-based PRNG keyed by `(secret, step)`, so it
 is identical on every host and reproducible on resume. `secret` is 128 bits
 from the run's `secret.RunSecret` (OS entropy), passed to `privatize` as the
-argument `noise_secret` (a jit argument, never a compiled constant).
-jax's threefry takes a 64-bit key, so each draw is the XOR of the bits of two
-threefry streams keyed by the secret's two independent halves, then mapped
-to a Gaussian as `jax.random.normal` maps its bits: guessing the noise means
+argument `noise_secret` (a jit argument, never a compiled constant). Its two
+64-bit halves are each expanded by jax's threefry (`fold_in` of the stream
+and the step, `split` per leaf) into a pair of keys, whose 128 bits key
+Threefry-4x32-20 (`threefry4x32`, the 128-bit-key member of jax's own
+generator's family) over each position's counter; its bits are mapped to a
+Gaussian as `jax.random.normal` maps its bits. Guessing the noise means
 guessing 128 bits. The guarantee assumes the secret stays secret, threefry
 is a pseudorandom function, and PRNG floating-point samples are exact
 Gaussians (the standard idealisation; not a proof against floating-point
 attacks).
+
+One Threefry-4x32 block gives four 32-bit words: where an array's leading
+axis allows, four runs of its rows take one block's words (`_bits`);
+elsewhere each position takes a block's first word. A position then costs
+a quarter of a block, or one; the XOR of two 64-bit-key threefry-2x32
+streams this replaced cost two blocks of half the width.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -43,8 +52,9 @@ NOISE_STREAM_CONSTANT = 0x6E6F6973  # "nois"
 def stream_keys(secret: jax.Array, stream: int, *data) -> jax.Array:
   """The threefry key pair [2] of `(secret, stream, *data)`.
 
-  `secret`: uint32[4] (`RunSecret.noise_key()`); its halves key the two
-  threefry streams whose bits `uniform` XORs. `stream` separates uses.
+  `secret`: uint32[4] (`RunSecret.noise_key()`); each half is expanded
+  into one key of the pair, whose 128 bits key `uniform`'s Threefry-4x32.
+  `stream` separates uses.
   """
   halves = jnp.asarray(secret, jnp.uint32).reshape(2, 2)
 
@@ -73,15 +83,122 @@ def fold_in(keys: jax.Array, data: int | jax.Array) -> jax.Array:
   return jax.vmap(lambda k: jax.random.fold_in(k, data))(keys)
 
 
+# Threefry-4x32's rotation constants and key-schedule parity (Random123's
+# threefry.h; Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+# SC 2011).
+_ROTATIONS = ((10, 26), (11, 21), (13, 27), (23, 5), (6, 20), (17, 11),
+              (25, 10), (18, 20))
+_PARITY = np.uint32(0x1BD11BDA)
+_ROUNDS = 20
+
+
+def threefry4x32(key, counter) -> list[jax.Array]:
+  """Threefry-4x32-20: the four uint32 words of the block `counter` under
+  the 128-bit `key`, each a sequence of four uint32 words (arrays that
+  broadcast together; Random123's word order).
+
+  Straight-line code on accelerators (XLA fuses it into its consumer); on
+  CPUs a loop over the five key injections, as jax's own threefry is
+  lowered there, which XLA:CPU compiles in a third of the time.
+  """
+  key = [jnp.asarray(k, jnp.uint32) for k in key]
+  schedule = key + [key[0] ^ key[1] ^ key[2] ^ key[3] ^ _PARITY]
+  # One shape for the four words (a loop carries them); the key's stay.
+  x = jnp.broadcast_arrays(*(jnp.asarray(c, jnp.uint32) + k
+                             for c, k in zip(counter, key)))
+
+  def injection(s, x, schedule, rotations):
+    """Four rounds (`rotations[j]` the pair of round j), then injection
+    `s` of the key schedule, `schedule` rotated left by `s - 1`."""
+    x = list(x)
+    for j, (a, b) in enumerate(rotations):
+      # Even rounds mix words (0, 1) and (2, 3), odd rounds (0, 3), (2, 1).
+      p, q = (1, 3) if j % 2 == 0 else (3, 1)
+      x[0] = x[0] + x[p]
+      x[p] = _rotl(x[p], a) ^ x[0]
+      x[2] = x[2] + x[q]
+      x[q] = _rotl(x[q], b) ^ x[2]
+    schedule = schedule[1:] + schedule[:1]
+    x = [w + k for w, k in zip(x, schedule)]
+    x[3] = x[3] + s
+    return x, schedule
+
+  def unrolled(x, schedule):
+    for s in range(1, _ROUNDS // 4 + 1):
+      x, schedule = injection(np.uint32(s), x, schedule,
+                              _ROTATIONS[4 * ((s - 1) % 2):][:4])
+    return x
+
+  def rolled(x, schedule):
+    table = jnp.asarray(_ROTATIONS, jnp.uint32).reshape(2, 4, 2)
+
+    def body(i, carry):
+      rotations = table[i % 2]
+      return injection((i + 1).astype(jnp.uint32), *carry,
+                       [(rotations[j, 0], rotations[j, 1]) for j in range(4)])
+
+    return jax.lax.fori_loop(0, _ROUNDS // 4, body, (x, schedule))[0]
+
+  return jax.lax.platform_dependent(x, schedule, cpu=rolled, default=unrolled)
+
+
+def _rotl(x, r):
+  return (x << r) | (x >> (np.uint32(32) - r))
+
+
+def _positions(shape) -> tuple[jax.Array, jax.Array]:
+  """Two uint32 words `(low, high)` numbering the positions of `shape`
+  one-to-one: the row-major index over the trailing axes whose sizes
+  multiply to under 2^32, and over the leading ones. Each is an iota sum,
+  which a sharded array's devices compute for their own block."""
+  split, size = len(shape), 1
+  while split and size * shape[split - 1] < 2**32:
+    split, size = split - 1, size * shape[split - 1]
+  if math.prod(shape[:split]) >= 2**32:
+    raise ValueError(f"cannot number the {math.prod(shape)} positions of "
+                     f"{shape} in 64 bits.")
+
+  def index(axes):
+    flat = jnp.zeros(shape, jnp.uint32)
+    for axis in axes:
+      flat = (flat * np.uint32(shape[axis])
+              + jax.lax.broadcasted_iota(jnp.uint32, shape, axis))
+    return flat
+
+  return index(range(split, len(shape))), index(range(split))
+
+
+def _bits(keys: jax.Array, shape) -> jax.Array:
+  """uint32 bits of `shape` from Threefry-4x32 keyed by the pair `keys`'
+  128 bits (`key_data` row by row).
+
+  A block's four words go to four consecutive runs of `rows` rows of the
+  leading axis where it is a multiple of `4 * rows`: `rows` is 8 for a 2-D
+  array, whose rows a TPU tiles eight at a time (float32), so that the
+  words' runs merge into the array without a copy, and 1 for 3-D and up,
+  whose leading axis is a major one. Elsewhere each position takes a
+  block's first word. Either way a position's bits depend on its index
+  alone, so a sharded array's devices compute their own (with no
+  communication where a shard's rows are a multiple of `4 * rows`).
+  """
+  key = jnp.ravel(jax.random.key_data(keys))
+  shape = tuple(shape)
+  rows = 8 if len(shape) == 2 else 1
+  if len(shape) >= 2 and shape[0] % (4 * rows) == 0:
+    low, high = _positions((shape[0] // (4 * rows), rows, *shape[1:]))
+    words = threefry4x32(key, (low, high, 0, 0))
+    return jnp.stack(words, axis=1).reshape(shape)
+  low, high = _positions(shape)
+  return threefry4x32(key, (low, high, 0, 0))[0]
+
+
 def uniform(keys: jax.Array, shape, low: float, high: float = 1.0
             ) -> jax.Array:
-  """float32 uniform in [low, high) from the XOR of the pair's bits, mapped
-  as `jax.random.uniform` maps its bits; either key alone determines
-  nothing."""
-  # Both streams in one threefry call over the pair (the same bits as two
-  # calls): half the hash loops to compile, one per noised leaf.
-  pair = jax.vmap(lambda k: jax.random.bits(k, shape, jnp.uint32))(keys)
-  bits = pair[0] ^ pair[1]
+  """float32 uniform in [low, high) from the pair's Threefry-4x32 bits
+  (`_bits`), mapped as `jax.random.uniform` maps its bits; either key alone
+  determines nothing. One draw per pair: another shape under the same pair
+  would reuse counters."""
+  bits = _bits(keys, shape)
   unit = jax.lax.bitcast_convert_type(
       (bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
   low, high = np.float32(low), np.float32(high)

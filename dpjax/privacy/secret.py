@@ -11,7 +11,8 @@ configuration sets (a default seed, `train.seed`) protects nothing.
 (`secrets`). Everything the guarantee depends on is derived from it, one
 independent key per purpose (keyed BLAKE2b, so one purpose's key says
 nothing about another's): `noise_key()` (128 bits for `noise.privatizer`:
-two independent 64-bit threefry keys, since threefry's key is 64 bits),
+two independent 64-bit halves, each expanded by jax's threefry, together
+the key of the noise's Threefry-4x32),
 `sampling_seed()` (Poisson or shuffle sampling) and `purpose_key(name)`
 (e.g. SeqPATE's stored aggregator noise) and `meta_key()` (the MAC of each
 checkpoint's meta: `dpjax.training.checkpoints`). Randomness the guarantee does not

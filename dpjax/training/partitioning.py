@@ -156,8 +156,8 @@ def update_spec(spec: P, shape: Sequence[int], mesh: Mesh,
   update, which is the all-reduce's other half. So the bytes moved are the
   same, the noise and the optimizer's work a device does are divided by
   the data-parallel devices, and so is the moments' memory. Values are
-  unchanged: the noise is drawn by `jax.random`'s partitionable threefry,
-  the same bits on any layout.
+  unchanged: a noise value's bits depend on its index alone
+  (`noise.uniform`), the same on any layout.
   """
   rules = rules if rules is not None else logical_axis_rules()
   batch_axes = mesh_axes(("batch",), mesh, rules)[0]

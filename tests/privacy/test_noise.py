@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import randomgen
 from scipy import special, stats
 
 from dpjax.privacy import noise
@@ -45,22 +46,89 @@ def test_noise_key_differs_for_another_secret():
                             key_data(noise.noise_key(other, 3)))
 
 
-def standard_normal_0():
-  return np.asarray(noise.standard_normal(noise.noise_key(SECRET, 0),
-                                          (1000,)))
+def standard_normal_0(shape=(1000,)):
+  return np.asarray(noise.standard_normal(noise.noise_key(SECRET, 0), shape))
 
 
-def test_standard_normal_is_the_xor_of_both_streams_mapped_like_jax():
+def randomgen_blocks(key, counters):
+  """Threefry-4x32-20 blocks from randomgen's build of Random123 (an
+  independent implementation): one uint32[4] block per counter row."""
+  out = []
+  for counter in counters:
+    gen = randomgen.ThreeFry(number=4, width=32, key=0)
+    state = gen.state
+    state["state"]["key"] = np.asarray(key, np.uint32)
+    # randomgen steps its counter (a 128-bit integer, word 0 the lowest)
+    # before a block: start it one below.
+    value = sum(int(w) << (32 * i) for i, w in enumerate(counter)) - 1
+    state["state"]["counter"] = np.asarray(
+        [(value % 2**128 >> (32 * i)) & 0xFFFFFFFF for i in range(4)],
+        np.uint32)
+    gen.state = state
+    out.append(gen.random_raw(4).astype(np.uint32))
+  return np.asarray(out)
+
+
+def test_threefry4x32_is_random123s():
+  """Random123's known answer for the zero key and counter, and randomgen's
+  blocks for random keys and counters (words carrying into word 1 too)."""
+  zero = np.asarray(noise.threefry4x32([0] * 4, [0] * 4))
+  np.testing.assert_array_equal(
+      zero, [0x9C6CA96A, 0xE17EAE66, 0xFC10ECD4, 0x5256A7D8])
+  rng = np.random.default_rng(0)
+  key = rng.integers(0, 2**32, 4, dtype=np.uint64).astype(np.uint32)
+  counters = rng.integers(0, 2**32, (6, 4), dtype=np.uint64).astype(np.uint32)
+  counters[0, 0] = 0
+  got = np.stack(noise.threefry4x32(key, counters.T), axis=1)
+  np.testing.assert_array_equal(got, randomgen_blocks(key, counters))
+
+
+def reference_bits(keys, shape):
+  """The draw's bits recomputed from randomgen's blocks, numbered by
+  row-major index: where the leading axis is a multiple of 4 runs of
+  `rows` rows (8 for 2-D arrays, 1 for 3-D and up), block b's word w gives
+  the rows of run 4 b + w; elsewhere block p's first word gives position p."""
+  key = np.asarray(jax.random.key_data(keys)).ravel()
+  rows = 8 if len(shape) == 2 else 1
+  grouped = len(shape) >= 2 and shape[0] % (4 * rows) == 0
+  size = int(np.prod(shape))
+  index = np.arange(size // 4 if grouped else size, dtype=np.uint64)
+  counters = np.stack([index, index >> 32, 0 * index, 0 * index], 1)
+  blocks = randomgen_blocks(key, counters.astype(np.uint32))
+  if not grouped:
+    return blocks[:, 0].reshape(shape)
+  rest = size // shape[0]
+  blocks = blocks.reshape(shape[0] // (4 * rows), rows, rest, 4)
+  return blocks.transpose(0, 3, 1, 2).reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (64, 7), (6, 7), (8, 3, 5),
+                                   (3, 5, 2)])
+def test_standard_normal_is_threefry4x32_bits_mapped_like_jax(shape):
+  """Independent recomputation: randomgen's Threefry-4x32 under the pair's
+  128 bits, then `jax.random.normal`'s map in float64 scipy."""
   keys = noise.noise_key(SECRET, 0)
-  got = standard_normal_0()
-  # Independent recomputation in numpy/scipy from the two streams' bits.
-  bits = (np.asarray(jax.random.bits(keys[0], (1000,), jnp.uint32))
-          ^ np.asarray(jax.random.bits(keys[1], (1000,), jnp.uint32)))
+  bits = reference_bits(keys, shape)
   unit = ((bits >> 9) | np.uint32(0x3F800000)).view(np.float32) - 1.0
   low = np.nextafter(np.float32(-1), np.float32(0))
   u = np.maximum(low, unit * (1 - low) + low)
-  np.testing.assert_allclose(got, np.sqrt(2) * special.erfinv(
+  np.testing.assert_allclose(standard_normal_0(shape), np.sqrt(2) * special.erfinv(
       u.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+def test_positions_are_numbered_one_to_one_past_32_bits():
+  """Row-major under 2^32 positions; past it, the leading axis goes to the
+  high word (a slice of such a draw, computed without the whole)."""
+  low, high = map(np.asarray, noise._positions((5, 3, 4)))
+  np.testing.assert_array_equal(low.ravel(), np.arange(60))
+  assert not high.any()
+  corner = jax.jit(lambda: [x[:, -2:, :3] for x in noise._positions(
+      (3, 2**15, 2**16 + 1))])()
+  low, high = map(np.asarray, corner)
+  cols = np.arange(2**15 - 2, 2**15)[:, None] * (2**16 + 1) + np.arange(3)
+  np.testing.assert_array_equal(low, np.broadcast_to(cols, (3, 2, 3)))
+  np.testing.assert_array_equal(high, np.broadcast_to(
+      np.arange(3)[:, None, None], (3, 2, 3)))
 
 
 @pytest.mark.parametrize("half", [0, 1])
@@ -78,7 +146,9 @@ def test_laplace_is_standard():
 
 
 STDDEV = 2.5
-ZEROS = {"a": jnp.zeros((300, 400)), "b": jnp.zeros((300, 400))}
+# 120k entries each: "a" takes four runs of 8 rows from a block, "b" a
+# block per position (`noise._bits`).
+ZEROS = {"a": jnp.zeros((320, 375)), "b": jnp.zeros((300, 400))}
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +164,22 @@ def test_gaussian_noise_has_the_stddev(gaussian_noise, leaf):
   assert np.std(gaussian_noise[leaf]) == pytest.approx(STDDEV, rel=0.01)
 
 
-def test_gaussian_noise_has_mean_zero(gaussian_noise):
-  a, _ = gaussian_noise
+@pytest.mark.parametrize("leaf", [0, 1])
+def test_gaussian_noise_has_mean_zero(gaussian_noise, leaf):
+  a = gaussian_noise[leaf]
   assert abs(np.mean(a)) < 5 * STDDEV / np.sqrt(a.size)
 
 
-def test_gaussian_noise_is_normal(gaussian_noise):
-  a, _ = gaussian_noise
+@pytest.mark.parametrize("leaf", [0, 1])
+def test_gaussian_noise_is_normal(gaussian_noise, leaf):
+  a = gaussian_noise[leaf]
   assert stats.kstest(a / STDDEV, "norm").pvalue > 1e-3
+
+
+def test_gaussian_noise_rows_of_one_block_are_uncorrelated(gaussian_noise):
+  """Leaf "a"'s rows 8 apart come from the same blocks' other words."""
+  a = gaussian_noise[0].reshape(320, 375)
+  assert abs(np.corrcoef(a[0:8].ravel(), a[8:16].ravel())[0, 1]) < 0.06
 
 
 def test_gaussian_noise_leaves_get_independent_keys(gaussian_noise):
@@ -139,7 +217,7 @@ def test_leaves_drawn_together_get_the_bits_of_a_draw_each(layouts, draws):
     np.testing.assert_array_equal(got[name], want[name])
   jaxpr = jax.make_jaxpr(lambda t, k: noise.add_gaussian_noise(
       t, k, STDDEV, layouts))(MIXED, keys)
-  assert str(jaxpr).count("random_bits[") == draws
+  assert str(jaxpr).count("erf_inv") == draws
 
 
 BF16 = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
