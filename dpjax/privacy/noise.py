@@ -27,11 +27,10 @@ is a pseudorandom function, and PRNG floating-point samples are exact
 Gaussians (the standard idealisation; not a proof against floating-point
 attacks).
 
-One Threefry-4x32 block gives four 32-bit words: where an array's leading
-axis allows, four runs of its rows take one block's words (`_bits`);
+One Threefry-4x32 block gives four 32-bit words: where an array's rows
+allow, four runs of its rows take one block's words (`_draw`);
 elsewhere each position takes a block's first word. A position then costs
-a quarter of a block, or one; the XOR of two 64-bit-key threefry-2x32
-streams this replaced cost two blocks of half the width.
+a quarter of a block, or one.
 """
 
 from __future__ import annotations
@@ -168,54 +167,74 @@ def _positions(shape) -> tuple[jax.Array, jax.Array]:
   return index(range(split, len(shape))), index(range(split))
 
 
-def _bits(keys: jax.Array, shape) -> jax.Array:
-  """uint32 bits of `shape` from Threefry-4x32 keyed by the pair `keys`'
-  128 bits (`key_data` row by row).
+def _draw(keys: jax.Array, shape, transform: Callable) -> jax.Array:
+  """`transform` (elementwise, of uint32 bits) of bits of `shape` from
+  Threefry-4x32 keyed by the pair `keys`' 128 bits (`key_data` row by row).
 
-  A block's four words go to four consecutive runs of `rows` rows of the
-  leading axis where it is a multiple of `4 * rows`: `rows` is 8 for a 2-D
-  array, whose rows a TPU tiles eight at a time (float32), so that the
-  words' runs merge into the array without a copy, and 1 for 3-D and up,
-  whose leading axis is a major one. Elsewhere each position takes a
-  block's first word. Either way a position's bits depend on its index
-  alone, so a sharded array's devices compute their own (with no
-  communication where a shard's rows are a multiple of `4 * rows`).
+  Where an array's second-to-last axis (its rows) is a multiple of 32, a
+  block's four words go to four consecutive runs of 8 rows: a TPU tiles
+  float32 rows eight at a time, so the runs merge into the array without a
+  copy, and the rows axis is the one an array's shards least often split
+  (a stacked layer's leading axis often is). Elsewhere each position takes
+  a block's first word. Either way a position's bits depend on its index
+  alone, so a sharded array's devices compute their own, with no
+  communication where a shard's rows are a multiple of 32. `transform`
+  maps each word before they are laid out, so a compiler can write the
+  values once, not the bits first.
   """
   key = jnp.ravel(jax.random.key_data(keys))
   shape = tuple(shape)
-  rows = 8 if len(shape) == 2 else 1
-  if len(shape) >= 2 and shape[0] % (4 * rows) == 0:
-    low, high = _positions((shape[0] // (4 * rows), rows, *shape[1:]))
+  if len(shape) >= 2 and shape[-2] % 32 == 0:
+    low, high = _positions((*shape[:-2], shape[-2] // 32, 8, shape[-1]))
     words = threefry4x32(key, (low, high, 0, 0))
-    return jnp.stack(words, axis=1).reshape(shape)
+    # The GPU compiler fuses the block's rounds into each word's consumer,
+    # computing the block four times: a barrier has it computed once. The
+    # TPU compiler computes the four in one loop itself, where a barrier
+    # only writes them out.
+    words = jax.lax.platform_dependent(
+        *words, cuda=lambda *w: jax.lax.optimization_barrier(w),
+        default=lambda *w: w)
+    return jnp.stack([transform(w) for w in words], axis=-3).reshape(shape)
   low, high = _positions(shape)
-  return threefry4x32(key, (low, high, 0, 0))[0]
+  return transform(threefry4x32(key, (low, high, 0, 0))[0])
 
 
-def uniform(keys: jax.Array, shape, low: float, high: float = 1.0
-            ) -> jax.Array:
-  """float32 uniform in [low, high) from the pair's Threefry-4x32 bits
-  (`_bits`), mapped as `jax.random.uniform` maps its bits; either key alone
-  determines nothing. One draw per pair: another shape under the same pair
-  would reuse counters."""
-  bits = _bits(keys, shape)
+def _unit(bits: jax.Array, low: float, high: float = 1.0) -> jax.Array:
+  """float32 in [low, high) from uint32 bits, as `jax.random.uniform`
+  maps them."""
   unit = jax.lax.bitcast_convert_type(
       (bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
   low, high = np.float32(low), np.float32(high)
   return jnp.maximum(low, unit * (high - low) + low)
 
 
+_OPEN_BELOW = np.nextafter(np.float32(-1.0), np.float32(0.0))
+
+
+def uniform(keys: jax.Array, shape, low: float, high: float = 1.0
+            ) -> jax.Array:
+  """float32 uniform in [low, high) from the pair's Threefry-4x32 bits
+  (`_draw`), mapped as `jax.random.uniform` maps its bits; either key alone
+  determines nothing. One draw per pair: another shape under the same pair
+  would reuse counters."""
+  return _draw(keys, shape, lambda bits: _unit(bits, low, high))
+
+
 def standard_normal(keys: jax.Array, shape) -> jax.Array:
   """float32 N(0, 1), by `jax.random.normal`'s inverse error function."""
-  low = np.nextafter(np.float32(-1.0), np.float32(0.0))
-  return np.float32(np.sqrt(2.0)) * jax.lax.erf_inv(uniform(keys, shape, low))
+  return _draw(keys, shape, lambda bits: np.float32(np.sqrt(2.0))
+               * jax.lax.erf_inv(_unit(bits, _OPEN_BELOW)))
 
 
 def standard_laplace(keys: jax.Array, shape) -> jax.Array:
   """float32 Laplace(0, 1) (density exp(-|z|) / 2), by
   `jax.random.laplace`'s inverse CDF."""
-  u = uniform(keys, shape, np.nextafter(np.float32(-1.0), np.float32(0.0)))
-  return -jnp.sign(u) * jnp.log1p(-jnp.abs(u))
+
+  def laplace(bits):
+    u = _unit(bits, _OPEN_BELOW)
+    return -jnp.sign(u) * jnp.log1p(-jnp.abs(u))
+
+  return _draw(keys, shape, laplace)
 
 
 def add_gaussian_noise(tree: PyTree, keys: jax.Array,
