@@ -179,8 +179,7 @@ def _draw(keys: jax.Array, shape, transform: Callable) -> jax.Array:
   a block's first word. Either way a position's bits depend on its index
   alone, so a sharded array's devices compute their own, with no
   communication where a shard's rows are a multiple of 32. `transform`
-  maps each word before they are laid out, so a compiler can write the
-  values once, not the bits first.
+  is applied before the words are laid out (per platform, below).
   """
   key = jnp.ravel(jax.random.key_data(keys))
   shape = tuple(shape)
