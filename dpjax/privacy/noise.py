@@ -36,9 +36,10 @@ a quarter of a block, or one.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,58 +92,72 @@ _PARITY = np.uint32(0x1BD11BDA)
 _ROUNDS = 20
 
 
-def threefry4x32(key, counter) -> list[jax.Array]:
+def threefry4x32(key, counter, rolled: bool = False) -> list[jax.Array]:
   """Threefry-4x32-20: the four uint32 words of the block `counter` under
   the 128-bit `key`, each a sequence of four uint32 words (arrays that
   broadcast together; Random123's word order).
 
-  Straight-line code on accelerators (XLA fuses it into its consumer); on
-  CPUs a loop over the five key injections, as jax's own threefry is
-  lowered there, which XLA:CPU compiles in half the time.
+  Straight-line code by default (an accelerator's compiler fuses it into
+  its consumer); `rolled`, a loop over the five key injections, as jax's
+  own threefry is lowered for CPUs, which XLA:CPU compiles in half the
+  time. Written in `lax` operations, which trace in a fraction of the time
+  of `jnp`'s operators.
   """
   key = [jnp.asarray(k, jnp.uint32) for k in key]
-  schedule = key + [key[0] ^ key[1] ^ key[2] ^ key[3] ^ _PARITY]
+  schedule = key + [_xor(_xor(key[0], key[1]), _xor(key[2], key[3]),
+                         _PARITY)]
   # One shape for the four words (a loop carries them); the key's stay.
   x = jnp.broadcast_arrays(*(jnp.asarray(c, jnp.uint32) + k
                              for c, k in zip(counter, key)))
 
-  def injection(s, x, schedule, rotations):
-    """Four rounds (`rotations[j]` the pair of round j), then injection
-    `s` of the key schedule, `schedule` rotated left by `s - 1`."""
+  def rounds(x, rotations):
+    """Four rounds, `rotations[j]` the pair of round j."""
     x = list(x)
     for j, (a, b) in enumerate(rotations):
       # Even rounds mix words (0, 1) and (2, 3), odd rounds (0, 3), (2, 1).
       p, q = (1, 3) if j % 2 == 0 else (3, 1)
-      x[0] = x[0] + x[p]
-      x[p] = _rotl(x[p], a) ^ x[0]
-      x[2] = x[2] + x[q]
-      x[q] = _rotl(x[q], b) ^ x[2]
-    schedule = schedule[1:] + schedule[:1]
-    x = [w + k for w, k in zip(x, schedule)]
-    x[3] = x[3] + s
-    return x, schedule
-
-  def unrolled(x, schedule):
-    for s in range(1, _ROUNDS // 4 + 1):
-      x, schedule = injection(np.uint32(s), x, schedule,
-                              _ROTATIONS[4 * ((s - 1) % 2):][:4])
+      x[0] = lax.add(x[0], x[p])
+      x[p] = _xor(_rotl(x[p], a), x[0])
+      x[2] = lax.add(x[2], x[q])
+      x[q] = _xor(_rotl(x[q], b), x[2])
     return x
 
-  def rolled(x, schedule):
-    table = jnp.asarray(_ROTATIONS, jnp.uint32).reshape(2, 4, 2)
+  # Injection s adds the schedule rotated left by s, and s to the last word.
+  if not rolled:
+    for s in range(1, _ROUNDS // 4 + 1):
+      x = rounds(x, _ROTATIONS[4 * ((s - 1) % 2):][:4])
+      x = [lax.add(w, schedule[(s + j) % 5]) for j, w in enumerate(x)]
+      x[3] = lax.add(x[3], np.uint32(s))
+    return x
+  table = jnp.asarray(_ROTATIONS, jnp.uint32).reshape(2, 4, 2)
+  # The loop reads the schedule, never writes it (it may be as large as x).
+  schedule = jnp.stack(jnp.broadcast_arrays(*schedule))
 
-    def body(i, carry):
-      rotations = table[i % 2]
-      return injection((i + 1).astype(jnp.uint32), *carry,
-                       [(rotations[j, 0], rotations[j, 1]) for j in range(4)])
+  def body(i, x):
+    x = rounds(x, [(table[i % 2, j, 0], table[i % 2, j, 1]) for j in range(4)])
+    s = (i + 1).astype(jnp.uint32)
+    x = [lax.add(w, lax.dynamic_index_in_dim(schedule, (s + j) % 5, 0, False))
+         for j, w in enumerate(x)]
+    x[3] = lax.add(x[3], s)
+    return x
 
-    return jax.lax.fori_loop(0, _ROUNDS // 4, body, (x, schedule))[0]
+  return jax.lax.fori_loop(0, _ROUNDS // 4, body, x)
 
-  return jax.lax.platform_dependent(x, schedule, cpu=rolled, default=unrolled)
+
+def _xor(*words):
+  out = words[0]
+  for w in words[1:]:
+    out = lax.bitwise_xor(out, w)
+  return out
 
 
 def _rotl(x, r):
-  return (x << r) | (x >> (np.uint32(32) - r))
+  """`x` rotated left by `r` bits (a Python int, or a traced uint32)."""
+  if isinstance(r, int):
+    r, rest = np.uint32(r), np.uint32(32 - r)
+  else:
+    rest = lax.sub(np.uint32(32), r)
+  return lax.bitwise_or(lax.shift_left(x, r), lax.shift_right_logical(x, rest))
 
 
 def _positions(shape) -> tuple[jax.Array, jax.Array]:
@@ -167,9 +182,14 @@ def _positions(shape) -> tuple[jax.Array, jax.Array]:
   return index(range(split, len(shape))), index(range(split))
 
 
-def _draw(keys: jax.Array, shape, transform: Callable) -> jax.Array:
-  """`transform` (elementwise, of uint32 bits) of bits of `shape` from
-  Threefry-4x32 keyed by the pair `keys`' 128 bits (`key_data` row by row).
+def _draws(requests: Sequence[tuple[jax.Array, Any]],
+           transform: Callable) -> list[jax.Array]:
+  """For each `(keys, shape)` of `requests`, `transform` (elementwise, of
+  uint32 bits) of bits of `shape` from Threefry-4x32 keyed by the pair
+  `keys`' 128 bits (`key_data` row by row). `keys` may also be pairs
+  stacked on leading axes, `(*batch, 2)`: the draw is then `(*batch,
+  *shape)`, each pair's the same as alone (a key that broadcasts, where a
+  `vmap` would trace the platforms' branches again).
 
   Where an array's second-to-last axis (its rows) is a multiple of 32, a
   block's four words go to four consecutive runs of 8 rows: a TPU tiles
@@ -178,36 +198,109 @@ def _draw(keys: jax.Array, shape, transform: Callable) -> jax.Array:
   (a stacked layer's leading axis often is). Elsewhere each position takes
   a block's first word. Either way a position's bits depend on its index
   alone, so a sharded array's devices compute their own, with no
-  communication where a shard's rows are a multiple of 32. `transform`
-  is applied before the words are laid out (per platform, below).
+  communication where a shard's rows are a multiple of 32.
+
+  Accelerators hash each request where it is laid out (`_straight`), CPUs
+  in rolled loops, the small requests sharing one (`_rolled`); the bits
+  are the same.
   """
-  key = jnp.ravel(jax.random.key_data(keys))
-  shape = tuple(shape)
-  if len(shape) >= 2 and shape[-2] % 32 == 0:
-    low, high = _positions((*shape[:-2], shape[-2] // 32, 8, shape[-1]))
-    words = threefry4x32(key, (low, high, 0, 0))
-    # Each word is mapped on its own: the TPU compiler then writes values
-    # once, not the bits first. On a GPU the words pass a barrier: its
-    # compiler fuses a block's rounds into its words' consumers and
-    # computes blocks again (138.5 FLOPs a value against 100 at 12 x 768 x
-    # 3072). XLA:CPU maps the four at once: one transform to compile.
-    each = lambda *w: jnp.stack([transform(x) for x in w], axis=-3)
-    values = jax.lax.platform_dependent(
-        *words, default=each,
-        cuda=lambda *w: each(*jax.lax.optimization_barrier(w)),
-        cpu=lambda *w: jnp.moveaxis(transform(jnp.stack(w)), 0, -3))
-    return values.reshape(shape)
-  low, high = _positions(shape)
-  return transform(threefry4x32(key, (low, high, 0, 0))[0])
+  plans = [_plan(keys, shape) for keys, shape in requests]
+  return jax.lax.platform_dependent(
+      cpu=lambda: _rolled(plans, transform),
+      default=lambda: _straight(plans, transform))
+
+
+class _Plan(NamedTuple):
+  """One request of `_draws`: its key's four words (each shaped to
+  broadcast over the blocks), its blocks' counter, the blocks' shape,
+  whether a block's words go to four runs of rows, and the draw's shape."""
+  key: list[jax.Array]
+  counter: tuple
+  blocks: tuple[int, ...]
+  grouped: bool
+  shape: tuple[int, ...]
+
+
+def _plan(keys: jax.Array, shape) -> _Plan:
+  data = jax.random.key_data(keys)
+  batch, shape = data.shape[:-2], tuple(shape)
+  grouped = len(shape) >= 2 and shape[-2] % 32 == 0
+  blocks = (*shape[:-2], shape[-2] // 32, 8, shape[-1]) if grouped else shape
+  data = data.reshape(*batch, 4)
+  return _Plan(key=[data[..., i].reshape(*batch, *(1,) * len(blocks))
+                    for i in range(4)],
+               counter=(*_positions(blocks), 0, 0), blocks=(*batch, *blocks),
+               grouped=grouped, shape=(*batch, *shape))
+
+
+def _straight(plans: Sequence[_Plan], transform: Callable
+              ) -> list[jax.Array]:
+  """`_draws` as straight-line code per request, each word mapped on its
+  own: the TPU compiler then writes values once, not the bits first. On a
+  GPU the words pass a barrier: its compiler fuses a block's rounds into
+  its words' consumers and computes blocks again (138.5 FLOPs a value
+  against 100 at 12 x 768 x 3072)."""
+  draws = []
+  for plan in plans:
+    words = threefry4x32(plan.key, plan.counter)
+    if not plan.grouped:
+      draws.append(transform(words[0]))
+      continue
+    words = jax.lax.platform_dependent(
+        words, default=lambda w: w, cuda=jax.lax.optimization_barrier)
+    values = jnp.stack([transform(w) for w in words], axis=-3)
+    draws.append(values.reshape(plan.shape))
+  return draws
+
+
+# On CPUs, requests of at most this many blocks share one loop: a loop of
+# its own costs XLA:CPU 0.2 s to compile, and one of 2^16 blocks 2 ms to run
+# (the shared loop reads each block's key: five words more).
+_SHARED_LOOP_BLOCKS = 2**16
+
+
+def _rolled(plans: Sequence[_Plan], transform: Callable) -> list[jax.Array]:
+  """`_draws` in rolled loops: one for all requests of at most
+  `_SHARED_LOOP_BLOCKS` blocks, laid end to end, and one for each larger
+  request. XLA:CPU's compile time grows with the number of loops, not
+  their length: a tree of seven small shapes compiled in 1.2 s against 2.0
+  with a loop each. A block's four words are mapped at once: one transform
+  to compile."""
+  shared = [i for i, plan in enumerate(plans)
+            if math.prod(plan.blocks) <= _SHARED_LOOP_BLOCKS]
+  words = {i: threefry4x32(plan.key, plan.counter, rolled=True)
+           for i, plan in enumerate(plans) if i not in shared}
+  if shared:
+    flat = lambda parts: jnp.concatenate(
+        [jnp.broadcast_to(part, plans[i].blocks).ravel()
+         for part, i in zip(parts, shared)])
+    together = threefry4x32(
+        [flat([plans[i].key[w] for i in shared]) for w in range(4)],
+        [flat([plans[i].counter[w] for i in shared]) for w in range(2)]
+        + [0, 0], rolled=True)
+    ends = np.cumsum([math.prod(plans[i].blocks) for i in shared])
+    for i, end in zip(shared, ends):
+      start = end - math.prod(plans[i].blocks)
+      words[i] = [w[start:end].reshape(plans[i].blocks) for w in together]
+  return [jnp.moveaxis(transform(jnp.stack(words[i])), 0, -3
+                       ).reshape(plan.shape) if plan.grouped
+          else transform(words[i][0]) for i, plan in enumerate(plans)]
+
+
+def _draw(keys: jax.Array, shape, transform: Callable) -> jax.Array:
+  """One request of `_draws`."""
+  return _draws([(keys, shape)], transform)[0]
 
 
 def _unit(bits: jax.Array, low: float, high: float = 1.0) -> jax.Array:
   """float32 in [low, high) from uint32 bits, as `jax.random.uniform`
   maps them."""
-  unit = jax.lax.bitcast_convert_type(
-      (bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+  mantissa = lax.shift_right_logical(bits, np.uint32(9))
+  unit = lax.sub(lax.bitcast_convert_type(  # [0, 1)
+      lax.bitwise_or(mantissa, np.uint32(0x3F800000)), jnp.float32),
+                 np.float32(1.0))
   low, high = np.float32(low), np.float32(high)
-  return jnp.maximum(low, unit * (high - low) + low)
+  return lax.max(low, lax.add(lax.mul(unit, high - low), low))
 
 
 _OPEN_BELOW = np.nextafter(np.float32(-1.0), np.float32(0.0))
@@ -224,8 +317,11 @@ def uniform(keys: jax.Array, shape, low: float, high: float = 1.0
 
 def standard_normal(keys: jax.Array, shape) -> jax.Array:
   """float32 N(0, 1), by `jax.random.normal`'s inverse error function."""
-  return _draw(keys, shape, lambda bits: np.float32(np.sqrt(2.0))
-               * jax.lax.erf_inv(_unit(bits, _OPEN_BELOW)))
+  return _draw(keys, shape, _normal)
+
+
+def _normal(bits):
+  return np.float32(np.sqrt(2.0)) * lax.erf_inv(_unit(bits, _OPEN_BELOW))
 
 
 def standard_laplace(keys: jax.Array, shape) -> jax.Array:
@@ -247,29 +343,31 @@ def add_gaussian_noise(tree: PyTree, keys: jax.Array,
   `keys`: a pair from `noise_key`; leaf i gets split i of both. Leaves are
   returned as float32; `stddev == 0` returns the input (as float32) exactly.
 
-  The leaves of one shape (and one `layouts` label) are drawn together, one
-  `vmap` over their keys: the same bits as a draw per leaf, but one hash
-  loop for XLA to compile per group instead of one per leaf (a model's
-  layers repeat a few shapes: the tests' tiny T5 has 47 leaves of 6 shapes,
-  and its noise compiled in 2.6 s instead of 6.7 s, with other work
-  running). On a mesh, pass `layouts`, a hashable label per leaf (its
-  logical axes; a prefix tree of `tree`): leaves of one shape but different
-  layouts (a layer's input and output projections) are then drawn apart, so
-  each group's stacked draw can take its leaves' one layout instead of
-  moving noise between devices.
+  The leaves of one shape (and one `layouts` label) are drawn together,
+  their pairs stacked: the same bits as a draw per leaf, but one hash for
+  XLA to compile per group instead of one per leaf (a model's layers
+  repeat a few shapes: the tests' tiny T5 has 47 leaves of 6 shapes, and
+  its noise compiled in 2.6 s instead of 6.7 s, with other work running);
+  on CPUs the small groups share one loop (`_draws`). On a mesh, pass
+  `layouts`, a hashable label per leaf (its logical axes; a prefix tree of
+  `tree`): leaves of one shape but different layouts (a layer's input and
+  output projections) are then drawn apart, so each group's stacked draw
+  can take its leaves' one layout instead of moving noise between devices.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   labels = ([None] * len(leaves) if layouts is None
             else treedef.flatten_up_to(layouts))
-  split = jax.vmap(lambda k: jax.random.split(k, len(leaves)))(keys)
+  # Leaf i's pair: split i of both keys.
+  pairs = jax.vmap(lambda k: jax.random.split(k, len(leaves)), out_axes=1
+                   )(keys)
   groups: dict[Any, list[int]] = {}
   for i, (leaf, label) in enumerate(zip(leaves, labels)):
     groups.setdefault((jnp.shape(leaf), label), []).append(i)
+  draws = _draws([(pairs[np.asarray(members)], shape)
+                  for (shape, _), members in groups.items()], _normal)
   noisy = [None] * len(leaves)
-  for (shape, _), members in groups.items():
-    draws = jax.vmap(lambda pair, shape=shape: standard_normal(pair, shape),
-                     in_axes=1)(split[:, np.asarray(members)])
-    for draw, i in zip(draws, members):
+  for group, members in zip(draws, groups.values()):
+    for draw, i in zip(group, members):
       noisy[i] = leaves[i].astype(jnp.float32) + stddev * draw
   return jax.tree_util.tree_unflatten(treedef, noisy)
 

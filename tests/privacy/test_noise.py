@@ -69,17 +69,19 @@ def randomgen_blocks(key, counters):
   return np.asarray(out)
 
 
-def test_threefry4x32_is_random123s():
+@pytest.mark.parametrize("rolled", [False, True])
+def test_threefry4x32_is_random123s(rolled):
   """Random123's known answer for the zero key and counter, and randomgen's
-  blocks for random keys and counters (words carrying into word 1 too)."""
-  zero = np.asarray(noise.threefry4x32([0] * 4, [0] * 4))
+  blocks for random keys and counters (words carrying into word 1 too),
+  straight-line and rolled."""
+  zero = np.asarray(noise.threefry4x32([0] * 4, [0] * 4, rolled))
   np.testing.assert_array_equal(
       zero, [0x9C6CA96A, 0xE17EAE66, 0xFC10ECD4, 0x5256A7D8])
   rng = np.random.default_rng(0)
   key = rng.integers(0, 2**32, 4, dtype=np.uint64).astype(np.uint32)
   counters = rng.integers(0, 2**32, (6, 4), dtype=np.uint64).astype(np.uint32)
   counters[0, 0] = 0
-  got = np.stack(noise.threefry4x32(key, counters.T), axis=1)
+  got = np.stack(noise.threefry4x32(key, counters.T, rolled), axis=1)
   np.testing.assert_array_equal(got, randomgen_blocks(key, counters))
 
 
@@ -114,6 +116,27 @@ def test_standard_normal_is_threefry4x32_bits_mapped_like_jax(shape):
   u = np.maximum(low, unit * (1 - low) + low)
   np.testing.assert_allclose(standard_normal_0(shape), np.sqrt(2) * special.erfinv(
       u.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+def test_accelerators_and_cpus_hash_the_same_bits(monkeypatch):
+  """Straight-line code per request (accelerators) and rolled loops (CPUs:
+  the small requests laid end to end in one, each larger one alone) both
+  give each pair randomgen's bits, laid out as `reference_bits` says."""
+  monkeypatch.setattr(noise, "_SHARED_LOOP_BLOCKS", 100)
+  keys = noise.noise_key(SECRET, 3)
+  stacked = jax.vmap(lambda k: jax.random.split(k, 2), out_axes=1)(keys)
+  # Blocks: 112 alone, 200 alone, 2 x 42 shared, 2 x 120 alone, 40 shared.
+  requests = [(keys, (64, 7)), (keys, (200,)), (stacked, (6, 7)),
+              (stacked, (3, 32, 5)), (keys, (40,))]
+  plans = [noise._plan(k, shape) for k, shape in requests]
+  bits = lambda b: b
+  for draws in (jax.jit(lambda: noise._straight(plans, bits))(),
+                jax.jit(lambda: noise._rolled(plans, bits))()):
+    for (k, shape), draw in zip(requests, draws):
+      pairs = [k] if k.ndim == 1 else list(k)
+      np.testing.assert_array_equal(
+          draw, np.stack([reference_bits(p, shape) for p in pairs]
+                         ).reshape(draw.shape))
 
 
 def test_positions_are_numbered_one_to_one_past_32_bits():
@@ -202,10 +225,12 @@ MIXED = {"q": jnp.ones((4, 6)), "o": jnp.zeros((4, 6)), "k": jnp.ones((4, 6)),
     (None, 2),
     ({"q": ("embed", "heads"), "o": ("heads", "embed"),
       "k": ("embed", "heads"), "b": ("embed",)}, 3)])
-def test_leaves_drawn_together_get_the_bits_of_a_draw_each(layouts, draws):
+def test_leaves_drawn_together_get_the_bits_of_a_draw_each(
+    layouts, draws, monkeypatch):
   """Leaf i is `leaf + stddev * standard_normal(split i of both keys)`,
-  drawn alone: grouping the leaves of one shape and layout changes no bit,
-  and there is one draw of bits per group."""
+  drawn alone: grouping the leaves of one shape and layout changes no bit.
+  An accelerator hashes each group once (straight-line); a CPU hashes
+  every group in one loop."""
   keys = noise.noise_key(SECRET, 7)
   got = noise.add_gaussian_noise(MIXED, keys, STDDEV, layouts)
   leaves, treedef = jax.tree_util.tree_flatten(MIXED)
@@ -215,9 +240,13 @@ def test_leaves_drawn_together_get_the_bits_of_a_draw_each(layouts, draws):
       for i, leaf in enumerate(leaves)])
   for name in MIXED:
     np.testing.assert_array_equal(got[name], want[name])
-  jaxpr = jax.make_jaxpr(lambda t, k: noise.add_gaussian_noise(
+  hashes = []
+  threefry = noise.threefry4x32
+  monkeypatch.setattr(noise, "threefry4x32", lambda key, counter, rolled=False:
+                      hashes.append(rolled) or threefry(key, counter, rolled))
+  jax.make_jaxpr(lambda t, k: noise.add_gaussian_noise(
       t, k, STDDEV, layouts))(MIXED, keys)
-  assert str(jaxpr).count("erf_inv") == draws
+  assert sorted(hashes) == [False] * draws + [True]
 
 
 BF16 = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
