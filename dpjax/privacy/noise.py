@@ -28,7 +28,7 @@ Gaussians (the standard idealisation; not a proof against floating-point
 attacks).
 
 One Threefry-4x32 block gives four 32-bit words: where an array's rows
-allow, four runs of its rows take one block's words (`_draw`);
+allow, four runs of its rows take one block's words (`_draws`);
 elsewhere each position takes a block's first word. A position then costs
 a quarter of a block, or one.
 """

@@ -170,7 +170,7 @@ def test_laplace_is_standard():
 
 STDDEV = 2.5
 # 120k entries each: "a" takes four runs of 8 rows from a block, "b" a
-# block per position (`noise._draw`).
+# block per position (`noise._draws`).
 ZEROS = {"a": jnp.zeros((320, 375)), "b": jnp.zeros((300, 400))}
 
 
