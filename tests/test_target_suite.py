@@ -33,7 +33,8 @@ def fake_run(devices=4, refuse_over=None):
                + 1e4 * per_device**2)
     if refuse_over and peak > refuse_over:
       return {"error": "out of device memory: RESOURCE_EXHAUSTED: HLO "
-                       "temporaries exceed available HBM"}
+                       "temporaries exceed available HBM",
+              "num_devices": devices}
     line = {"batch": batch, "microbatch": batch, "num_devices": devices,
             "memory_analysis": {"argument_size_in_bytes": STATE,
                                 "peak_estimate_bytes": peak},
@@ -43,7 +44,9 @@ def fake_run(devices=4, refuse_over=None):
       acc = ACC[mode] * per_device
       line.update(step_time_estimate_s=acc + APPLY,
                   cycles=CYCLES[mode] * per_device + APPLY_CYCLES, cost_parts={
-          "accumulate": {"seconds": acc}, "apply": {"seconds": APPLY}})
+          "accumulate": {"seconds": acc, "cycles": CYCLES[mode] * per_device,
+                         "flops": line["flops"]},
+          "apply": {"seconds": APPLY, "cycles": APPLY_CYCLES, "flops": 0.0}})
     return line
 
   return run, calls
@@ -231,3 +234,80 @@ def test_a_bad_target_or_model_is_one_line_and_exit_2(flag, message, capsys,
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("error: ") and message in err[-1]
   assert not out.exists()
+
+
+def largest_compiled(mode, refuse_over, batch=32, devices=4):
+  """The largest power-of-two fraction of `batch`, at least one example a
+  device, whose fake step the fake compiler does not refuse."""
+  fits = [b for b in (batch >> i for i in range(batch.bit_length()))
+          if b >= devices and STATE + PER_EXAMPLE[mode] * (b / devices)
+          + 1e4 * (b / devices)**2 <= refuse_over]
+  return max(fits, default=None)
+
+
+@pytest.mark.parametrize("mode", sorted(PER_EXAMPLE))
+def test_a_refused_row_is_compiled_at_the_largest_batch_that_fits(mode):
+  """T5-XL's DP steps do not fit a 2x2 slice at 32: row 1 halves the batch
+  until the compiler takes it, and says what it refused."""
+  refuse_over = STATE + 1.1 * GiB  # vmap: 2 a device, nodp: all 8
+  run, calls = fake_run(refuse_over=refuse_over)
+  row = ts.fitting_row(lambda b: run(("--mode=" + mode, f"--batch={b}")), 32)
+  want = largest_compiled(mode, refuse_over)
+  assert row["batch"] == want and "error" not in row
+  tried = [int(dict(a[2:].split("=") for a in argv)["batch"]) for argv in calls]
+  assert tried == [32 >> i for i in range(len(tried))] and tried[-1] == want
+  assert [r["batch"] for r in row.get("refused", [])] == tried[:-1]
+  assert all(r["error"].startswith("out of device memory")
+             for r in row.get("refused", []))
+
+
+def test_a_row_refused_at_one_example_a_device_or_failing_otherwise_stays():
+  run, calls = fake_run(refuse_over=STATE)  # nothing fits
+  row = ts.fitting_row(lambda b: run(("--mode=nodp", f"--batch={b}")), 32)
+  assert row["error"].startswith("out of device memory")
+  assert [r["batch"] for r in row["refused"]] == [32, 16, 8]  # then 4: 1 each
+  assert len(calls) == 4
+  other = ts.fitting_row(lambda b: {"error": "exit 1: a bug",
+                                    "num_devices": 4}, 32)
+  assert other == {"error": "exit 1: a bug", "num_devices": 4}  # not halved
+
+
+def test_at_batch_scales_accumulate_not_apply():
+  run, _ = fake_run()
+  nodp = run(("--mode=nodp", "--batch=32"))
+  assert ts.at_batch(nodp, "flops", 32) == nodp["flops"]
+  for field, acc, apply in (("step_time_estimate_s", ACC["nodp"], APPLY),
+                            ("cycles", CYCLES["nodp"], APPLY_CYCLES)):
+    # 16 over 4 devices: 4 a device, each at accumulate's per-example cost.
+    assert ts.at_batch(nodp, field, 16) == pytest.approx(4 * acc + apply)
+  assert ts.at_batch(nodp, "flops", 16) == pytest.approx(16.0)
+  del nodp["cost_parts"]["apply"]["cycles"]
+  assert ts.at_batch(nodp, "cycles", 16) is None
+
+
+def test_a_row_that_fit_only_a_smaller_batch_is_compared_with_nodp_there():
+  spec = ts.SUITES["targets"]._replace(targets=("tpu:v5e:2x2",),
+                                       models=ts.SUITES["targets"].models[:1])
+  refuse_over = STATE + 0.5 * GiB  # ghost: 4 a device (16), nodp: 8 (32)
+  run, _ = fake_run(refuse_over=refuse_over)
+  results = ts.run_suite(spec, headroom=0.9, run=run,
+                         memory_of={"tpu:v5e:2x2": 16 * GiB}.get)
+  by_mode = {r["suite_mode"]: r for r in results}
+  ghost, nodp = by_mode["ghost"], by_mode["nodp"]
+  assert (ghost["batch"], nodp["batch"]) == (16, 32)
+  assert ghost["argv"] == list(ts._argv(spec, "tpu:v5e:2x2", spec.models[0],
+                                        "ghost", 32))  # --resume's key
+  step = (4 * ACC["ghost"] + APPLY) / (4 * ACC["nodp"] + APPLY)
+  cycles = ((4 * CYCLES["ghost"] + APPLY_CYCLES)
+            / (4 * CYCLES["nodp"] + APPLY_CYCLES))
+  assert ts.ratio(results, ghost, "step_time_estimate_s") == pytest.approx(step)
+  assert ts.ratio(results, ghost, "flops") == pytest.approx(1.13)
+  by_estimate, by_cycles, _ = ts.targets_met(spec, results)
+  assert by_estimate[2:] == (pytest.approx(step), step <= 1.10,
+                             "at ghost's batch 16, nodp's step scaled to it")
+  assert by_cycles[2] == pytest.approx(cycles)
+  table = ts.table(spec, results, "python -m dpjax.bench --suite=targets")
+  assert "refused at 32 (out of memory)" in table
+  # The largest batch is searched from the row that fit, as from any row 1.
+  assert ghost["largest_batch_per_device"] == brute_force(
+      "ghost", min(0.9 * 16 * GiB, refuse_over))

@@ -100,6 +100,9 @@ from dpjax.models import trainable as trainable_lib
 from dpjax.privacy import clipping, clipping_method, ghost, optimizers, secret
 
 MODES = ("nodp", "vmap", "ghost", "jax_privacy")
+# How a row's error begins where the target's compiler refused the step for
+# want of device memory (`step_cost.refusal`), as against any other failure.
+OUT_OF_MEMORY = "out of device memory"
 MODEL_DIR = os.path.join(gin_cli.REPO_GIN_DIR, "models")
 CONFIGS = {"gpt2": configurables.GPT2Config, "t5": configurables.T5Config}
 
@@ -643,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except jax.errors.JaxRuntimeError as e:
     if step_cost.refusal(e) is None:
       raise
-    result, status = {"error": f"out of device memory: {e}"}, 1
+    result, status = {"error": f"{OUT_OF_MEMORY}: {e}"}, 1
   print(json.dumps({**result, **context}), flush=True)
   return status
 

@@ -11,7 +11,11 @@ params sharded over the slice, FSDP), each
 mode (nodp, vmap, ghost, jax_privacy) gets
   1. the step at the batch of 32 in one call (`python -m dpjax.bench
      --target`): peak memory per device, FLOPs and bytes per device, and on
-     a TPU the compiler's estimate of the step's time;
+     a TPU the compiler's estimate of the step's time. Where the target's
+     compiler refuses that step for want of memory, the same at half the
+     batch, and so on down to one example a device (`fitting_row`); its
+     ratios to nodp are then to nodp's step scaled to that batch
+     (`at_batch`: accumulate scales with the batch, apply does not);
   2. the largest batch per device that fits the target's memory x
      `--headroom`: a power of two, searched with `dpjax.training.sizing.choose`
      from row 1's peak (memory-only compiles of the whole step, usually
@@ -153,6 +157,41 @@ def largest_batch(run: Callable[[Sequence[str]], dict], argv_at:
           "limit_bytes": limit, "search": list(tried.values())}
 
 
+def fitting_row(row_at: Callable[[int], dict], batch: int) -> dict:
+  """Row 1: `row_at(batch)`, or where the target's compiler refuses that
+  step for want of device memory, the step at the largest power-of-two
+  fraction of `batch` it compiles, down to one example a device, with the
+  refused batches and their errors as `refused`. So a model too large for
+  the suite's batch on a small slice (T5-XL's DP modes on a 2x2 one) still
+  gets its costs, at a batch that fits."""
+  result, refused = row_at(batch), []
+  while (result.get("error", "").startswith(step.OUT_OF_MEMORY)
+         and batch // 2 >= result.get("num_devices", batch)):
+    refused.append({"batch": batch, "error": result["error"][:200]})
+    batch //= 2
+    result = row_at(batch)
+  return {**result, "refused": refused} if refused else result
+
+
+# A step's totals and the `cost_parts` fields they are the sums of.
+_PART_FIELDS = {"flops": "flops", "bytes_accessed": "bytes_accessed",
+                "step_time_estimate_s": "seconds", "cycles": "cycles"}
+
+
+def at_batch(result: dict, field: str, batch: int) -> float | None:
+  """`field` (a key of `_PART_FIELDS`) of `result`'s step at `batch` in one
+  call: its own where that is its batch, else from its parts, accumulate
+  scaled by the batch and apply not (as `step_seconds`)."""
+  if result.get("batch") == batch:
+    return result.get(field)
+  parts = result.get("cost_parts") or {}
+  acc, apply = ((parts.get(part) or {}).get(_PART_FIELDS[field])
+                for part in ("accumulate", "apply"))
+  if acc is None or apply is None:
+    return None
+  return acc * batch / result["microbatch"] + apply
+
+
 def step_seconds(result: dict, batch: int) -> float | None:
   """The step's time at `batch` in one call, from the compiler's estimate of
   `result`'s parts (accumulate of its batch, apply): accumulate scales with
@@ -183,10 +222,16 @@ def run_suite(spec: Spec, *, headroom: float,
     for model in spec.models:
       for mode in MODES:
         argv = _argv(spec, target, model, mode, spec.batch)
-        say(" ".join(argv))
+
+        def row_at(batch: int) -> dict:
+          say(" ".join(_argv(spec, target, model, mode, batch)))
+          return run(_argv(spec, target, model, mode, batch))
+
+        # Keyed by the suite's batch (`--resume`), at whichever batch it fit.
         result = earlier.get(argv) or {
-            **run(argv), "argv": list(argv), "suite_target": target,
-            "suite_model": model.name, "suite_mode": mode}
+            **fitting_row(row_at, spec.batch), "argv": list(argv),
+            "suite_target": target, "suite_model": model.name,
+            "suite_mode": mode}
         devices = result.get("num_devices")  # the target's
         if "error" not in result and devices:
           say(f"largest batch: {target} {model.name} {mode}")
@@ -219,15 +264,18 @@ def _cycles_of(result: dict) -> str | None:
 
 
 def ratio(results: list[dict], r: dict, field: str) -> float | None:
-  """`field` of `r` over the nodp row's of the same target and model;
-  None for cycles counted two ways (one row's from its loop program, the
-  other's extrapolated: a loop whose trip count the text does not give)."""
+  """`field` of `r` over the nodp row's of the same target and model at
+  `r`'s batch (`at_batch`: where a row fit only a smaller batch than the
+  suite's, nodp's step is scaled to it); None for cycles counted two ways
+  (one row's from its loop program, the other's extrapolated: a loop whose
+  trip count the text does not give)."""
   nodp = _of(results, r["suite_target"], r["suite_model"], "nodp")
   if r.get(field) is None or not nodp.get(field):
     return None
   if field == "cycles" and _cycles_of(r) != _cycles_of(nodp):
     return None
-  return r[field] / nodp[field]
+  base = at_batch(nodp, field, r.get("batch"))
+  return r[field] / base if base else None
 
 
 def targets_met(spec: Spec, results: list[dict]) -> list[tuple[
@@ -247,18 +295,21 @@ def targets_met(spec: Spec, results: list[dict]) -> list[tuple[
     for model in spec.models:
       where = f"{target} {model.name}"
       ghost = _of(results, target, model.name, "ghost")
+      nodp = _of(results, target, model.name, "nodp")
+      scaled = ("" if ghost.get("batch") == nodp.get("batch") else
+                f"at ghost's batch {ghost.get('batch')}, nodp's step scaled "
+                "to it")
       for field, by in (("step_time_estimate_s", "TPU estimate"),
                         ("cycles", "TPU cycles")):
         step_ratio = ratio(results, ghost, field) if ghost else None
         out.append((where, f"ghost step <= {STEP_TARGET:.2f}x nodp ({by})",
                     step_ratio,
                     None if step_ratio is None else step_ratio <= STEP_TARGET,
-                    ""))
+                    scaled if step_ratio is not None else ""))
       jp_rate = _of(results, target, model.name,
                     "jax_privacy").get("examples_per_s_at_largest")
       dp_rate = ghost.get("examples_per_s_at_largest")
-      nodp_rate = _of(results, target, model.name,
-                      "nodp").get("examples_per_s_at_largest")
+      nodp_rate = nodp.get("examples_per_s_at_largest")
       throughput = dp_rate / jp_rate if dp_rate and jp_rate else None
       ceiling = nodp_rate / jp_rate if nodp_rate and jp_rate else None
       out.append((where, f"ghost examples/s at its largest batch >= "
@@ -273,15 +324,20 @@ def targets_met(spec: Spec, results: list[dict]) -> list[tuple[
 def table(spec: Spec, results: list[dict], command: str) -> str:
   """The markdown table of the results, then the targets."""
   out = [f"`{command}`", "",
-         "| target | model | mode | peak / device GiB | FLOPs × nodp | "
-         "bytes × nodp | est. step ms | × nodp | largest batch / device | "
-         "its peak GiB | est. examples/s there | note |",
-         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+         "| target | model | mode | batch | peak / device GiB | "
+         "FLOPs × nodp | bytes × nodp | est. step ms | × nodp | "
+         "largest batch / device | its peak GiB | est. examples/s there | "
+         "note |",
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for r in results:
     seconds = r.get("step_time_estimate_s")
     peak_largest = r.get("largest_batch_peak_bytes")
+    refused = ", ".join(str(x["batch"]) for x in r.get("refused", ()))
+    note = r.get("error") or (refused and f"refused at {refused} (out of "
+                              "memory); × nodp at this batch")
     out.append(
         f"| `{r['suite_target']}` | {r['suite_model']} | {r['suite_mode']} | "
+        f"{suite.cell(r.get('batch'), 'd')} | "
         f"{suite.cell(_peak(r) and _peak(r) / 2**30, '.2f')} | "
         f"{suite.cell(ratio(results, r, 'flops'), '.3f')} | "
         f"{suite.cell(ratio(results, r, 'bytes_accessed'), '.3f')} | "
@@ -290,7 +346,7 @@ def table(spec: Spec, results: list[dict], command: str) -> str:
         f"{suite.cell(r.get('largest_batch_per_device'), 'd')} | "
         f"{suite.cell(peak_largest and peak_largest / 2**30, '.2f')} | "
         f"{suite.cell(r.get('examples_per_s_at_largest'), ',.0f')} | "
-        f"{(r.get('error') or '')[:80]} |")
+        f"{(note or '')[:80]} |")
   out += ["", "| target, model | target | measured | met | note |",
           "|---|---|---:|---|---|"]
   for where, name, value, met, note in targets_met(spec, results):
