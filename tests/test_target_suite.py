@@ -226,6 +226,7 @@ def test_scan_layers_scans_the_scannable_models_only():
 @pytest.mark.parametrize("flag, message", [
     ("--targets=tpu:v9:2x2", "--target 'tpu:v9:2x2': expected one of"),
     ("--models=gpt2_huge", "--models: ['gpt2_huge'] not in the suite's"),
+    ("--modes=ghost,opacus", "--modes: ['opacus'] not in ('nodp'"),
 ])
 def test_a_bad_target_or_model_is_one_line_and_exit_2(flag, message, capsys,
                                                      tmp_path):
@@ -311,3 +312,18 @@ def test_a_row_that_fit_only_a_smaller_batch_is_compared_with_nodp_there():
   # The largest batch is searched from the row that fit, as from any row 1.
   assert ghost["largest_batch_per_device"] == brute_force(
       "ghost", min(0.9 * 16 * GiB, refuse_over))
+
+
+def test_modes_narrow_the_suite_in_its_own_order():
+  args = ts.parse_args(["--suite=targets", "--modes=ghost,nodp",
+                        "--targets=tpu:v5e:2x2", "--models=gpt2_small"])
+  spec = ts.select(ts.SUITES["targets"], args)
+  assert spec.modes == ("nodp", "ghost")
+  run, calls = fake_run()
+  results = ts.run_suite(spec, headroom=0.9, run=run,
+                         memory_of={"tpu:v5e:2x2": 16 * GiB}.get)
+  assert [r["suite_mode"] for r in results] == ["nodp", "ghost"]
+  assert {dict(a[2:].split("=", 1) for a in argv if "=" in a)["mode"]
+          for argv in calls} == {"nodp", "ghost"}
+  by_estimate, _, by_throughput = ts.targets_met(spec, results)
+  assert by_estimate[3] is not None and by_throughput[3] is None  # no jax-privacy

@@ -75,6 +75,7 @@ class Spec(NamedTuple):
   batch: int  # the batch of row 1, in one call
   max_per_device: int  # the largest batch per device the search tries
   common: tuple[str, ...]
+  modes: tuple[str, ...] = MODES
 
 
 FSDP = ("--mesh=fsdp:-1", "--rules=fsdp")
@@ -220,7 +221,7 @@ def run_suite(spec: Spec, *, headroom: float,
   for target in spec.targets:
     memory = memory_of(target)
     for model in spec.models:
-      for mode in MODES:
+      for mode in spec.modes:
         argv = _argv(spec, target, model, mode, spec.batch)
 
         def row_at(batch: int) -> dict:
@@ -365,6 +366,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  "(dpjax.training.targets; default: the suite's)")
   p.add_argument("--models", help="comma-separated subset of the suite's "
                  "models (default: all)")
+  p.add_argument("--modes", help="comma-separated subset of the modes "
+                 f"{','.join(MODES)} (default: all; a target is judged only "
+                 "where the modes it compares ran)")
   p.add_argument("--headroom", type=float, default=HEADROOM,
                  help="the share of a device's memory a step may use "
                  "(default: train.memory_headroom's)")
@@ -384,8 +388,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def select(spec: Spec, args: argparse.Namespace) -> Spec:
-  """The suite narrowed to `--targets` and `--models`, its scannable models
-  scanned with `--scan_layers`."""
+  """The suite narrowed to `--targets`, `--models` and `--modes`, its
+  scannable models scanned with `--scan_layers`."""
   if args.targets:
     spec = spec._replace(targets=tuple(args.targets.split(",")))
   if args.models:
@@ -396,6 +400,12 @@ def select(spec: Spec, args: argparse.Namespace) -> Spec:
                                f"suite's {[m.name for m in spec.models]}")
     spec = spec._replace(models=tuple(m for m in spec.models
                                       if m.name in names))
+  if args.modes:
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+      raise errors.UsageError(f"--modes: {sorted(unknown)} not in {MODES}")
+    spec = spec._replace(modes=tuple(m for m in MODES if m in modes))
   if args.scan_layers:
     spec = spec._replace(models=tuple(
         m._replace(args=(*m.args, "--scan_layers"))
@@ -419,7 +429,7 @@ def main(argv: Sequence[str]) -> int:
       done = [json.loads(line) for line in f if line.strip()]
   out = open(args.json_out, "w") if args.json_out else None
   ours = {_argv(spec, t, m, mode, spec.batch) for t in spec.targets
-          for m in spec.models for mode in MODES}
+          for m in spec.models for mode in spec.modes}
   for row in done:  # rows of targets or models not run this time: kept
     if tuple(row["argv"]) not in ours:
       out.write(json.dumps(row) + "\n")
