@@ -130,7 +130,7 @@ import collections
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -266,8 +266,8 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
   leaves_with_path = jax.tree_util.tree_flatten_with_path(params)[0]
   leaf_vars = jaxpr.invars[:len(leaves_with_path)]
   origins = _marked_leaves(jaxpr, {v: i for i, v in enumerate(leaf_vars)})
-  candidates = {calls[i][0] for i, (leaf, *_) in origins.items()
-                if leaf is not None}
+  candidates = {calls[i][0] for i, origin in origins.items()
+                if origin.leaf is not None}
 
   outputs = {key: out for key, _, _, out, _ in calls}
 
@@ -282,8 +282,8 @@ def find_sites(example_loss: clipping.LossFn, params: PyTree, example: PyTree,
 
   sites = []
   for i, (key, kind, x, out, dtype) in enumerate(calls):
-    leaf, remat, scanned, unrolled = origins.get(i, (None, False, False,
-                                                     False))
+    leaf, remat, scanned, unrolled = origins.get(
+        i, _Origin(None, False, False, False))
     if leaf is None or used[leaf]:
       continue
     path, value = leaves_with_path[leaf]
@@ -519,20 +519,25 @@ def _run(example_loss, params, example, on_site):
     return example_loss(params, example)
 
 
+class _Origin(NamedTuple):
+  """Where a marked parameter value of `find_sites` comes from."""
+  leaf: int | None  # the leaf it is (a slice of, if scanned); None: computed
+  remat: bool  # inside a `jax.checkpoint`
+  scanned: bool  # a scan's slice of the leaf
+  unrolled: bool  # that scan unrolled into straight-line code
+
+
 def _marked_leaves(jaxpr, leaf_of: dict, remat: bool = False,
                    scanned: bool = False, unrolled: bool = False
-                   ) -> dict[int, tuple[int | None, bool, bool, bool]]:
-  """Call index -> (the params leaf its marked value is (or a slice of, if
-  scanned), or None if it is computed; whether it is inside a
-  `jax.checkpoint`; whether it is a scan's slice; whether that scan is
-  unrolled into straight-line code), for the marks of `find_sites` in
-  `jaxpr`, whose variables `leaf_of` maps to leaves (or, `scanned`, to the
-  leaves they are slices of)."""
+                   ) -> dict[int, _Origin]:
+  """Call index -> its `_Origin`, for the marks of `find_sites` in `jaxpr`,
+  whose variables `leaf_of` maps to leaves (or, `scanned`, to the leaves
+  they are slices of)."""
   found = {}
   for eqn in jaxpr.eqns:
     if (eqn.primitive is primitives.name_p
         and eqn.params["name"].startswith(_MARK)):
-      found[int(eqn.params["name"][len(_MARK):])] = (
+      found[int(eqn.params["name"][len(_MARK):])] = _Origin(
           _leaf(leaf_of, eqn.invars[0]), remat, scanned, unrolled)
     elif eqn.primitive in _TRANSPARENT:
       body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
