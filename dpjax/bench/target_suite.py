@@ -267,7 +267,8 @@ def _cycles_of(result: dict) -> str | None:
 def ratio(results: list[dict], r: dict, field: str) -> float | None:
   """`field` of `r` over the nodp row's of the same target and model at
   `r`'s batch (`at_batch`: where a row fit only a smaller batch than the
-  suite's, nodp's step is scaled to it); None for cycles counted two ways
+  suite's, nodp's step is scaled down to it, which errs against `r`: a
+  smaller batch uses a device less well); None for cycles counted two ways
   (one row's from its loop program, the other's extrapolated: a loop whose
   trip count the text does not give)."""
   nodp = _of(results, r["suite_target"], r["suite_model"], "nodp")
