@@ -179,30 +179,30 @@ _PART_FIELDS = {"flops": "flops", "bytes_accessed": "bytes_accessed",
                 "step_time_estimate_s": "seconds", "cycles": "cycles"}
 
 
-def at_batch(result: dict, field: str, batch: int) -> float | None:
-  """`field` (a key of `_PART_FIELDS`) of `result`'s step at `batch` in one
-  call: its own where that is its batch, else from its parts, accumulate
-  scaled by the batch and apply not (as `step_seconds`)."""
-  if result.get("batch") == batch:
-    return result.get(field)
+def _from_parts(result: dict, part_field: str, batch: int) -> float | None:
+  """`part_field` of `result`'s step at `batch` in one call, from its
+  `cost_parts` (accumulate of its batch, apply): accumulate scales with the
+  batch, apply does not. None where a part lacks it."""
   parts = result.get("cost_parts") or {}
-  acc, apply = ((parts.get(part) or {}).get(_PART_FIELDS[field])
+  acc, apply = ((parts.get(part) or {}).get(part_field)
                 for part in ("accumulate", "apply"))
   if acc is None or apply is None:
     return None
   return acc * batch / result["microbatch"] + apply
 
 
+def at_batch(result: dict, field: str, batch: int) -> float | None:
+  """`field` (a key of `_PART_FIELDS`) of `result`'s step at `batch` in one
+  call: its own where that is its batch, else `_from_parts`."""
+  if result.get("batch") == batch:
+    return result.get(field)
+  return _from_parts(result, _PART_FIELDS[field], batch)
+
+
 def step_seconds(result: dict, batch: int) -> float | None:
   """The step's time at `batch` in one call, from the compiler's estimate of
-  `result`'s parts (accumulate of its batch, apply): accumulate scales with
-  the batch, apply does not."""
-  parts = result.get("cost_parts") or {}
-  acc = (parts.get("accumulate") or {}).get("seconds")
-  apply = (parts.get("apply") or {}).get("seconds")
-  if acc is None or apply is None:
-    return None
-  return acc * batch / result["microbatch"] + apply
+  `result`'s parts (`_from_parts`)."""
+  return _from_parts(result, "seconds", batch)
 
 
 def run_suite(spec: Spec, *, headroom: float,
@@ -225,8 +225,9 @@ def run_suite(spec: Spec, *, headroom: float,
         argv = _argv(spec, target, model, mode, spec.batch)
 
         def row_at(batch: int) -> dict:
-          say(" ".join(_argv(spec, target, model, mode, batch)))
-          return run(_argv(spec, target, model, mode, batch))
+          at = _argv(spec, target, model, mode, batch)
+          say(" ".join(at))
+          return run(at)
 
         # Keyed by the suite's batch (`--resume`), at whichever batch it fit.
         result = earlier.get(argv) or {
